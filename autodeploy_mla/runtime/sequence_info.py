@@ -1,0 +1,276 @@
+"""Per-step batch metadata with fixed capacity (DESIGN §7).
+
+`SequenceInfo.prepare_step` turns the step's sequences into every metadata tensor the cached ops
+may consume, built on the host into ONE staging buffer and sent to the device in ONE copy. All
+tensors are views of fixed-size buffers, so their addresses never change: CUDA graphs captured
+against them replay correctly with the next step's values.
+
+Token order: prefill sequences (including chunked-prefill continuations) first, decode sequences
+(exactly one new token on top of a non-empty cache) last; nothing is padded between sequences.
+
+Fields (device tensors; `<name>_host` is the host mirror of the same bytes):
+    batch_info        int32[3]    (num_prefill_seqs, num_prefill_tokens, num_decode_seqs)
+    max_seq_info      int32[2]    (max new tokens of one sequence, max kv length incl. new tokens)
+    cu_seqlen         int32[B+1]  token offsets of each sequence in the flat batch
+    input_pos         int32[B]    tokens already cached per sequence
+    seq_len_with_cache int32[B]   input_pos + new tokens
+    page_table        int32[B, P] cache pages of each sequence (unused entries: scratch page 0)
+    batch_idx         int32[T]    sequence slot of each token
+    cache_loc         int32[T]    flat cache slot (page * page_size + offset) of each token
+    input_ids         int64[T]    token ids (graph input, viewed as [1, T])
+    position_ids      int64[T]    absolute positions (graph input, viewed as [1, T])
+    last_token        int64[B]    flat index of each sequence's last token (for logits)
+B = max_batch_size, T = max_num_tokens, P = ceil(max_seq_len / page_size).
+
+Padding (`pad_to`, for CUDA-graph buckets): a decode-only step is padded with dummy decode
+sequences that live on the scratch page (length 1, so every kernel sees a well-formed sequence);
+any other step is padded with tokens that map to sequence 0 and write to the scratch page, and
+that the ops ignore (they process `num_prefill_tokens + num_decode_seqs` tokens from host info).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .errors import CapacityError
+from .page_allocator import SCRATCH_PAGE
+
+
+@dataclass(frozen=True)
+class StepSequence:
+    """One sequence's share of a step: its new tokens on top of `num_cached` cached tokens."""
+
+    seq_id: int
+    token_ids: Sequence[int]
+    num_cached: int
+
+    @property
+    def is_decode(self) -> bool:
+        return len(self.token_ids) == 1 and self.num_cached > 0
+
+
+_ALIGN = 8
+
+
+class SequenceInfo:
+    def __init__(
+        self,
+        max_batch_size: int,
+        max_num_tokens: int,
+        max_seq_len: int,
+        page_size: int,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        for name, v in (("max_batch_size", max_batch_size), ("max_num_tokens", max_num_tokens),
+                        ("max_seq_len", max_seq_len), ("page_size", page_size)):
+            if int(v) < 1:
+                raise CapacityError(f"{name}={v}: must be >= 1.")
+        self.max_batch_size = B = int(max_batch_size)
+        self.max_num_tokens = T = int(max_num_tokens)
+        self.max_seq_len = int(max_seq_len)
+        self.page_size = int(page_size)
+        self.max_pages_per_seq = P = math.ceil(self.max_seq_len / self.page_size)
+        self.device = torch.device(device)
+
+        layout = [
+            ("batch_info", torch.int32, (3,)),
+            ("max_seq_info", torch.int32, (2,)),
+            ("cu_seqlen", torch.int32, (B + 1,)),
+            ("input_pos", torch.int32, (B,)),
+            ("seq_len_with_cache", torch.int32, (B,)),
+            ("page_table", torch.int32, (B, P)),
+            ("batch_idx", torch.int32, (T,)),
+            ("cache_loc", torch.int32, (T,)),
+            ("input_ids", torch.int64, (T,)),
+            ("position_ids", torch.int64, (T,)),
+            ("last_token", torch.int64, (B,)),
+        ]
+        offsets, off = [], 0
+        for _, dt, shape in layout:
+            off = -(-off // _ALIGN) * _ALIGN
+            offsets.append(off)
+            off += math.prod(shape) * dt.itemsize
+        self._nbytes = -(-off // _ALIGN) * _ALIGN
+        on_cuda = self.device.type == "cuda"
+        self._host_buf = torch.zeros(self._nbytes, dtype=torch.uint8, pin_memory=on_cuda)
+        self._dev_buf = (
+            torch.zeros(self._nbytes, dtype=torch.uint8, device=self.device) if on_cuda else self._host_buf
+        )
+        self.host: dict[str, torch.Tensor] = {}
+        self.dev: dict[str, torch.Tensor] = {}
+        for (name, dt, shape), o in zip(layout, offsets):
+            nb = math.prod(shape) * dt.itemsize
+            self.host[name] = self._host_buf[o : o + nb].view(dt).view(shape)
+            self.dev[name] = self._dev_buf[o : o + nb].view(dt).view(shape)
+        self._copy_done: torch.cuda.Event | None = None
+
+        # Host-side description of the current step (plain Python, for the engine and planners).
+        self.seq_ids: list[int] = []
+        self.num_tokens = 0  # real tokens this step
+        self.num_padded_tokens = 0  # tokens the graph runs (>= num_tokens)
+        self.num_prefill_seqs = 0
+        self.num_decode_seqs = 0
+        self.clear()
+
+    # ------------------------------------------------------------------ access
+    @property
+    def field_names(self) -> list[str]:
+        return list(self.dev) + [f"{n}_host" for n in self.host]
+
+    def get(self, name: str) -> torch.Tensor:
+        """Metadata tensor by name: `<field>` is the device tensor, `<field>_host` its host mirror."""
+        if name.endswith("_host") and name[: -len("_host")] in self.host:
+            return self.host[name[: -len("_host")]]
+        if name in self.dev:
+            return self.dev[name]
+        raise KeyError(f"unknown metadata field {name!r}; valid: {', '.join(self.field_names)}")
+
+    def graph_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input_ids, position_ids), each [1, num_padded_tokens], views of the fixed buffers."""
+        t = self.num_padded_tokens
+        return self.dev["input_ids"][:t].unsqueeze(0), self.dev["position_ids"][:t].unsqueeze(0)
+
+    # ------------------------------------------------------------------ building a step
+    def clear(self) -> None:
+        """An empty step (all capacity padded)."""
+        self._write([], [], None)
+
+    def prepare_step(
+        self,
+        seqs: Sequence[StepSequence],
+        pages_of: Callable[[int], Sequence[int]],
+        pad_to: int | None = None,
+    ) -> list[int]:
+        """Build this step's metadata; returns the sequence ids in flat-batch order.
+
+        `pages_of(seq_id)` gives the pages that already hold (or will hold) the sequence's tokens:
+        allocate them before calling this. Validates every limit first, so a rejected step leaves
+        the previous metadata untouched.
+        """
+        ordered = sorted(seqs, key=lambda s: s.is_decode)  # stable: prefill first, decode last
+        if len(ordered) > self.max_batch_size:
+            raise CapacityError(
+                f"step has {len(ordered)} sequences, over max_batch_size={self.max_batch_size}."
+            )
+        num_tokens = sum(len(s.token_ids) for s in ordered)
+        if num_tokens > self.max_num_tokens:
+            raise CapacityError(
+                f"step has {num_tokens} tokens, over max_num_tokens={self.max_num_tokens}; "
+                "split prefill into chunks of at most max_num_tokens."
+            )
+        if pad_to is not None and not (num_tokens <= pad_to <= self.max_num_tokens):
+            raise CapacityError(
+                f"pad_to={pad_to} must lie in [{num_tokens} (tokens this step), "
+                f"max_num_tokens={self.max_num_tokens}]."
+            )
+        seen: set[int] = set()
+        page_rows: list[Sequence[int]] = []
+        for s in ordered:
+            if s.seq_id in seen:
+                raise ValueError(f"sequence {s.seq_id} appears twice in one step.")
+            seen.add(s.seq_id)
+            if len(s.token_ids) < 1 or s.num_cached < 0:
+                raise ValueError(
+                    f"sequence {s.seq_id}: needs >= 1 new token and num_cached >= 0, got "
+                    f"{len(s.token_ids)} tokens and num_cached={s.num_cached}."
+                )
+            total = s.num_cached + len(s.token_ids)
+            if total > self.max_seq_len:
+                raise CapacityError(
+                    f"sequence {s.seq_id} would reach {total} tokens, over max_seq_len={self.max_seq_len}."
+                )
+            pages = pages_of(s.seq_id)
+            if len(pages) * self.page_size < total:
+                raise CapacityError(
+                    f"sequence {s.seq_id} has {len(pages)} pages ({len(pages) * self.page_size} slots) "
+                    f"for {total} tokens: allocate its pages before prepare_step."
+                )
+            if len(pages) > self.max_pages_per_seq:
+                raise CapacityError(
+                    f"sequence {s.seq_id} has {len(pages)} pages, over max_pages_per_seq="
+                    f"{self.max_pages_per_seq}."
+                )
+            page_rows.append(pages)
+        self._write(ordered, page_rows, pad_to)
+        return list(self.seq_ids)
+
+    def _write(self, ordered: Sequence[StepSequence], page_rows: Sequence[Sequence[int]], pad_to: int | None) -> None:
+        if self._copy_done is not None:  # the previous async copy still reads the staging buffer
+            self._copy_done.synchronize()
+        h = self.host
+        ps = self.page_size
+        n_seq = len(ordered)
+        n_dec = sum(1 for s in ordered if s.is_decode)
+        n_pre = n_seq - n_dec
+        lens = [len(s.token_ids) for s in ordered]
+        num_tokens = sum(lens)
+        t_pad = num_tokens if pad_to is None else pad_to
+        pad_tok = t_pad - num_tokens
+        decode_only = n_pre == 0 and n_dec > 0
+        dummy_seqs = pad_tok if (decode_only and n_seq + pad_tok <= self.max_batch_size) else 0
+
+        cu = [0]
+        for n in lens:
+            cu.append(cu[-1] + n)
+        cu += [cu[-1] + i + 1 for i in range(dummy_seqs)]
+        cu += [cu[-1]] * (self.max_batch_size + 1 - len(cu))
+        input_pos = [s.num_cached for s in ordered] + [0] * dummy_seqs
+        seq_len = [s.num_cached + n for s, n in zip(ordered, lens)] + [1] * dummy_seqs
+        h["cu_seqlen"].copy_(torch.tensor(cu, dtype=torch.int32))
+        for name, vals in (("input_pos", input_pos), ("seq_len_with_cache", seq_len)):
+            h[name].zero_()
+            if vals:
+                h[name][: len(vals)] = torch.tensor(vals, dtype=torch.int32)
+        h["page_table"].fill_(SCRATCH_PAGE)
+        for b, pages in enumerate(page_rows):
+            if pages:
+                h["page_table"][b, : len(pages)] = torch.tensor(list(pages), dtype=torch.int32)
+
+        batch_idx: list[int] = []
+        cache_loc: list[int] = []
+        ids: list[int] = []
+        pos: list[int] = []
+        for b, (s, pages) in enumerate(zip(ordered, page_rows)):
+            for i, tok in enumerate(s.token_ids):
+                p = s.num_cached + i
+                batch_idx.append(b)
+                cache_loc.append(pages[p // ps] * ps + p % ps)
+                ids.append(int(tok))
+                pos.append(p)
+        for i in range(pad_tok):
+            batch_idx.append(n_seq + i if i < dummy_seqs else 0)
+            cache_loc.append(SCRATCH_PAGE * ps)
+            ids.append(0)
+            pos.append(0)
+        for name in ("batch_idx", "cache_loc", "input_ids", "position_ids"):
+            h[name].zero_()
+        if t_pad:
+            h["batch_idx"][:t_pad] = torch.tensor(batch_idx, dtype=torch.int32)
+            h["cache_loc"][:t_pad] = torch.tensor(cache_loc, dtype=torch.int32)
+            h["input_ids"][:t_pad] = torch.tensor(ids, dtype=torch.int64)
+            h["position_ids"][:t_pad] = torch.tensor(pos, dtype=torch.int64)
+        last = [cu[b + 1] - 1 for b in range(n_seq)]
+        h["last_token"].zero_()
+        if last:
+            h["last_token"][:n_seq] = torch.tensor(last, dtype=torch.int64)
+        n_dec_total = n_dec + dummy_seqs
+        h["batch_info"].copy_(torch.tensor([n_pre, sum(lens[:n_pre]), n_dec_total], dtype=torch.int32))
+        h["max_seq_info"].copy_(
+            torch.tensor([max(lens + [1] * bool(dummy_seqs), default=0), max(seq_len, default=0)], dtype=torch.int32)
+        )
+
+        if self._dev_buf is not self._host_buf:
+            self._dev_buf.copy_(self._host_buf, non_blocking=True)
+            self._copy_done = torch.cuda.Event()
+            self._copy_done.record()
+
+        self.seq_ids = [s.seq_id for s in ordered]
+        self.num_tokens = num_tokens
+        self.num_padded_tokens = t_pad
+        self.num_prefill_seqs = n_pre
+        self.num_decode_seqs = n_dec_total
+        self.num_prefill_tokens = sum(lens[:n_pre])

@@ -1,0 +1,88 @@
+"""Export a Hugging Face causal LM (or any model calling torch_mla) to an FX GraphModule.
+
+The graph takes `(input_ids, position_ids)` and returns the logits only. No attention_mask is an
+input: after cache insertion the graph runs on a packed token batch `[1, T]` whose attention
+structure comes from the batch metadata, never from a mask tensor (DESIGN §3, §5).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.export import Dim
+
+__all__ = ["ExportError", "export_model"]
+
+
+class ExportError(RuntimeError):
+    """torch.export could not capture the model; the message says what failed and what to try."""
+
+
+class _LogitsOnly(nn.Module):
+    """Calls the causal LM the way the compiled graph will be called and returns just the logits.
+
+    `use_cache=False` keeps DynamicCache out of the outputs (it does not export); a plain tensor
+    output keeps the graph's signature independent of the HF ModelOutput class.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+        if isinstance(out, torch.Tensor):
+            return out
+        logits = out["logits"] if isinstance(out, dict) else getattr(out, "logits", None)
+        if logits is None:
+            logits = out[0]
+        return logits
+
+
+def export_model(model: nn.Module, *, example_batch: int = 2, example_seq: int = 8) -> torch.fx.GraphModule:
+    """torch.export `model(input_ids=, position_ids=, use_cache=False)` with dynamic batch and seq.
+
+    Runs under no_grad (otherwise the rotary embedding is captured as a
+    `wrap_with_set_grad_enabled` subgraph that hides its ops from the passes) and returns the
+    unlifted GraphModule whose single output is the logits `[B, S, V]`. No decompositions are run,
+    so SDPA and linear stay single nodes for the matcher. Example sizes must be >= 2 so that
+    torch.export does not specialise batch or seq to 1.
+    """
+    if example_batch < 2 or example_seq < 2:
+        raise ValueError(
+            f"export_model: example_batch and example_seq must be >= 2 (got {example_batch}, "
+            f"{example_seq}); torch.export specialises size-1 dims to constants."
+        )
+    wrapper = _LogitsOnly(model).eval()
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None) or 2
+    input_ids = torch.randint(0, vocab, (example_batch, example_seq), device=_device_of(model))
+    position_ids = (
+        torch.arange(example_seq, device=input_ids.device).unsqueeze(0).expand(example_batch, -1).contiguous()
+    )
+    batch, seq = Dim("batch", min=1), Dim("seq", min=1)
+    dynamic_shapes = {"input_ids": {0: batch, 1: seq}, "position_ids": {0: batch, 1: seq}}
+    try:
+        with torch.no_grad():
+            ep = torch.export.export(
+                wrapper, (input_ids, position_ids), dynamic_shapes=dynamic_shapes
+            )
+    except Exception as exc:  # torch.export raises many unrelated types; re-raise with guidance
+        raise ExportError(
+            f"torch.export failed for {type(model).__name__} called as model(input_ids=[B,S], "
+            f"position_ids=[B,S], use_cache=False) with dynamic batch and seq: "
+            f"{type(exc).__name__}: {exc}\n"
+            "What to try: make sure the model is in eval mode and uses attn_implementation='sdpa' "
+            "or 'eager'; for MoE models use the default experts implementation (not "
+            "experts_implementation='eager', whose data-dependent loop does not export); if a dim "
+            "was specialised, use other example sizes (example_batch/example_seq >= 2, not equal "
+            "to another fixed dim such as the vocab or hidden size)."
+        ) from exc
+    gm = ep.module()
+    gm.meta["export_example_shape"] = (example_batch, example_seq)
+    return gm
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
