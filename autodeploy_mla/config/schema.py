@@ -1,0 +1,60 @@
+"""The build configuration schema (DESIGN §10).
+
+Top-level sections are fixed and unknown keys are errors. `transforms` is an ordered map of pass
+name -> options; each pass validates its own options with its own pydantic model (see
+transforms/registry.py), so the schema here stays independent of which passes exist.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelConfig(_Strict):
+    """Where the model comes from: a checkpoint directory, or an HF config dict (random weights)."""
+
+    path: Optional[str] = Field(None, description="HF checkpoint directory (config.json + *.safetensors)")
+    hf_config: Optional[dict[str, Any]] = Field(None, description="HF config dict; weights are seeded random")
+    seed: int = 0
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: str = "auto"
+    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+    trust_remote_code: bool = False
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "ModelConfig":
+        if self.path is not None and self.hf_config is not None:
+            raise ValueError("model: set either `path` (checkpoint) or `hf_config` (random weights), not both")
+        return self
+
+
+class RuntimeConfig(_Strict):
+    """Fixed capacities of the cached runtime; CUDA graphs and metadata buffers are sized from these."""
+
+    max_batch_size: int = Field(8, ge=1)
+    max_seq_len: int = Field(512, ge=2)
+    max_num_tokens: int = Field(256, ge=1, description="tokens per step; longer prompts prefill in chunks")
+    page_size: int = Field(64, ge=1)
+    num_pages: Optional[int] = Field(None, ge=2, description="cache pages per layer (incl. scratch page 0)")
+    free_memory_fraction: float = Field(
+        0.85, gt=0, le=1, description="on CUDA without num_pages: fraction of free memory for caches"
+    )
+
+
+class AppConfig(_Strict):
+    model: ModelConfig = ModelConfig()
+    runtime: RuntimeConfig = RuntimeConfig()
+    transforms: dict[str, dict[str, Any]] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _transforms_are_known(self) -> "AppConfig":
+        from ..transforms.registry import validate_transform_options
+
+        validate_transform_options(self.transforms)
+        return self

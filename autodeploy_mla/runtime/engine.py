@@ -1,0 +1,180 @@
+"""Generation engine: continuous batching over the paged cache (DESIGN §1, §7).
+
+Every step mixes work: running sequences decode one token each (scheduled first: they hold pages
+and latency matters), then waiting prompts prefill in chunks that fill the rest of the
+`max_num_tokens` budget. A request reserves pages for its whole length (prompt + max_new_tokens)
+when admitted, so a running request never runs out of cache mid-generation; a request that cannot
+fit even into an empty cache fails alone with OutOfPagesError, the others go on. Finished requests
+return their pages at once.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from .errors import CapacityError, OutOfPagesError
+from .page_allocator import PageAllocator
+from .sampling import SamplingParams, sample
+from .sequence_info import SequenceInfo, StepSequence
+
+StepFn = Callable[[SequenceInfo], torch.Tensor]  # metadata -> logits [1, T, V]
+
+
+@dataclass
+class Request:
+    id: int
+    prompt: list[int]
+    params: SamplingParams
+    generated: list[int] = field(default_factory=list)
+    num_cached: int = 0
+    finish_reason: Optional[str] = None  # "length" | "stop" | "error"
+    error: Optional[str] = None
+    generator: Optional[torch.Generator] = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.generated
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def total_len(self) -> int:
+        return len(self.prompt) + self.params.max_new_tokens
+
+
+@dataclass
+class StepStats:
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_seqs: int
+
+
+class GenerationEngine:
+    def __init__(self, step_fn: StepFn, seq_info: SequenceInfo, allocator: PageAllocator) -> None:
+        self.step_fn = step_fn
+        self.seq_info = seq_info
+        self.allocator = allocator
+        self._ids = itertools.count()
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admitted: pages reserved, prefilling or decoding
+        self.done: dict[int, Request] = {}
+        self.steps: list[StepStats] = []
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, prompt: Sequence[int], params: SamplingParams = SamplingParams()) -> int:
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            raise ValueError("empty prompt: give at least one token")
+        limit = self.seq_info.max_seq_len
+        if len(prompt) + params.max_new_tokens > limit:
+            raise CapacityError(
+                f"prompt ({len(prompt)} tokens) + max_new_tokens ({params.max_new_tokens}) = "
+                f"{len(prompt) + params.max_new_tokens}, over max_seq_len={limit}."
+            )
+        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        req = Request(next(self._ids), prompt, params, generator=gen)
+        self.waiting.append(req)
+        return req.id
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ scheduling
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.seq_info.max_batch_size:
+            req = self.waiting[0]
+            try:
+                self.allocator.ensure(req.id, req.total_len)
+            except OutOfPagesError as exc:
+                if self.running:
+                    return  # wait for running requests to free pages (FIFO: no overtaking)
+                self.waiting.popleft()
+                self._finish(req, "error", error=str(exc))
+                continue
+            self.waiting.popleft()
+            self.running.append(req)
+
+    def _schedule(self) -> list[tuple[Request, list[int]]]:
+        budget = self.seq_info.max_num_tokens
+        batch: list[tuple[Request, list[int]]] = []
+        decoding = [r for r in self.running if r.num_cached >= len(r.prompt)]
+        prefilling = [r for r in self.running if r.num_cached < len(r.prompt)]
+        for r in decoding:
+            if budget == 0:
+                break
+            batch.append((r, [r.tokens[-1]]))
+            budget -= 1
+        for r in prefilling:
+            if budget == 0:
+                break
+            chunk = r.prompt[r.num_cached : r.num_cached + budget]
+            batch.append((r, chunk))
+            budget -= len(chunk)
+        return batch
+
+    # ------------------------------------------------------------------ stepping
+    def step(self) -> list[tuple[int, int]]:
+        """Run one engine step; returns the (request id, new token) pairs sampled in it."""
+        self._admit()
+        batch = self._schedule()
+        if not batch:
+            return []
+        by_id = {r.id: (r, toks) for r, toks in batch}
+        seqs = [StepSequence(r.id, toks, r.num_cached) for r, toks in batch]
+        try:
+            order = self.seq_info.prepare_step(seqs, self.allocator.pages_of)
+            logits = self.step_fn(self.seq_info)
+            nb = len(order)
+            last = logits[0].index_select(0, self.seq_info.dev["last_token"][:nb]).float().cpu()
+        except Exception as exc:
+            for r, _ in batch:  # their cache content is now unknown: fail them, keep the rest
+                self._finish(r, "error", error=f"{type(exc).__name__}: {exc}")
+            raise
+        self.steps.append(StepStats(self.seq_info.num_prefill_tokens, self.seq_info.num_decode_seqs, nb))
+        out: list[tuple[int, int]] = []
+        for b, rid in enumerate(order):
+            r, toks = by_id[rid]
+            r.num_cached += len(toks)
+            if r.num_cached < len(r.prompt):
+                continue  # mid-prompt chunk: nothing to sample yet
+            tok = sample(last[b], r.params, r.generator)
+            r.generated.append(tok)
+            out.append((r.id, tok))
+            if tok in r.params.stop_ids:
+                self._finish(r, "stop")
+            elif len(r.generated) >= r.params.max_new_tokens:
+                self._finish(r, "length")
+        return out
+
+    def _finish(self, r: Request, reason: str, error: Optional[str] = None) -> None:
+        r.finish_reason, r.error = reason, error
+        self.allocator.free(r.id)
+        if r in self.running:
+            self.running.remove(r)
+        self.done[r.id] = r
+
+    def run(
+        self,
+        prompts: Iterable[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+        on_tokens: Optional[Callable[[list[tuple[int, int]]], None]] = None,
+    ) -> list[Request]:
+        """Generate for all prompts (continuous batching); results in prompt order."""
+        prompts = list(prompts)
+        plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling params")
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        while any(i not in self.done for i in ids):
+            new = self.step()
+            if on_tokens is not None and new:
+                on_tokens(new)
+        return [self.done[i] for i in ids]

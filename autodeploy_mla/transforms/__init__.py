@@ -1,0 +1,1 @@
+"""FX graph passes: export, MLA matching, cached-attention insertion, piecewise splitting."""
