@@ -15,7 +15,8 @@ from torch import nn
 
 from ..config.schema import ModelConfig
 
-MODEL_CONFIGS_DIR = Path(__file__).resolve().parents[2] / "model_configs"
+# A symlink inside the package to the repo-level model_configs/, so installs carry the YAMLs.
+MODEL_CONFIGS_DIR = Path(__file__).resolve().parents[1] / "model_configs"
 
 
 class ModelLoadError(RuntimeError):
