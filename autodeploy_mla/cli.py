@@ -126,13 +126,11 @@ def _prompts(args: argparse.Namespace, om: Any) -> list[list[int]]:
 
 def _verify(om: Any, prompts: list[list[int]], outs: list[list[int]], max_new: int) -> dict[str, Any]:
     """Greedy tokens of the eager HF model vs ours: identical in fp32; in 16-bit, agreement is reported."""
-    model = om.eager_model
+    from .testing import hf_greedy_generate
+
     per = []
     for p, o in zip(prompts, outs):
-        ids = torch.tensor([p], device=om.device)
-        with torch.no_grad():
-            ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
-                                 min_new_tokens=max_new, pad_token_id=0)[0, len(p):].tolist()
+        ref = hf_greedy_generate(om.eager_model, p, max_new)
         agree = next((i for i, (a, b) in enumerate(zip(ref, o)) if a != b), min(len(ref), len(o)))
         per.append({"prompt_len": len(p), "ours": o, "hf": ref, "identical": ref == o, "agreeing_prefix": agree})
     exact = om.dtype == torch.float32

@@ -151,3 +151,24 @@ STANDARD_SCHEDULES: dict[str, list[dict[int, int]]] = {
     "mixed": [{0: 6}, {0: 1, 1: 7}, {0: 1, 1: 1, 2: 5}, {2: 4, 0: 1, 1: 1}, {0: 1, 1: 1, 2: 1}],
     "long_decode": [{0: 3, 1: 2, 2: 1}] + [{0: 1, 1: 1, 2: 1}] * 14,
 }
+
+
+@torch.no_grad()
+def hf_greedy_generate(model: torch.nn.Module, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
+    """Greedy tokens from the eager HF model with its own KV cache, no eos handling.
+
+    `model.generate` would stop at (or, with min_new_tokens, suppress) the eos token, which a
+    random-weight model may pick at any step; this loop makes the comparison exact.
+    """
+    device = next(model.parameters()).device
+    ids = torch.tensor([list(prompt)], device=device)
+    out = model(input_ids=ids, use_cache=True)
+    past, new = out.past_key_values, []
+    for _ in range(max_new_tokens):
+        tok = int(out.logits[0, -1].argmax())
+        new.append(tok)
+        if len(new) == max_new_tokens:
+            break
+        out = model(input_ids=torch.tensor([[tok]], device=device), past_key_values=past, use_cache=True)
+        past = out.past_key_values
+    return new

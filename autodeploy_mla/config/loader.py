@@ -81,8 +81,8 @@ def load_config(*layers: ConfigLayer, overrides: Iterable[str] = ()) -> AppConfi
 def _explain(exc: ValidationError) -> str:
     lines = ["invalid configuration:"]
     for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
-        msg = err["msg"]
+        loc = ".".join(str(p) for p in err["loc"]) or "transforms"  # the only top-level validator
+        msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             parent = err["loc"][:-1]
             valid = _valid_keys(parent)

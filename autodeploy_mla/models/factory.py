@@ -66,6 +66,20 @@ def resolve_device(name: str) -> torch.device:
     return dev
 
 
+def causal_lm_class(config: Any) -> Any:
+    """The *ForCausalLM class of an HF config: AutoModelForCausalLM's, or the family's own where the
+    auto mapping lacks it (transformers 5.x maps "mistral4" only in the pretraining mapping)."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_PRETRAINING_MAPPING_NAMES
+
+    if type(config) in transformers.AutoModelForCausalLM._model_mapping:
+        return transformers.AutoModelForCausalLM._model_mapping[type(config)]
+    name = MODEL_FOR_PRETRAINING_MAPPING_NAMES.get(config.model_type, "")
+    if name.endswith("ForCausalLM"):
+        return getattr(transformers, name)
+    raise ModelLoadError(f"{type(config).__name__}: transformers has no causal-LM class for model_type {config.model_type!r}")
+
+
 def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> nn.Module:
     """The eager HF model in eval mode on `device`/`dtype`."""
     import transformers
@@ -76,9 +90,8 @@ def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> n
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"model.path {cfg.path!r} has no config.json; expected an HF checkpoint directory")
         try:
-            model = transformers.AutoModelForCausalLM.from_pretrained(
-                path, dtype=dtype, trust_remote_code=cfg.trust_remote_code, **kwargs
-            )
+            config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
+            model = causal_lm_class(config).from_pretrained(path, config=config, dtype=dtype, **kwargs)
         except Exception as exc:
             raise ModelLoadError(f"loading the checkpoint at {path} failed: {type(exc).__name__}: {exc}") from exc
     elif cfg.hf_config is not None:
@@ -91,7 +104,7 @@ def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> n
         except Exception as exc:
             raise ModelLoadError(f"model.hf_config is not a valid {model_type} config: {exc}") from exc
         torch.manual_seed(cfg.seed)
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, **kwargs)
+        model = causal_lm_class(config)._from_config(config, dtype=torch.float32, **kwargs)
         model = model.to(dtype)
     else:
         raise ModelLoadError(

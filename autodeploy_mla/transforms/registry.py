@@ -60,7 +60,7 @@ def _ensure_loaded() -> None:
 def get_pass(name: str) -> PassInfo:
     _ensure_loaded()
     if name not in _PASSES:
-        raise KeyError(f"unknown transform {name!r}; valid transforms: {', '.join(_PASSES)}")
+        raise KeyError(f"unknown transform {name!r}; valid transforms: {', '.join(sorted(_PASSES))}")
     return _PASSES[name]
 
 
@@ -75,7 +75,7 @@ def validate_transform_options(transforms: Mapping[str, Any]) -> None:
     problems = []
     for name, opts in transforms.items():
         if name not in _PASSES:
-            problems.append(f"unknown transform {name!r}; valid transforms: {', '.join(_PASSES)}")
+            problems.append(f"unknown transform {name!r}; valid transforms: {', '.join(sorted(_PASSES))}")
             continue
         if opts is None:
             opts = {}
