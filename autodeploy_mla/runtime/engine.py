@@ -69,7 +69,8 @@ class GenerationEngine:
         self.steps: list[StepStats] = []
 
     # ------------------------------------------------------------------ requests
-    def add_request(self, prompt: Sequence[int], params: SamplingParams = SamplingParams()) -> int:
+    def validate(self, prompt: Sequence[int], params: SamplingParams) -> list[int]:
+        """The prompt as ints, or an error naming the limit it breaks. Changes nothing."""
         prompt = [int(t) for t in prompt]
         if not prompt:
             raise ValueError("empty prompt: give at least one token")
@@ -79,6 +80,10 @@ class GenerationEngine:
                 f"prompt ({len(prompt)} tokens) + max_new_tokens ({params.max_new_tokens}) = "
                 f"{len(prompt) + params.max_new_tokens}, over max_seq_len={limit}."
             )
+        return prompt
+
+    def add_request(self, prompt: Sequence[int], params: SamplingParams = SamplingParams()) -> int:
+        prompt = self.validate(prompt, params)
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         req = Request(next(self._ids), prompt, params, generator=gen)
         self.waiting.append(req)
@@ -172,6 +177,8 @@ class GenerationEngine:
         plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(plist) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling params")
+        for p, sp in zip(prompts, plist):  # all or nothing: a bad prompt queues none
+            self.validate(p, sp)
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
         while any(i not in self.done for i in ids):
             new = self.step()

@@ -1,0 +1,81 @@
+"""Generation engine behaviour: batching, limits, failures isolated per request, sampling, streaming."""
+
+import pytest
+import torch
+
+from autodeploy_mla import optimize
+from autodeploy_mla.runtime import CapacityError
+from autodeploy_mla.runtime.sampling import SamplingParams, sample
+from autodeploy_mla.testing import hf_greedy_generate
+
+BASE = ["model.device=cpu", "model.dtype=float32", "runtime.page_size=4", "runtime.max_seq_len=40",
+        "runtime.max_num_tokens=10", "runtime.max_batch_size=3"]
+
+
+@pytest.fixture(scope="module")
+def om():
+    return optimize("default", overrides=BASE + ["runtime.num_pages=12"])  # 11 usable pages = 44 slots
+
+
+def test_more_prompts_than_batch_slots(om):
+    prompts = [list(range(i + 1, 2 * i + 4)) for i in range(7)]  # 7 requests, 3 slots
+    news = [2, 5, 3, 4, 1, 6, 2]
+    eng = om.engine()
+    reqs = eng.run(prompts, [SamplingParams(max_new_tokens=n) for n in news])
+    assert [r.generated for r in reqs] == [hf_greedy_generate(om.eager_model, p, n) for p, n in zip(prompts, news)]
+    assert max(s.num_seqs for s in eng.steps) == 3
+    assert any(s.num_prefill_tokens and s.num_decode_tokens for s in eng.steps)  # mixed steps happened
+    assert om.allocator.num_free == om.allocator.num_usable
+
+
+def test_request_too_big_for_the_cache_fails_alone(om):
+    # 11 usable pages x 4 = 44 slots; a 30+10 request needs 10 pages, two of them cannot coexist.
+    prompts = [list(range(1, 31)), [7, 8, 9], list(range(2, 32))]
+    reqs = om.engine().run(prompts, SamplingParams(max_new_tokens=10))
+    assert all(r.finish_reason == "length" for r in reqs)  # the third waited for pages, then ran
+    assert reqs[1].generated == hf_greedy_generate(om.eager_model, [7, 8, 9], 10)
+    big = optimize("default", overrides=BASE + ["runtime.num_pages=5"])  # 16 slots
+    reqs = big.engine().run([list(range(1, 21)), [4, 5]], SamplingParams(max_new_tokens=3))
+    assert reqs[0].finish_reason == "error" and "out of cache pages" in reqs[0].error
+    assert reqs[1].finish_reason == "length" and len(reqs[1].generated) == 3
+    assert big.allocator.num_free == big.allocator.num_usable
+
+
+def test_limits_are_checked_before_anything_is_queued(om):
+    eng = om.engine()
+    with pytest.raises(CapacityError, match="over max_seq_len=40"):
+        eng.run([[1, 2], list(range(35))], SamplingParams(max_new_tokens=8))
+    assert not eng.has_work()
+    with pytest.raises(ValueError, match="empty prompt"):
+        eng.run([[]])
+
+
+def test_stop_tokens_and_streaming(om):
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    ref = hf_greedy_generate(om.eager_model, prompt, 6)
+    streamed = []
+    eng = om.engine()
+    reqs = eng.run([prompt], SamplingParams(max_new_tokens=6, stop_token_ids=(ref[2],)),
+                   on_tokens=lambda new: streamed.extend(new))
+    cut = ref.index(ref[2]) + 1
+    assert reqs[0].generated == ref[:cut] and reqs[0].finish_reason == "stop"
+    assert [t for _, t in streamed] == ref[:cut]
+
+
+def test_seeded_sampling_is_reproducible(om):
+    p = SamplingParams(max_new_tokens=6, temperature=0.8, top_k=20, top_p=0.9, seed=123)
+    a = om.generate([[1, 2, 3]], max_new_tokens=6, temperature=0.8, top_k=20, top_p=0.9, seed=123)
+    b = om.engine().run([[1, 2, 3]], p)[0].generated
+    assert a[0] == b
+
+
+def test_sampling_filters():
+    logits = torch.tensor([0.0, 5.0, 4.0, -1.0])
+    assert sample(logits, SamplingParams(), None) == 1
+    g = torch.Generator().manual_seed(0)
+    draws = {sample(logits, SamplingParams(temperature=1.0, top_k=2), g) for _ in range(200)}
+    assert draws == {1, 2}
+    draws = {sample(logits, SamplingParams(temperature=1.0, top_p=0.5), g) for _ in range(100)}
+    assert draws == {1}
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0)
