@@ -1,0 +1,713 @@
+"""FlashInfer MLA backends: capability checks, host metadata, the ops end to end on CPU, and GPU tests.
+
+CPU tests run without FlashInfer: capability checks take mocked versions/devices, and the ops run
+against a small *fake* FlashInfer (pure torch) that enforces the real APIs' argument contracts
+(keyword names, dtypes, shapes, strides, block-table padding, fixed CUDA-graph buffers) and computes
+the attention from the CSR / block-table metadata it is given — so every index our code builds is
+checked by the numbers. GPU tests (marked `gpu`) run the real FlashInfer on the H200.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from autodeploy_mla.custom_ops import DeviceInfo, MLADims, get_backend
+from autodeploy_mla.custom_ops import capabilities as caps
+from autodeploy_mla.custom_ops import flashinfer_mla as fm
+from autodeploy_mla.custom_ops import flashinfer_trtllm_mla as ft
+from autodeploy_mla.custom_ops.flashinfer_metadata import (
+    StepCounts,
+    fa_plan_work_count,
+    fill_trtllm_block_table,
+    mla_csr,
+    trtllm_block_table,
+    trtllm_block_table_width,
+)
+from autodeploy_mla.runtime import PageAllocator, SequenceInfo, StepSequence
+from autodeploy_mla.testing import STANDARD_SCHEDULES, run_scenario
+
+BF16 = torch.bfloat16
+
+# ============================================================== capability tables
+SM = {"sm80": DeviceInfo("cuda", (8, 0), "A100"), "sm90": DeviceInfo("cuda", (9, 0), "H200"),
+      "sm100": DeviceInfo("cuda", (10, 0), "B200"), "cpu": DeviceInfo("cpu")}
+VERSIONS = {"absent": None, "0.6.x": "0.6.18.post1", "0.7.x": "0.7.2"}
+RANK_ROPE = [(512, 64), (256, 64), (256, 32), (128, 64), (512, 0)]
+HEADS = [16, 96, 128]
+
+
+def expected_fa(version: str, dev: str, r: int, dr: int, n: int) -> bool:
+    """DESIGN §8 for BatchMLAPagedAttentionWrapper, written out independently of capabilities.py."""
+    if version == "absent" or dev == "cpu":
+        return False
+    if version == "0.6.x":
+        return (r, dr) == (512, 64)
+    if dev == "sm90":  # fa3, 0.7.x
+        return r in (128, 256, 512) and dr in (0, 64)
+    return r % 128 == 0 and r <= 512 and dr in (0, 64)  # fa2, 0.7.x
+
+
+def expected_trtllm(version: str, dev: str, r: int, dr: int, n: int) -> bool:
+    if version == "absent" or dev != "sm100":
+        return False
+    return (r, dr) in ((512, 64), (256, 64)) and not (64 < n < 128)
+
+
+@pytest.mark.parametrize("n", HEADS)
+@pytest.mark.parametrize("rank_rope", RANK_ROPE, ids=lambda x: f"R{x[0]}Dr{x[1]}")
+@pytest.mark.parametrize("dev", list(SM))
+@pytest.mark.parametrize("version", list(VERSIONS))
+def test_check_table(version, dev, rank_rope, n):
+    r, dr = rank_rope
+    dims = MLADims(n, 128, dr, 128, r)
+    vers = {"torch": "2.13", "triton": "3.6.0", "flashinfer": VERSIONS[version]}
+    for name, expect in (("flashinfer_mla", expected_fa), ("flashinfer_trtllm_mla", expected_trtllm)):
+        res = get_backend(name).check(dims, BF16, SM[dev], vers, 64)
+        want = expect(version, dev, r, dr, n)
+        assert res.ok == want, (name, res.reason)
+        assert res.reason  # every answer says why
+        if version == "absent":
+            assert "flashinfer not installed" in res.reason
+        elif dev == "cpu":
+            assert "CUDA" in res.reason
+
+
+@pytest.mark.parametrize("version", ["0.5.3", "0.8.0", "1.0.0", "garbage"])
+def test_unknown_versions_are_refused(version):
+    d = MLADims(128, 128, 64, 128, 512)
+    for name in ("flashinfer_mla", "flashinfer_trtllm_mla"):
+        for dev in ("sm90", "sm100"):
+            res = get_backend(name).check(d, BF16, SM[dev], {"flashinfer": version}, 64)
+            assert not res.ok
+            assert "unparsable" in res.reason or "no " in res.reason
+
+
+def test_check_dtype_page_and_reasons():
+    fa, tr = get_backend("flashinfer_mla"), get_backend("flashinfer_trtllm_mla")
+    d = MLADims(128, 128, 64, 128, 512)
+    v6 = {"flashinfer": "0.6.18.post1"}
+    assert fa.check(d, torch.float16, SM["sm90"], v6, 64).ok
+    assert "dtype float32" in fa.check(d, torch.float32, SM["sm90"], v6, 64).reason
+    assert not tr.check(d, torch.float16, SM["sm100"], v6, 64).ok  # trtllm-gen: bf16 only
+    for ps, ok in ((1, True), (16, True), (32, True), (64, True), (128, False), (4, False)):
+        assert fa.check(d, BF16, SM["sm90"], v6, ps).ok == ok
+    for ps, ok in ((16, False), (32, True), (64, True), (128, False)):
+        res = tr.check(d, BF16, SM["sm100"], v6, ps)
+        assert res.ok == ok and (ok or "page_size" in res.reason)
+    # The measured 0.6.18 crash is named, not just "unsupported".
+    res = fa.check(MLADims(128, 128, 64, 128, 256), BF16, SM["sm90"], v6, 64)
+    assert not res.ok and "illegal memory access" in res.reason
+    # N > 128 and 64 < N < 128 on trtllm-gen
+    assert "limit of 128" in fa.check(MLADims(256, 128, 64, 128, 512), BF16, SM["sm90"], v6, 64).reason
+    assert "64 < N < 128" in tr.check(MLADims(96, 128, 64, 128, 512), BF16, SM["sm100"], v6, 64).reason
+    # Heads that break FlashInfer's causal tile are served, with prefill on the fallback.
+    res = fa.check(MLADims(40, 64, 64, 64, 256), BF16, SM["sm90"], {"flashinfer": "0.7.2"}, 64)
+    assert res.ok and "fallback" in res.reason
+    # trtllm (256,64) is only recorded from 0.6.18
+    assert not tr.check(MLADims(32, 64, 64, 128, 256), BF16, SM["sm100"], {"flashinfer": "0.6.5"}, 64).ok
+    assert tr.check(MLADims(32, 64, 64, 128, 256), BF16, SM["sm100"], {"flashinfer": "0.6.18"}, 64).ok
+
+
+def test_every_fact_cites_known_sources():
+    for f in caps.FLASHINFER_FACTS:
+        assert f.sources and all(s in caps.SOURCES for s in f.sources)
+        assert f.min_version < f.max_version
+    assert caps.fact_rows() and all(r["sources"] for r in caps.fact_rows())
+    assert caps.fa_prefill_safe(128) and caps.fa_prefill_safe(16) and not caps.fa_prefill_safe(40)
+
+
+# ============================================================== host metadata
+def test_mla_csr_hand_computed():
+    # 3 sequences, page size 4: a prefill of 5 on 2 cached, a fresh prefill of 3, a decode at length 9.
+    cu = torch.tensor([0, 5, 8, 9, 9], dtype=torch.int32)
+    kvlen = torch.tensor([7, 3, 9, 0], dtype=torch.int32)
+    pt = torch.tensor([[5, 2, 0], [7, 0, 0], [1, 3, 4], [0, 0, 0]], dtype=torch.int32)
+    csr = mla_csr(cu, kvlen, pt, 3, 4)
+    assert csr.qo_indptr.tolist() == [0, 5, 8, 9]
+    assert csr.kv_len.tolist() == [7, 3, 9]
+    assert csr.kv_indptr.tolist() == [0, 2, 3, 6]
+    assert csr.kv_indices.tolist() == [5, 2, 7, 1, 3, 4]
+    assert all(t.dtype == torch.int32 for t in (csr.qo_indptr, csr.kv_indptr, csr.kv_indices, csr.kv_len))
+    assert csr.qo_lens.tolist() == [5, 3, 1]
+    empty = mla_csr(cu, kvlen, pt, 0, 4)
+    assert empty.kv_indptr.tolist() == [0] and empty.kv_indices.numel() == 0
+    with pytest.raises(ValueError, match="host tensor"):
+        mla_csr(cu.to("meta"), kvlen, pt, 3, 4)
+    with pytest.raises(ValueError, match="new tokens"):
+        mla_csr(torch.tensor([0, 8, 9], dtype=torch.int32), torch.tensor([7, 1], dtype=torch.int32), pt, 2, 4)
+
+
+def test_mla_csr_from_sequence_info():
+    info = SequenceInfo(4, 32, 40, 8)
+    alloc = PageAllocator(16, 8, info.max_pages_per_seq)
+    alloc.ensure_many({0: 17, 1: 3, 2: 9})
+    info.prepare_step([StepSequence(0, [1] * 7, 10), StepSequence(1, [1] * 3, 0), StepSequence(2, [1], 8)],
+                      alloc.pages_of)
+    counts = StepCounts.of(info.get("batch_info_host"))
+    assert (counts.num_prefill_seqs, counts.num_prefill_tokens, counts.num_decode_seqs) == (2, 10, 1)
+    csr = mla_csr(info.get("cu_seqlen_host"), info.get("seq_len_with_cache_host"), info.get("page_table_host"),
+                  counts.num_seqs, 8)
+    order = info.seq_ids
+    want_pages = [alloc.pages_of(s)[: math.ceil(ln / 8)] for s, ln in zip(order, [17, 3, 9])]
+    assert csr.kv_indices.tolist() == [p for ps in want_pages for p in ps]
+    assert csr.kv_len.tolist() == [17, 3, 9] and csr.qo_indptr.tolist() == [0, 7, 10, 11]
+    with pytest.raises(ValueError, match="host mirror"):
+        StepCounts.of(info.get("batch_info").to("meta"))
+
+
+def _work_count_reference(q_lens, kv_lens, n, num_sm, causal=True):
+    """Literal transcription of FlashInfer 0.6.18 scheduler.cuh MLAPlan's work-item loop."""
+    b = len(q_lens)
+    avg = sum(q * n for q in q_lens) // b
+    cluster = 2 if avg > 64 else 1
+    clusters = num_sm // cluster
+    tile = 64 * cluster
+
+    def kv_end(q, kv, idx, tiles):
+        if idx + 1 == tiles:
+            return kv
+        return max(min(kv - q + -(-((idx + 1) * tile) // n), kv), 0)
+
+    total = 0
+    for q, kv in zip(q_lens, kv_lens):
+        tiles = -(-(q * n) // tile)
+        for idx in range(tiles - 1, -1, -1):
+            total += kv_end(q, kv, idx, tiles) if causal else kv
+    x = max(-(-total // clusters), 1)
+    limit = 32 if x <= 8 else 64 if x <= 16 else 128 if x <= 32 else 192 if x <= 64 else -(-x // 256) * 256
+    works = 0
+    for q, kv in zip(q_lens, kv_lens):
+        tiles = -(-(q * n) // tile)
+        for idx in range(tiles - 1, -1, -1):
+            rem = kv_end(q, kv, idx, tiles) if causal else kv
+            zero = rem == 0
+            while rem > 0 or zero:
+                rem -= min(rem, limit)
+                works += 1
+                if zero:
+                    break
+    return works
+
+
+@settings(max_examples=120, deadline=None)
+@given(data=st.lists(st.tuples(st.integers(1, 300), st.integers(0, 3000)), min_size=1, max_size=12),
+       n=st.sampled_from([1, 16, 20, 40, 64, 96, 128]), num_sm=st.sampled_from([78, 132]),
+       causal=st.booleans())
+def test_fa_plan_work_count_matches_scheduler(data, n, num_sm, causal):
+    q_lens = [q for q, _ in data]
+    kv_lens = [q + extra for q, extra in data]
+    got = fa_plan_work_count(torch.tensor(q_lens), torch.tensor(kv_lens), n, num_sm, causal)
+    assert got == _work_count_reference(q_lens, kv_lens, n, num_sm, causal)
+
+
+def test_fa_plan_work_count_large_prefill_exceeds_capacity():
+    # 20000 prefill tokens at N=128: one 128-row tile per token -> over MLAPlan's 16384 work items.
+    assert fa_plan_work_count(torch.tensor([20000]), torch.tensor([20000]), 128, 132) > caps.FA_MAX_WORK_ITEMS
+    assert fa_plan_work_count(torch.tensor([1] * 256), torch.tensor([4096] * 256), 128, 132) < caps.FA_MAX_WORK_ITEMS
+
+
+@pytest.mark.parametrize("pages,ps,width", [(5, 32, 8), (5, 64, 6), (4, 32, 4), (1, 64, 2), (0, 64, 2), (130, 32, 132)])
+def test_trtllm_block_table_width(pages, ps, width):
+    w = trtllm_block_table_width(pages, ps)
+    assert w == width and w % (128 // ps) == 0 and w >= pages
+
+
+def test_trtllm_block_table_fill():
+    with pytest.raises(ValueError, match="divides 128"):
+        trtllm_block_table_width(4, 48)
+    pt = torch.tensor([[3, 9, 4, 0, 0], [7, 0, 0, 0, 0]], dtype=torch.int32)
+    bt = trtllm_block_table(pt, 2, 32)
+    assert bt.shape == (2, 8) and bt.dtype == torch.int32
+    assert bt[:, :5].equal(pt) and (bt[:, 5:] == 0).all()
+    dst = torch.full((4, 8), 99, dtype=torch.int32)
+    fill_trtllm_block_table(dst, pt)
+    assert dst[:2, :5].equal(pt) and (dst[:2, 5:] == 0).all() and (dst[2:] == 99).all()
+    with pytest.raises(ValueError, match="smaller"):
+        fill_trtllm_block_table(torch.zeros(1, 8, dtype=torch.int32), pt)
+
+
+# ============================================================== import without FlashInfer
+def test_import_and_refusal_without_flashinfer():
+    code = (
+        "import sys; sys.modules['flashinfer'] = None\n"
+        "import torch, autodeploy_mla\n"
+        "from autodeploy_mla.custom_ops import get_backend, library_versions, DeviceInfo, MLADims\n"
+        "from autodeploy_mla.custom_ops.flashinfer_mla import import_flashinfer_module, FlashInferUnavailable\n"
+        "d = MLADims(128, 128, 64, 128, 512)\n"
+        "r = get_backend('flashinfer_mla').check(d, torch.bfloat16, DeviceInfo('cuda', (9, 0)), {'flashinfer': None}, 64)\n"
+        "assert not r.ok and 'not installed' in r.reason, r\n"
+        "try:\n    import_flashinfer_module('flashinfer.mla')\nexcept FlashInferUnavailable as e:\n"
+        "    assert 'flashinfer-python' in str(e)\nelse:\n    raise SystemExit('no error')\n"
+        "print('ok')\n"
+    )
+    env = dict(os.environ)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr
+
+
+def test_setup_refuses_without_flashinfer(monkeypatch):
+    monkeypatch.setitem(sys.modules, "flashinfer", None)
+    monkeypatch.setattr(fm, "installed_versions", lambda: {"flashinfer": None, "triton": None, "torch": "2.13"})
+    info = SequenceInfo(2, 8, 16, 16)
+    with pytest.raises(ValueError, match="flashinfer not installed"):
+        get_backend("flashinfer_mla").setup([MLADims(16, 128, 64, 128, 512)], BF16, info)
+
+
+# ============================================================== a fake FlashInfer (pure torch)
+class FakeMLAWrapper:
+    """Mirrors BatchMLAPagedAttentionWrapper (0.6.18) contracts; computes attention from its CSR plan."""
+
+    def __init__(self, float_workspace_buffer, use_cuda_graph=False, qo_indptr=None, kv_indptr=None,
+                 kv_indices=None, kv_len_arr=None, backend="auto"):
+        assert backend in ("fa2", "fa3", "auto")
+        assert float_workspace_buffer.numel() >= 1 << 20
+        self.use_cuda_graph = use_cuda_graph
+        if use_cuda_graph:
+            assert all(t is not None and t.dtype == torch.int32 for t in (qo_indptr, kv_indptr, kv_indices, kv_len_arr))
+        self._qo_indptr_buf, self._kv_indptr_buf = qo_indptr, kv_indptr
+        self._kv_indices_buf, self._kv_len_arr_buf = kv_indices, kv_len_arr
+        self.plans = 0
+        self.runs = 0
+
+    def plan(self, qo_indptr, kv_indptr, kv_indices, kv_len_arr, num_heads, head_dim_ckv, head_dim_kpe,
+             page_size, causal, sm_scale, q_data_type, kv_data_type, use_profiler=False):
+        for t in (qo_indptr, kv_indptr, kv_indices, kv_len_arr):
+            assert t.dtype == torch.int32 and t.device.type == "cpu", "plan from host tensors"
+        assert kv_data_type in (torch.float16, torch.bfloat16) and q_data_type == kv_data_type
+        b = kv_len_arr.numel()
+        assert qo_indptr.numel() == b + 1 == kv_indptr.numel() and int(qo_indptr[0]) == 0
+        assert int(kv_indptr[-1]) == kv_indices.numel()
+        pages = (kv_len_arr + page_size - 1) // page_size
+        assert (kv_indptr[1:] - kv_indptr[:-1]).equal(pages.to(torch.int32))
+        assert causal is True
+        if self.use_cuda_graph:  # fixed buffers: same shape, copied into
+            assert self._qo_indptr_buf.shape == qo_indptr.shape and self._kv_len_arr_buf.shape == kv_len_arr.shape
+            assert self._kv_indices_buf.numel() >= kv_indices.numel()
+            self._qo_indptr_buf.copy_(qo_indptr)
+            self._kv_indptr_buf.copy_(kv_indptr)
+            self._kv_indices_buf[: kv_indices.numel()].copy_(kv_indices)
+            self._kv_len_arr_buf.copy_(kv_len_arr)
+        else:
+            self._kv_indices_buf = kv_indices.clone()
+        # Like plan_info: the schedule is fixed at plan time from the host values.
+        self._plan_q, self._plan_kv_indptr, self._plan_kv_len = qo_indptr.clone(), kv_indptr.clone(), kv_len_arr.clone()
+        self._num_heads, self._ckv, self._kpe, self._ps = num_heads, head_dim_ckv, head_dim_kpe, page_size
+        self._sm_scale, self._dtype = sm_scale, q_data_type
+        self.plans += 1
+
+    def run(self, q_nope, q_pe, ckv_cache, kpe_cache, out=None, lse=None, return_lse=False, profiler_buffer=None,
+            kv_len=None, page_table=None, return_lse_base_on_e=False, o_scale=None):
+        nnz = int(self._plan_q[-1])
+        assert q_nope.dtype == q_pe.dtype == ckv_cache.dtype == kpe_cache.dtype == self._dtype
+        assert tuple(q_nope.shape) == (nnz, self._num_heads, self._ckv)
+        assert tuple(q_pe.shape) == (nnz, self._num_heads, self._kpe)
+        assert ckv_cache.shape[1:] == (self._ps, self._ckv) and kpe_cache.shape[1:] == (self._ps, self._kpe)
+        for t in (q_nope, q_pe, ckv_cache, kpe_cache, out):
+            assert t.stride(-1) == 1 or t.shape[-1] == 0, "last dim must be contiguous"
+        assert out is not None and out.shape == q_nope.shape and out.dtype == q_nope.dtype
+        ckv = ckv_cache.reshape(-1, self._ckv).float() if ckv_cache.is_contiguous() else \
+            ckv_cache.flatten(0, 1).float()
+        kpe = kpe_cache.flatten(0, 1).float()
+        for b in range(self._plan_kv_len.numel()):
+            q0, q1 = int(self._plan_q[b]), int(self._plan_q[b + 1])
+            kvl = int(self._plan_kv_len[b])
+            pages = self._kv_indices_buf[int(self._plan_kv_indptr[b]): int(self._plan_kv_indptr[b + 1])].long()
+            tok = (pages[:, None] * self._ps + torch.arange(self._ps)).flatten()[:kvl]
+            qn, qp = q_nope[q0:q1].float(), q_pe[q0:q1].float()  # [q, N, *]
+            s = torch.einsum("qnr,kr->nqk", qn, ckv[tok]) + torch.einsum("qnd,kd->nqk", qp, kpe[tok])
+            s = s * self._sm_scale
+            qpos = kvl - (q1 - q0) + torch.arange(q1 - q0)
+            s = s.masked_fill(torch.arange(kvl)[None, None, :] > qpos[None, :, None], float("-inf"))
+            out[q0:q1] = torch.einsum("nqk,kr->qnr", torch.softmax(s, -1), ckv[tok]).to(out.dtype)
+        self.runs += 1
+        return out
+
+
+def fake_trtllm_decode(query, kv_cache, workspace_buffer, qk_nope_head_dim, kv_lora_rank, qk_rope_head_dim,
+                       block_tables, seq_lens, max_seq_len, sparse_mla_top_k=0, out=None, bmm1_scale=1.0,
+                       bmm2_scale=1.0, sinks=None, skip_softmax_threshold_scale_factor=None, enable_pdl=None,
+                       backend="auto"):
+    """Mirrors trtllm_batch_decode_with_kv_cache_mla's shape rules (0.6.18 _check_trtllm_gen_mla_shape)."""
+    assert backend == "trtllm-gen"
+    assert query.dim() == 4 and kv_cache.dim() == 4 and kv_cache.shape[1] == 1
+    b, q_len, n, d = query.shape
+    ps = kv_cache.shape[2]
+    assert (kv_lora_rank, qk_rope_head_dim) in ((512, 64), (256, 64))
+    assert d == kv_lora_rank + qk_rope_head_dim == kv_cache.shape[-1]
+    assert ps in (32, 64) and not (64 < n < 128)
+    assert query.dtype == kv_cache.dtype == torch.bfloat16
+    assert block_tables.dtype == torch.int32 and block_tables.shape[0] == b
+    assert block_tables.shape[1] % (128 // ps) == 0, "block_num % (128 / block_size) == 0"
+    assert seq_lens.dtype == torch.int32 and seq_lens.shape == (b,)
+    assert isinstance(max_seq_len, int) and max_seq_len >= int(seq_lens.max())
+    assert workspace_buffer.numel() >= 1 << 20
+    assert out is not None and out.shape == (b, q_len, n, kv_lora_rank) and out.dtype == torch.bfloat16
+    assert isinstance(bmm1_scale, float) and q_len == 1
+    flat = kv_cache.reshape(-1, d).float()
+    for i in range(b):
+        ln = int(seq_lens[i])
+        pages = block_tables[i, : -(-ln // ps)].long()
+        assert int(pages.max()) < kv_cache.shape[0]
+        tok = (pages[:, None] * ps + torch.arange(ps)).flatten()[:ln]
+        s = torch.einsum("qnd,kd->nqk", query[i].float(), flat[tok]) * bmm1_scale
+        out[i] = (torch.einsum("nqk,kr->qnr", torch.softmax(s, -1), flat[tok, :kv_lora_rank]) * bmm2_scale).to(out.dtype)
+    return out
+
+
+def _fake_flashinfer(version: str) -> dict[str, types.ModuleType]:
+    root = types.ModuleType("flashinfer")
+    root.__version__ = version
+    mla = types.ModuleType("flashinfer.mla")
+    mla.BatchMLAPagedAttentionWrapper = FakeMLAWrapper
+    mla.trtllm_batch_decode_with_kv_cache_mla = fake_trtllm_decode
+    dec = types.ModuleType("flashinfer.decode")
+    dec.trtllm_batch_decode_with_kv_cache_mla = fake_trtllm_decode
+    root.mla, root.decode = mla, dec
+    return {"flashinfer": root, "flashinfer.mla": mla, "flashinfer.decode": dec}
+
+
+@pytest.fixture
+def fake_fi(monkeypatch):
+    """Install the fake FlashInfer; the 'device' is an SM90 (flashinfer_mla) or SM100 (trtllm) GPU."""
+    def install(version: str = "0.6.18.post1", sm=(9, 0), fallback=("torch",)):
+        for k, v in _fake_flashinfer(version).items():
+            monkeypatch.setitem(sys.modules, k, v)
+        vers = {"torch": "2.13", "triton": None, "flashinfer": version}
+        dev = DeviceInfo("cuda", sm, "fake")
+        for mod in (fm, ft):
+            monkeypatch.setattr(mod, "installed_versions", lambda: vers)
+            monkeypatch.setattr(mod, "device_info", lambda device: dev)
+        monkeypatch.setattr(fm, "FALLBACK_ORDER", fallback)
+    yield install
+    get_backend("flashinfer_mla").configure(cuda_graph=False)
+    fm.state().__init__()
+    ft.state().__init__()
+
+
+DS16 = MLADims(16, 128, 64, 128, 512)  # DeepSeek per-head dims, 16 heads (a TP-8 shard)
+
+
+# ============================================================== flashinfer_mla on the fake
+@pytest.mark.parametrize("schedule", list(STANDARD_SCHEDULES))
+def test_fa_scenarios_on_fake(fake_fi, schedule):
+    fake_fi()
+    res = run_scenario("flashinfer_mla", DS16, STANDARD_SCHEDULES[schedule], page_size=16, dtype=BF16, seed=3)
+    assert 0 < res.max_rel_error() < 1e-2
+    st_ = fm.state()
+    assert st_.fallback_steps == 0
+    assert st_.plans == len(STANDARD_SCHEDULES[schedule])  # one plan per step (one config)
+
+
+def test_fa_scale_fp16_and_padding(fake_fi):
+    fake_fi()
+    res = run_scenario("flashinfer_mla", DS16, STANDARD_SCHEDULES["mixed"], page_size=16, dtype=torch.float16,
+                       scale=0.3, seed=1)
+    assert res.max_rel_error() < 5e-3
+    res = run_scenario("flashinfer_mla", DS16, STANDARD_SCHEDULES["mixed"], page_size=16, dtype=BF16,
+                       pad_to={1: 12, 4: 7}, max_batch_size=8)
+    assert res.max_rel_error() < 1e-2
+    res = run_scenario("flashinfer_mla", DS16, STANDARD_SCHEDULES["long_decode"], page_size=1, dtype=BF16,
+                       pad_to={2: 6, 7: 5}, max_batch_size=8)
+    assert res.max_rel_error() < 1e-2
+
+
+def test_fa_untileable_heads_use_fallback_for_prefill(fake_fi):
+    fake_fi("0.7.2")
+    d = MLADims(40, 64, 64, 64, 256)  # MiniCPM3-like head count on a 0.7.x rank
+    sch = STANDARD_SCHEDULES["prefill_then_decode"]
+    res = run_scenario("flashinfer_mla", d, sch, page_size=16, dtype=BF16)
+    assert res.max_rel_error() < 1e-2
+    st_ = fm.state()
+    assert st_.fallback_steps == 1  # the first (prefill) step
+    assert st_.plans == len(sch) - 1  # decode steps still planned and run on FlashInfer
+
+
+def test_fa_work_item_capacity_routes_to_fallback(fake_fi, monkeypatch):
+    fake_fi()
+    monkeypatch.setattr(fm, "FA_MAX_WORK_ITEMS", 3)
+    res = run_scenario("flashinfer_mla", DS16, STANDARD_SCHEDULES["ragged_prefill"], page_size=16, dtype=BF16)
+    assert res.max_rel_error() < 1e-2 and fm.state().fallback_steps == 1 and fm.state().plans == 0
+
+
+def _drive(backend, dims_list, schedule, page_size=16, dtype=BF16, seed=0, scales=None):
+    """Several layers (one cache each) through one backend, steps planned once: returns per-layer max rel err."""
+    be = get_backend(backend)
+    gen = torch.Generator().manual_seed(seed)
+    lengths: dict[int, int] = {}
+    for step in schedule:
+        for sid, n in step.items():
+            lengths[sid] = lengths.get(sid, 0) + n
+    max_len = max(lengths.values())
+    info = SequenceInfo(8, max(sum(s.values()) for s in schedule), max_len, page_size)
+    alloc = PageAllocator(1 + len(lengths) * info.max_pages_per_seq + 2, page_size, info.max_pages_per_seq)
+    layers = []
+    for i, d in enumerate(dims_list):
+        data = {s: [torch.randn(1, n, *shape, generator=gen).to(dtype) for shape in
+                    ((d.num_heads, d.qk_nope_head_dim), (d.num_heads, d.qk_rope_head_dim), (d.kv_lora_rank,),
+                     (1, d.qk_rope_head_dim))] for s, n in lengths.items()}
+        w = (torch.randn(d.num_heads * (d.qk_nope_head_dim + d.v_head_dim), d.kv_lora_rank, generator=gen)
+             * d.kv_lora_rank ** -0.5).to(dtype)
+        cache = torch.full((alloc.num_pages, page_size, d.latent_dim), float("nan"), dtype=dtype)
+        layers.append((d, data, w, cache, (scales or [None] * len(dims_list))[i], {s: [] for s in lengths}))
+    be.setup(list(dims_list), dtype, info)
+    done = {s: 0 for s in lengths}
+    for step in schedule:
+        alloc.ensure_many({s: done[s] + n for s, n in step.items()})
+        order = info.prepare_step([StepSequence(s, [0] * n, done[s]) for s, n in step.items()], alloc.pages_of)
+        be.prepare(info)
+        for d, data, w, cache, scale, outs in layers:
+            ins = [torch.cat([data[s][k][:, done[s]: done[s] + step[s]] for s in order], 1) for k in range(4)]
+            out = be.cached_op(*ins, w, *[info.get(m) for m in be.metadata], cache, scale)
+            off = 0
+            for s in order:
+                outs[s].append(out[0, off: off + step[s]])
+                off += step[s]
+        for s, n in step.items():
+            done[s] += n
+    errs = []
+    for d, data, w, cache, scale, outs in layers:
+        num = den = 0.0
+        for s in lengths:
+            ref = torch.ops.autodeploy.torch_mla(*[x.double() for x in data[s]], w.double(), True, scale, "bsnd")[0]
+            got = torch.cat(outs[s]).double()
+            num, den = max(num, (got - ref).abs().max().item()), max(den, ref.abs().max().item())
+        errs.append(num / den)
+    return errs
+
+
+def test_fa_one_plan_per_config_per_step_shared_by_layers(fake_fi):
+    fake_fi("0.7.2")
+    d128 = MLADims(16, 128, 64, 128, 512)
+    d_other = MLADims(32, 64, 64, 128, 256)
+    sch = STANDARD_SCHEDULES["mixed"]
+    # 4 layers: 3 share (N=16, R=512) with two different scales, one has (N=32, R=256).
+    errs = _drive("flashinfer_mla", [d128, d128, d_other, d128], sch, scales=[None, 0.05, None, 0.2])
+    assert max(errs) < 1e-2, errs
+    st_ = fm.state()
+    assert len(st_.configs) == 2 and len(st_.eager) == 2
+    assert st_.plans == 2 * len(sch)  # per step: one plan per config, not per layer
+    wrappers = list(st_.eager.values())
+    assert all(w.runs == (3 if w._num_heads == 16 else 1) * len(sch) for w in wrappers)
+
+
+def test_fa_cuda_graph_mode_uses_fixed_buffers(fake_fi):
+    fake_fi()
+    be = get_backend("flashinfer_mla")
+    be.configure(cuda_graph=True)
+    assert be.decode_graph_safe
+    sch = STANDARD_SCHEDULES["long_decode"]
+    res = run_scenario("flashinfer_mla", DS16, sch, page_size=16, dtype=BF16, pad_to={k: 4 for k in range(1, len(sch))},
+                       max_batch_size=8)
+    assert res.max_rel_error() < 1e-2
+    st_ = fm.state()
+    # decode steps (batch 3 padded to 4) share one graph wrapper whose buffers never moved
+    assert list(st_.graph) == [(fm.PlanKey.of(DS16, BF16), 4)]
+    w = st_.graph[(fm.PlanKey.of(DS16, BF16), 4)]
+    assert w.plans == len(sch) - 1 and w._kv_indices_buf is st_.graph_buffers[4].kv_indices
+    be.configure(cuda_graph=False)
+    assert not be.decode_graph_safe
+
+
+def test_fa_errors_are_actionable(fake_fi):
+    fake_fi()
+    be = get_backend("flashinfer_mla")
+    info = SequenceInfo(2, 8, 32, 16)
+    with pytest.raises(ValueError, match=r"illegal memory access"):
+        be.setup([MLADims(16, 128, 64, 128, 256)], BF16, info)
+    with pytest.raises(ValueError, match="dtype float32"):
+        be.setup([DS16], torch.float32, info)
+    be.setup([DS16], BF16, info)
+    alloc = PageAllocator(8, 16, info.max_pages_per_seq)
+    alloc.ensure_many({0: 3})
+    info.prepare_step([StepSequence(0, [1, 2, 3], 0)], alloc.pages_of)
+    args = _op_args(DS16, info, 3)
+    with pytest.raises(RuntimeError, match="prepare"):
+        be.cached_op(*args, torch.zeros(8, 16, 576, dtype=BF16), None)
+    be.prepare(info)
+    other = _op_args(MLADims(8, 128, 64, 128, 512), info, 3)
+    with pytest.raises(RuntimeError, match="setup"):
+        be.cached_op(*other, torch.zeros(8, 16, 576, dtype=BF16), None)
+
+
+def _op_args(d, info, t, dtype=BF16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = [torch.randn(1, t, d.num_heads, d.qk_nope_head_dim, generator=g), torch.randn(1, t, d.num_heads, d.qk_rope_head_dim, generator=g),
+         torch.randn(1, t, d.kv_lora_rank, generator=g), torch.randn(1, t, 1, d.qk_rope_head_dim, generator=g),
+         torch.randn(d.num_heads * (d.qk_nope_head_dim + d.v_head_dim), d.kv_lora_rank, generator=g) * 0.05]
+    return [a.to(dtype) for a in x] + [info.get(m) for m in fm.METADATA]
+
+
+@pytest.mark.parametrize("backend,sm,ps", [("flashinfer_mla", (9, 0), 16), ("flashinfer_trtllm_mla", (10, 0), 32)])
+def test_opcheck(fake_fi, backend, sm, ps):
+    fake_fi(sm=sm)
+    be = get_backend(backend)
+    info = SequenceInfo(4, 8, 64, ps)
+    be.setup([DS16], BF16, info)
+    alloc = PageAllocator(8, ps, info.max_pages_per_seq)
+    alloc.ensure_many({0: 40, 1: 9})
+    info.prepare_step([StepSequence(0, [1], 39), StepSequence(1, [1], 8)], alloc.pages_of)  # decode-only
+    be.prepare(info)
+    cache = torch.randn(8, ps, 576).to(BF16)
+    torch.library.opcheck(be.cached_op.default, (*_op_args(DS16, info, 2), cache, 0.1))
+
+
+# ============================================================== trtllm on the fake
+@pytest.mark.parametrize("schedule", ["prefill_then_decode", "mixed", "long_decode"])
+@pytest.mark.parametrize("dims", [DS16, MLADims(32, 64, 64, 128, 256), MLADims(128, 32, 64, 16, 512)],
+                         ids=["ds16", "r256", "n128"])
+def test_trtllm_scenarios_on_fake(fake_fi, schedule, dims):
+    fake_fi(sm=(10, 0))
+    sch = STANDARD_SCHEDULES[schedule]
+    res = run_scenario("flashinfer_trtllm_mla", dims, sch, page_size=32, dtype=BF16, scale=0.07, seed=2)
+    assert 0 < res.max_rel_error() < 1e-2
+    st_ = ft.state()
+    n_decode = sum(1 for k, s in enumerate(sch) if k > 0 and all(
+        sum(p.get(sid, 0) for p in sch[:k]) > 0 and n == 1 for sid, n in s.items()))
+    assert st_.decode_steps == n_decode and st_.fallback_steps == len(sch) - n_decode
+    assert st_.block_table.shape[1] % (128 // 32) == 0
+
+
+def test_trtllm_padded_decode_and_refusals(fake_fi):
+    fake_fi(sm=(10, 0))
+    sch = STANDARD_SCHEDULES["long_decode"]
+    res = run_scenario("flashinfer_trtllm_mla", DS16, sch, page_size=64, dtype=BF16,
+                       pad_to={k: 5 for k in range(1, len(sch))}, max_batch_size=8)
+    assert res.max_rel_error() < 1e-2
+    be = get_backend("flashinfer_trtllm_mla")
+    for d, ps, match in ((MLADims(96, 128, 64, 128, 512), 64, "64 < N < 128"),
+                         (DS16, 16, "page_size=16"), (MLADims(16, 128, 32, 128, 256), 64, r"\(R, Dr\)")):
+        with pytest.raises(ValueError, match=match):
+            be.setup([d], BF16, SequenceInfo(2, 8, 64, ps))
+    assert not be.decode_graph_safe
+
+
+# ============================================================== GPU (real FlashInfer on the H200)
+GPU_DIMS = {"ds_n128": MLADims(128, 128, 64, 128, 512), "ds_n16": MLADims(16, 128, 64, 128, 512),
+            "n40": MLADims(40, 128, 64, 128, 512)}
+
+
+def _need_flashinfer():
+    if caps.flashinfer_version({"flashinfer": fm.installed_versions().get("flashinfer")})[0] is None:
+        pytest.skip("flashinfer not installed")
+    dev = DeviceInfo.of("cuda")
+    res = get_backend("flashinfer_mla").check(GPU_DIMS["ds_n16"], BF16, dev, fm.installed_versions(), 64)
+    if not res.ok:
+        pytest.skip(res.reason)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dims_name", list(GPU_DIMS))
+@pytest.mark.parametrize("schedule", list(STANDARD_SCHEDULES))
+def test_gpu_fa_scenarios(dims_name, schedule):
+    _need_flashinfer()
+    for ps in (64, 16):
+        res = run_scenario("flashinfer_mla", GPU_DIMS[dims_name], STANDARD_SCHEDULES[schedule], page_size=ps,
+                           dtype=BF16, device="cuda", seed=7)
+        err = res.max_rel_error()
+        assert 0 < err < 1e-2, (dims_name, schedule, ps, err)
+
+
+@pytest.mark.gpu
+def test_gpu_fa_long_chunked_prefill_and_mixed():
+    _need_flashinfer()
+    d = GPU_DIMS["ds_n128"]
+    sch = [{0: 300, 1: 77}, {0: 257, 1: 1, 2: 130}, {0: 1, 1: 1, 2: 200, 3: 3}] + [{0: 1, 1: 1, 2: 1, 3: 1}] * 3
+    res = run_scenario("flashinfer_mla", d, sch, page_size=64, dtype=BF16, device="cuda", scale=0.11, seed=5)
+    assert 0 < res.max_rel_error() < 1e-2
+    assert fm.state().fallback_steps == 0
+
+
+@pytest.mark.gpu
+def test_gpu_fa_captured_decode_graph_replays_after_growth():
+    """Capture one decode step in a CUDA graph, then replay it for later steps (sequences grow, pages are added),
+    re-planning before each replay; compare with the eager torch reference op."""
+    _need_flashinfer()
+    d, ps, dtype = GPU_DIMS["ds_n128"], 64, BF16
+    be = get_backend("flashinfer_mla")
+    be.configure(cuda_graph=True)
+    try:
+        dev = torch.device("cuda")
+        bs, max_len = 4, 700
+        info = SequenceInfo(bs, 256, max_len, ps, dev)
+        alloc = PageAllocator(1 + bs * info.max_pages_per_seq, ps, info.max_pages_per_seq)
+        g = torch.Generator().manual_seed(0)
+        w = (torch.randn(d.num_heads * (d.qk_nope_head_dim + d.v_head_dim), d.kv_lora_rank, generator=g)
+             * d.kv_lora_rank ** -0.5).to(dev, dtype)
+        cache = torch.randn(alloc.num_pages, ps, d.latent_dim, generator=g).to(dev, dtype)
+        ref_cache = cache.clone()
+        be.setup([d], dtype, info)
+        lens = {0: 60, 1: 1, 2: 63, 3: 200}  # prefill these first (eager)
+        alloc.ensure_many(lens)
+        info.prepare_step([StepSequence(s, [0] * n, 0) for s, n in lens.items()], alloc.pages_of)
+        be.prepare(info)
+        t = sum(lens.values())
+
+        def inputs(t_):
+            return [torch.randn(1, t_, d.num_heads, d.qk_nope_head_dim, generator=g).to(dev, dtype),
+                    torch.randn(1, t_, d.num_heads, d.qk_rope_head_dim, generator=g).to(dev, dtype),
+                    torch.randn(1, t_, d.kv_lora_rank, generator=g).to(dev, dtype),
+                    torch.randn(1, t_, 1, d.qk_rope_head_dim, generator=g).to(dev, dtype)]
+
+        x = inputs(t)
+        meta = lambda names: [info.get(m) for m in names]  # noqa: E731
+        be.cached_op(*x, w, *meta(be.metadata), cache, None)
+        torch.ops.autodeploy.torch_mla_with_cache(*x, w, *meta(get_backend("torch").metadata), ref_cache, None)
+        # static decode inputs
+        static = inputs(bs)
+        for s in lens:
+            lens[s] += 1
+        alloc.ensure_many(lens)
+        info.prepare_step([StepSequence(s, [0], lens[s] - 1) for s in lens], alloc.pages_of)
+        be.prepare(info)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            be.cached_op(*static, w, *meta(be.metadata), cache.clone(), None)  # warm-up (not on the real cache)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out_static = be.cached_op(*static, w, *meta(be.metadata), cache, None)
+        errs = []
+        for step in range(40):  # crosses page boundaries (60->100, 63->103, 1->41, 200->240)
+            if step:
+                for s in lens:
+                    lens[s] += 1
+                alloc.ensure_many(lens)
+                info.prepare_step([StepSequence(s, [0], lens[s] - 1) for s in lens], alloc.pages_of)
+                be.prepare(info)
+            new = inputs(bs)
+            for a, b in zip(static, new):
+                a.copy_(b)
+            graph.replay()
+            ref = torch.ops.autodeploy.torch_mla_with_cache(*new, w, *meta(get_backend("torch").metadata),
+                                                            ref_cache, None)
+            errs.append(((out_static.float() - ref.float()).abs().max() / ref.float().abs().max()).item())
+        assert max(errs) < 1e-2, errs
+        assert torch.equal(cache, ref_cache) or (cache.float() - ref_cache.float()).abs().max() == 0
+    finally:
+        be.configure(cuda_graph=False)
+
+
+@pytest.mark.gpu
+def test_gpu_opcheck():
+    _need_flashinfer()
+    d, ps = GPU_DIMS["ds_n16"], 64
+    be = get_backend("flashinfer_mla")
+    info = SequenceInfo(4, 64, 256, ps, "cuda")
+    be.setup([d], BF16, info)
+    alloc = PageAllocator(16, ps, info.max_pages_per_seq)
+    alloc.ensure_many({0: 100, 1: 9})
+    info.prepare_step([StepSequence(0, [1] * 5, 95), StepSequence(1, [1], 8)], alloc.pages_of)
+    be.prepare(info)
+    args = [a.cuda() if a.device.type == "cpu" and a.dtype == BF16 else a for a in _op_args(d, info, 6)]
+    cache = torch.randn(16, ps, 576, device="cuda").to(BF16)
+    torch.library.opcheck(be.cached_op.default, (*args, cache, 0.1))
