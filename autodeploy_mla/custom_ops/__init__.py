@@ -17,3 +17,11 @@ from .backend_registry import (  # noqa: F401,E402
     library_versions,
     register_backend,
 )
+try:  # the Triton backend imports without triton (its check() then refuses every node)
+    from . import triton_mla  # noqa: F401,E402
+except ImportError:  # pragma: no cover
+    pass
+try:  # FlashInfer backends: FlashInfer itself is imported lazily, so this never needs it
+    from . import flashinfer_mla, flashinfer_trtllm_mla  # noqa: F401,E402
+except ImportError:  # pragma: no cover
+    pass

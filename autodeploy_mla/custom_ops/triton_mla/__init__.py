@@ -1,0 +1,7 @@
+"""The Triton MLA backend ("triton"): `torch.ops.autodeploy.triton_mla_with_cache` + `TritonMLABackend`.
+
+Imports without triton installed: the op is then registered but raises a clear error, and the
+descriptor's check() refuses every node with "triton not installed".
+"""
+
+from .op import HAS_TRITON, TritonMLABackend, choose_prefill_path, triton_mla_with_cache  # noqa: F401

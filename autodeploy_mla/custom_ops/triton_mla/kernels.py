@@ -1,0 +1,335 @@
+"""Triton kernels of the `triton` MLA backend (docs/triton_backend.md explains the design).
+
+Five kernels, all over the flat token batch and the paged latent cache
+`cache[num_pages, page_size, R + Dr]` (viewed flat as `[num_pages * page_size, R + Dr]`):
+
+- `append_kernel`: writes each new token's [latent | rope key] into its slot (`cache_loc`).
+- `absorbed_attn_kernel`: absorbed attention for decode and for the "absorb" prefill path. A program
+  owns BLOCK_Q query tokens of one sequence x BLOCK_H heads (rows) and one split-K chunk of the
+  sequence's history; every KV tile it loads is shared by all its rows. Rows past the last head or
+  the sequence's last query are masked (never dropped: the head grid is a ceil-division). Causality
+  is per row: query i of a sequence sees positions < input_pos + i + 1.
+- `split_reduce_kernel`: flash-decoding combine of the split-K partials by log-sum-exp.
+- `gather_kv_kernel`: copies the prefill sequences' whole history (prefix + new tokens) out of the
+  pages into a flat `[sum kv_len, R + Dr]` buffer, for the "expand" prefill path.
+- `expanded_prefill_kernel`: FlashAttention-style causal attention on K/V expanded by kv_b_proj
+  (per head: K = [k_nope | k_pe], V), for the "expand" prefill path.
+
+Softmax runs in base 2 (scores are pre-multiplied by scale * log2(e)); lse partials are base 2.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+
+def _fix_interpreter_scalar_index() -> None:
+    """TRITON_INTERPRET=1 with NumPy >= 2.4: the interpreter turns a scalar tensor into a Python int
+    with int(array) on a 1-element 1-d array, which NumPy now refuses, so `range(lo, hi)` with
+    run-time bounds fails. Patch that one conversion (restored with the interpreter's own patches)."""
+    import numpy as np
+    from triton.runtime import interpreter as interp
+
+    orig = getattr(interp, "_patch_lang_tensor", None)
+    if orig is None or getattr(orig, "_autodeploy_mla", False):
+        return
+
+    def patched(tensor, scope):
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+    patched._autodeploy_mla = True
+    interp._patch_lang_tensor = patched
+
+
+if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    _fix_interpreter_scalar_index()
+
+
+@triton.jit
+def _dot(a, b, DOT_PREC: tl.constexpr):
+    # DOT_PREC "upcast": the interpreter (TRITON_INTERPRET=1, triton 3.6) computes bf16/fp16 tl.dot
+    # wrongly, so CPU runs multiply in fp32 (same rounding of the inputs, fp32 accumulate as on GPU).
+    if DOT_PREC == "upcast":
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b, input_precision=DOT_PREC)
+
+
+# Run-time counts and offsets are not specialised on (==1, %16): one compiled kernel serves every
+# batch size and step.
+@triton.jit(do_not_specialize=["num_tokens"])
+def append_kernel(
+    CKV, KPE, CACHE, CACHE_LOC,
+    num_tokens,
+    stride_ckv_t, stride_kpe_t, stride_cache_row,
+    R: tl.constexpr, DR: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DR: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs_t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask = offs_t < num_tokens
+    slot = tl.load(CACHE_LOC + offs_t, mask=tmask, other=0).to(tl.int64)
+    offs_r = tl.arange(0, BLOCK_R)
+    m = tmask[:, None] & (offs_r[None, :] < R)
+    x = tl.load(CKV + offs_t.to(tl.int64)[:, None] * stride_ckv_t + offs_r[None, :], mask=m)
+    tl.store(CACHE + slot[:, None] * stride_cache_row + offs_r[None, :], x.to(CACHE.dtype.element_ty), mask=m)
+    if DR > 0:
+        offs_d = tl.arange(0, BLOCK_DR)
+        md = tmask[:, None] & (offs_d[None, :] < DR)
+        y = tl.load(KPE + offs_t.to(tl.int64)[:, None] * stride_kpe_t + offs_d[None, :], mask=md)
+        tl.store(CACHE + slot[:, None] * stride_cache_row + R + offs_d[None, :], y.to(CACHE.dtype.element_ty),
+                 mask=md)
+
+
+@triton.jit(do_not_specialize=["seq_base", "tok_base", "abs_base", "chunk_size"])
+def absorbed_attn_kernel(
+    Q_ABS, Q_PE, CACHE, PAGE_TABLE, CU_SEQLEN, INPUT_POS, SEQ_LEN,
+    LATENT, PART_ACC, PART_LSE,
+    seq_base, tok_base, abs_base, chunk_size, qk_scale,
+    stride_qa_h, stride_qa_t, stride_qp_t, stride_qp_h,
+    stride_cache_row, stride_pt_b,
+    stride_lat_h, stride_lat_t,
+    stride_pa_t, stride_pa_h, stride_pa_s, stride_pl_t, stride_pl_h,
+    N: tl.constexpr, R: tl.constexpr, DR: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    NUM_HB: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DR: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    # axis 0 = (query block, head block) with head blocks fastest, so the programs that read the
+    # same KV tiles run side by side and share them through L2; axis 1 = sequence; axis 2 = split.
+    pid_qh = tl.program_id(0)
+    b = seq_base + tl.program_id(1)
+    pid_s = tl.program_id(2)
+    hb = pid_qh % NUM_HB
+    qb = pid_qh // NUM_HB
+
+    q_start = tl.load(CU_SEQLEN + b)
+    q_len = tl.load(CU_SEQLEN + b + 1) - q_start
+    q0 = qb * BLOCK_Q
+    if q0 >= q_len:
+        return
+    pos0 = tl.load(INPUT_POS + b)
+    seq_len = tl.load(SEQ_LEN + b)
+
+    ROWS: tl.constexpr = BLOCK_Q * BLOCK_H
+    offs_row = tl.arange(0, ROWS)
+    q_idx = q0 + offs_row // BLOCK_H
+    head = hb * BLOCK_H + offs_row % BLOCK_H
+    row_ok = (head < N) & (q_idx < q_len)
+    tok = (q_start + q_idx).to(tl.int64)
+    row_limit = pos0 + q_idx + 1  # causal: this row sees kv positions < row_limit
+    kv_limit = tl.minimum(seq_len, pos0 + tl.minimum(q_len, q0 + BLOCK_Q))
+    kv_lo = pid_s * chunk_size
+    kv_hi = tl.minimum(kv_lo + chunk_size, kv_limit)
+
+    if SPLIT:
+        if kv_lo >= kv_limit:  # empty chunk (static split count, shorter sequence): lse = -inf
+            tl.store(PART_LSE + (tok - tok_base) * stride_pl_t + head * stride_pl_h + pid_s,
+                     tl.full([ROWS], float("-inf"), tl.float32), mask=row_ok)
+            return
+
+    offs_r = tl.arange(0, BLOCK_R)
+    rmask = offs_r < R
+    q = tl.load(Q_ABS + head[:, None] * stride_qa_h + (tok - abs_base)[:, None] * stride_qa_t + offs_r[None, :],
+                mask=row_ok[:, None] & rmask[None, :], other=0.0)
+    if DR > 0:
+        offs_d = tl.arange(0, BLOCK_DR)
+        dmask = offs_d < DR
+        qpe = tl.load(Q_PE + tok[:, None] * stride_qp_t + head[:, None] * stride_qp_h + offs_d[None, :],
+                      mask=row_ok[:, None] & dmask[None, :], other=0.0)
+
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_R], tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    pt_row = PAGE_TABLE + b.to(tl.int64) * stride_pt_b
+    for start in range(kv_lo, kv_hi, BLOCK_N):
+        pos = start + offs_n
+        pmask = pos < kv_hi
+        page = tl.load(pt_row + pos // PAGE_SIZE, mask=pmask, other=0).to(tl.int64)
+        row_ptr = CACHE + (page * PAGE_SIZE + pos % PAGE_SIZE) * stride_cache_row
+        # Masked loads (other=0): slots past the history may hold anything, NaN included.
+        kv = tl.load(row_ptr[:, None] + offs_r[None, :], mask=pmask[:, None] & rmask[None, :], other=0.0)
+        s = _dot(q, tl.trans(kv), DOT_PREC)
+        if DR > 0:
+            kpe = tl.load(row_ptr[:, None] + R + offs_d[None, :], mask=pmask[:, None] & dmask[None, :], other=0.0)
+            s += _dot(qpe, tl.trans(kpe), DOT_PREC)
+        s = s * qk_scale
+        vis = (pos[None, :] < row_limit[:, None]) & pmask[None, :]
+        s = tl.where(vis, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _dot(p.to(kv.dtype), kv, DOT_PREC)
+        m_i = m_new
+
+    has = l_i > 0.0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    if SPLIT:
+        rel = tok - tok_base
+        tl.store(PART_ACC + rel[:, None] * stride_pa_t + head[:, None] * stride_pa_h + pid_s * stride_pa_s
+                 + offs_r[None, :], out, mask=row_ok[:, None] & rmask[None, :])
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        tl.store(PART_LSE + rel * stride_pl_t + head * stride_pl_h + pid_s, lse, mask=row_ok)
+    else:
+        tl.store(LATENT + head[:, None] * stride_lat_h + (tok - abs_base)[:, None] * stride_lat_t + offs_r[None, :],
+                 out.to(LATENT.dtype.element_ty), mask=row_ok[:, None] & rmask[None, :])
+
+
+@triton.jit(do_not_specialize=["tok_base", "abs_base", "num_splits"])
+def split_reduce_kernel(
+    PART_ACC, PART_LSE, LATENT,
+    tok_base, abs_base, num_splits,
+    stride_pa_t, stride_pa_h, stride_pa_s, stride_pl_t, stride_pl_h,
+    stride_lat_h, stride_lat_t,
+    R: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    rel = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs_r = tl.arange(0, BLOCK_R)
+    rmask = offs_r < R
+    m = float("-inf")
+    l = 0.0
+    acc = tl.zeros([BLOCK_R], tl.float32)
+    for s in range(0, num_splits):
+        lse = tl.load(PART_LSE + rel * stride_pl_t + h * stride_pl_h + s)
+        valid = lse > float("-inf")
+        # Partials of empty chunks were never written: do not read them (0 * NaN = NaN).
+        x = tl.load(PART_ACC + rel * stride_pa_t + h * stride_pa_h + s * stride_pa_s + offs_r,
+                    mask=rmask & valid, other=0.0)
+        m_new = tl.maximum(m, lse)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_safe)
+        w = tl.exp2(lse - m_safe)
+        acc = acc * alpha + w * x
+        l = l * alpha + w
+        m = m_new
+    out = acc / tl.where(l > 0.0, l, 1.0)
+    tl.store(LATENT + h * stride_lat_h + (tok_base + rel - abs_base) * stride_lat_t + offs_r,
+             out.to(LATENT.dtype.element_ty), mask=rmask)
+
+
+@triton.jit
+def gather_kv_kernel(
+    CACHE, PAGE_TABLE, SEQ_LEN, KV_CU, DST,
+    stride_cache_row, stride_pt_b, stride_dst_row,
+    W: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    b = tl.program_id(1)
+    kv_len = tl.load(SEQ_LEN + b)
+    if pid * BLOCK_T >= kv_len:
+        return
+    dst0 = tl.load(KV_CU + b).to(tl.int64)
+    pos = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    pmask = pos < kv_len
+    page = tl.load(PAGE_TABLE + b.to(tl.int64) * stride_pt_b + pos // PAGE_SIZE, mask=pmask, other=0).to(tl.int64)
+    src = CACHE + (page * PAGE_SIZE + pos % PAGE_SIZE) * stride_cache_row
+    dst = DST + (dst0 + pos) * stride_dst_row
+    for w0 in range(0, W, BLOCK_W):
+        offs_w = w0 + tl.arange(0, BLOCK_W)
+        m = pmask[:, None] & (offs_w[None, :] < W)
+        x = tl.load(src[:, None] + offs_w[None, :], mask=m)
+        tl.store(dst[:, None] + offs_w[None, :], x, mask=m)
+
+
+@triton.jit
+def _expanded_tiles(
+    acc, m_i, l_i, qn, qp, KV, LAT, kv0, k_col, lo, hi, row_limit, qk_scale,
+    stride_kv_row, stride_lat_row,
+    DN: tl.constexpr, DV: tl.constexpr, DR: tl.constexpr, R: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_DN: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
+    CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """Online-softmax over key tiles [lo, hi); CAUSAL=False for tiles every row fully sees."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_dn = tl.arange(0, BLOCK_DN)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + offs_n
+        pmask = pos < hi
+        rows = kv0 + pos
+        kn = tl.load(KV + rows[:, None] * stride_kv_row + k_col + offs_dn[None, :],
+                     mask=pmask[:, None] & (offs_dn[None, :] < DN), other=0.0)
+        s = _dot(qn, tl.trans(kn), DOT_PREC)
+        if DR > 0:
+            offs_dr = tl.arange(0, BLOCK_DR)
+            kp = tl.load(LAT + rows[:, None] * stride_lat_row + R + offs_dr[None, :],
+                         mask=pmask[:, None] & (offs_dr[None, :] < DR), other=0.0)
+            s += _dot(qp, tl.trans(kp), DOT_PREC)
+        s = s * qk_scale
+        if CAUSAL:
+            s = tl.where((pos[None, :] <= row_limit[:, None]) & pmask[None, :], s, float("-inf"))
+        else:
+            s = tl.where(pmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(KV + rows[:, None] * stride_kv_row + k_col + DN + offs_dv[None, :],
+                    mask=pmask[:, None] & (offs_dv[None, :] < DV), other=0.0)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PREC)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def expanded_prefill_kernel(
+    Q_NOPE, Q_PE, KV, LAT, CU_SEQLEN, INPUT_POS, KV_CU, OUT,
+    qk_scale,
+    stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
+    stride_kv_row, stride_lat_row, stride_o_t, stride_o_h,
+    DN: tl.constexpr, DV: tl.constexpr, DR: tl.constexpr, R: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_DN: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    # grid: (query block, head, prefill sequence). K/V rows of sequence b start at KV_CU[b] in the
+    # expanded buffers; its new tokens are the last q_len of its kv_len = input_pos + q_len rows.
+    mb = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    q_start = tl.load(CU_SEQLEN + b)
+    q_len = tl.load(CU_SEQLEN + b + 1) - q_start
+    if mb * BLOCK_M >= q_len:
+        return
+    pos0 = tl.load(INPUT_POS + b)
+    kv0 = tl.load(KV_CU + b).to(tl.int64)
+
+    offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    mmask = offs_m < q_len
+    tok = (q_start + offs_m).to(tl.int64)
+    offs_dn = tl.arange(0, BLOCK_DN)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    offs_dr = tl.arange(0, BLOCK_DR)
+    qn = tl.load(Q_NOPE + tok[:, None] * stride_qn_t + h * stride_qn_h + offs_dn[None, :],
+                 mask=mmask[:, None] & (offs_dn[None, :] < DN), other=0.0)
+    qp = qn  # placeholder when DR == 0 (never used)
+    if DR > 0:
+        qp = tl.load(Q_PE + tok[:, None] * stride_qp_t + h * stride_qp_h + offs_dr[None, :],
+                     mask=mmask[:, None] & (offs_dr[None, :] < DR), other=0.0)
+    k_col = h * (DN + DV)
+    row_limit = pos0 + offs_m  # causal: row sees kv positions <= row_limit
+    full_end = pos0 + mb * BLOCK_M  # keys below this are visible to every row of the block
+    kv_end = pos0 + tl.minimum(q_len, (mb + 1) * BLOCK_M)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    acc, m_i, l_i = _expanded_tiles(
+        acc, m_i, l_i, qn, qp, KV, LAT, kv0, k_col, 0, full_end, row_limit, qk_scale,
+        stride_kv_row, stride_lat_row, DN, DV, DR, R, BLOCK_N, BLOCK_DN, BLOCK_DV, BLOCK_DR, False, DOT_PREC)
+    acc, m_i, l_i = _expanded_tiles(
+        acc, m_i, l_i, qn, qp, KV, LAT, kv0, k_col, full_end, kv_end, row_limit, qk_scale,
+        stride_kv_row, stride_lat_row, DN, DV, DR, R, BLOCK_N, BLOCK_DN, BLOCK_DV, BLOCK_DR, True, DOT_PREC)
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    tl.store(OUT + tok[:, None] * stride_o_t + h * stride_o_h + offs_dv[None, :], out.to(OUT.dtype.element_ty),
+             mask=mmask[:, None] & (offs_dv[None, :] < DV))
