@@ -78,8 +78,26 @@ def export_model(model: nn.Module, *, example_batch: int = 2, example_seq: int =
             "to another fixed dim such as the vocab or hidden size)."
         ) from exc
     gm = ep.module()
-    gm.meta["export_example_shape"] = (example_batch, example_seq)
+    _strip_wrapper_from_module_paths(gm)
     return gm
+
+
+def _strip_wrapper_from_module_paths(gm: torch.fx.GraphModule) -> None:
+    """Make node.meta["nn_module_stack"] paths the user model's own module names.
+
+    Export sees the model as the wrapper's attribute "model", so paths read "model.model.layers.3..."
+    for an HF causal LM. Stripping that prefix makes every path valid for
+    `model.get_submodule(path)` (the root itself becomes ""), which is what reports and per-layer
+    config overrides name. Kept in node metadata because GraphModule.meta does not survive a rewrap.
+    """
+    for node in gm.graph.nodes:
+        stack = node.meta.get("nn_module_stack")
+        if stack:
+            node.meta["nn_module_stack"] = {key: (_unwrapped(val[0]), *val[1:]) for key, val in stack.items()}
+
+
+def _unwrapped(path: str) -> str:
+    return "" if path == "model" else path.removeprefix("model.")
 
 
 def _device_of(model: nn.Module) -> torch.device:
