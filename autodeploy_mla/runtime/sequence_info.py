@@ -107,6 +107,9 @@ class SequenceInfo:
             self.host[name] = self._host_buf[o : o + nb].view(dt).view(shape)
             self.dev[name] = self._dev_buf[o : o + nb].view(dt).view(shape)
         self._copy_done: torch.cuda.Event | None = None
+        #: CUDA-graph token buckets (set by the piecewise runner): prepare_step pads each step up to
+        #: the next bucket when no explicit pad_to is given. Empty: no automatic padding.
+        self.token_buckets: tuple[int, ...] = ()
 
         # Host-side description of the current step (plain Python, for the engine and planners).
         self.seq_ids: list[int] = []
@@ -139,6 +142,17 @@ class SequenceInfo:
         """An empty step (all capacity padded)."""
         self._write([], [], None)
 
+    def bucket_for(self, num_tokens: int, decode_only: bool) -> int | None:
+        """The token count a step of `num_tokens` is padded to: the smallest bucket that holds it (a
+        decode-only step prefers one <= max_batch_size, so its padding is dummy decode sequences);
+        None when no bucket fits (the step runs unpadded)."""
+        fits = [b for b in self.token_buckets if num_tokens <= b <= self.max_num_tokens]
+        if decode_only:
+            seqs = [b for b in fits if b <= self.max_batch_size]
+            if seqs:
+                return min(seqs)
+        return min(fits, default=None)
+
     def prepare_step(
         self,
         seqs: Sequence[StepSequence],
@@ -149,7 +163,8 @@ class SequenceInfo:
 
         `pages_of(seq_id)` gives the pages that already hold (or will hold) the sequence's tokens:
         allocate them before calling this. Validates every limit first, so a rejected step leaves
-        the previous metadata untouched.
+        the previous metadata untouched. Without `pad_to`, pads to `bucket_for(...)` when
+        `token_buckets` is set.
         """
         ordered = sorted(seqs, key=lambda s: s.is_decode)  # stable: prefill first, decode last
         if len(ordered) > self.max_batch_size:
@@ -162,6 +177,8 @@ class SequenceInfo:
                 f"step has {num_tokens} tokens, over max_num_tokens={self.max_num_tokens}; "
                 "split prefill into chunks of at most max_num_tokens."
             )
+        if pad_to is None and self.token_buckets and ordered:
+            pad_to = self.bucket_for(num_tokens, decode_only=all(s.is_decode for s in ordered))
         if pad_to is not None and not (num_tokens <= pad_to <= self.max_num_tokens):
             raise CapacityError(
                 f"pad_to={pad_to} must lie in [{num_tokens} (tokens this step), "

@@ -9,6 +9,7 @@ import torch
 from pydantic import Field
 
 from . import insert_cached_attention  # noqa: F401  (registers insert_cached_mla_attention)
+from . import piecewise  # noqa: F401  (registers piecewise)
 from .context import BuildContext
 from .export import export_model
 from .match_mla import match_mla as _match_mla

@@ -1,0 +1,353 @@
+"""`piecewise`: split the cached graph around its dynamic (attention) ops (DESIGN §9).
+
+Split points are found by op identity, from the backend registry: every registered cached op
+(`cached_ops()`, i.e. every descriptor with `is_dynamic`) plus any extra op a descriptor lists in
+an optional `dynamic_ops` attribute (e.g. a metadata-preparation op). No op-name matching: a new
+backend is a split point as soon as it is registered.
+
+The graph is partitioned in node order: a static piece collects nodes until the next dynamic op,
+which gets a piece of its own. The partition DAG is built with networkx and must be acyclic;
+`torch.fx.passes.split_module` then produces one submodule per piece, called in topological order
+from a small top-level graph. Parameters that split_module would pass between pieces as inputs are
+moved back into the submodules that use them (fewer arguments per call, constant addresses for
+CUDA graphs and torch.compile).
+
+The pass only plans: it leaves `ctx.gm` (the flat graph) unchanged, and hands the runtime a
+`runner_factory(gm, seq_info)` that builds a `PiecewiseRunner` (runtime/piecewise_runner.py: static
+pieces eager or torch.compile'd, captured as CUDA graphs per token-count bucket on CUDA, dynamic
+ops eager in between, a whole-graph decode CUDA graph where every op is decode-graph-safe).
+It must be the last pass that rewrites the graph. See docs/piecewise.md.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional, Union
+
+import networkx as nx
+import torch
+from pydantic import Field, field_validator
+from torch.fx.passes.split_module import split_module
+
+from ..custom_ops.backend_registry import MLABackend, all_backends, cached_ops
+from .context import BuildContext
+from .registry import PassOptions, PassResult, register_pass
+
+STATIC, DYNAMIC = "static", "dynamic"
+#: Token buckets of `buckets: auto`: powers of two up to this (and max_num_tokens), plus max_batch_size.
+AUTO_BUCKET_LIMIT = 512
+
+
+class PiecewiseOptions(PassOptions):
+    enabled: bool = True
+    on_cpu: bool = Field(
+        False, description="split on CPU too (pieces run eagerly there: no CUDA graphs); for tests and debugging"
+    )
+    compile: Literal["none", "inductor", "aot_eager"] = Field(
+        "none", description="torch.compile backend for static pieces ('aot_eager': tracing only, for tests)"
+    )
+    cuda_graphs: bool = Field(True, description="capture static pieces per token bucket (CUDA only)")
+    buckets: Union[Literal["auto"], list[int]] = Field(
+        "auto",
+        description="token counts to capture; steps are padded up to the next bucket. "
+        f"auto: 1, 2, 4, ... up to min(max_num_tokens, {AUTO_BUCKET_LIMIT}), plus max_batch_size",
+    )
+    decode_graph: Literal["auto", "off"] = Field(
+        "auto", description="one whole-graph CUDA graph per decode batch bucket when every op is decode_graph_safe"
+    )
+
+    @field_validator("buckets")
+    @classmethod
+    def _buckets(cls, v: Union[str, list[int]]) -> Union[str, list[int]]:
+        if isinstance(v, list):
+            bad = [b for b in v if int(b) < 1]
+            if bad:
+                raise ValueError(f"buckets must be positive token counts, got {bad}")
+            return sorted({int(b) for b in v})
+        return v
+
+
+# ----------------------------------------------------------------------------- split points
+def split_point_ops() -> dict[Any, MLABackend]:
+    """op (packet and overload) -> the descriptor it belongs to, for every split-point op."""
+    registered = cached_ops()
+    out: dict[Any, MLABackend] = {}
+    for be in all_backends().values():
+        ops = [be.cached_op] if be.cached_op in registered else []
+        ops += list(getattr(be, "dynamic_ops", ()) or ())
+        for op in ops:
+            out[op] = be
+            default = getattr(op, "default", None)
+            if default is not None:
+                out[default] = be
+    return out
+
+
+def is_split_point(node: torch.fx.Node, ops: dict[Any, MLABackend]) -> bool:
+    return node.op == "call_function" and node.target in ops
+
+
+# ----------------------------------------------------------------------------- plan + split
+@dataclass
+class Piece:
+    index: int
+    name: str  # submodule name in SplitGraph.module
+    kind: str  # "static" | "dynamic"
+    nodes: int  # graph nodes in the piece (call nodes of the flat graph)
+    ops: list[str] = field(default_factory=list)  # dynamic: the split-point op(s)
+    backends: list[str] = field(default_factory=list)
+    layers: list[str] = field(default_factory=list)
+    #: per argument of the submodule call: "input" (graph input or parameter), "static", "dynamic"
+    arg_sources: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "name": self.name,
+            "kind": self.kind,
+            "nodes": self.nodes,
+            "ops": list(self.ops),
+            "backends": list(self.backends),
+            "layers": list(self.layers),
+            "inputs": len(self.arg_sources),
+            # Filled by the runner as it captures: token buckets (piecewise) and decode batch sizes
+            # (whole-graph decode graphs, which contain every piece).
+            "captured": {"piecewise": [], "decode_graph": []},
+        }
+
+
+@dataclass
+class SplitGraph:
+    source: torch.fx.GraphModule  # the flat graph that was split
+    module: torch.fx.GraphModule  # top level: calls submod_<i> in topological order
+    pieces: list[Piece]
+    decode_graph_safe: bool
+    decode_graph_reason: str
+
+    @property
+    def num_static(self) -> int:
+        return sum(p.kind == STATIC for p in self.pieces)
+
+    @property
+    def num_dynamic(self) -> int:
+        return sum(p.kind == DYNAMIC for p in self.pieces)
+
+    def kinds(self) -> list[str]:
+        return [p.kind for p in self.pieces]
+
+
+class PiecewiseError(RuntimeError):
+    """The graph cannot be split into a valid piece sequence; the message says why."""
+
+
+def plan_partitions(gm: torch.fx.GraphModule, ops: dict[Any, MLABackend]) -> tuple[dict[torch.fx.Node, int], dict[int, str]]:
+    """Assign every call node a partition id (in node order); returns (node -> id, id -> kind)."""
+    part: dict[torch.fx.Node, int] = {}
+    kinds: dict[int, str] = {}
+    pid, open_static = 0, False
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "get_attr", "output"):
+            continue
+        if is_split_point(node, ops):
+            if open_static:
+                pid += 1
+            part[node], kinds[pid] = pid, DYNAMIC
+            pid += 1
+            open_static = False
+        else:
+            part[node], kinds[pid] = pid, STATIC
+            open_static = True
+    return part, kinds
+
+
+def partition_dag(part: dict[torch.fx.Node, int], kinds: dict[int, str]) -> "nx.DiGraph":
+    """Data-flow DAG between partitions; raises PiecewiseError if it has a cycle."""
+    dag = nx.DiGraph()
+    dag.add_nodes_from(kinds)
+    for node, p in part.items():
+        for user in node.users:
+            q = part.get(user)
+            if q is not None and q != p:
+                dag.add_edge(p, q)
+    if not nx.is_directed_acyclic_graph(dag):
+        cycle = nx.find_cycle(dag)
+        raise PiecewiseError(
+            f"piecewise: the partition graph has a cycle {cycle}; the flat graph is not in topological order. "
+            "Run graph.lint() after the last rewriting pass, or disable `piecewise`."
+        )
+    return dag
+
+
+def _fetch_attr(mod: torch.nn.Module, qualname: str) -> Any:
+    obj: Any = mod
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _inline_params(top: torch.fx.GraphModule) -> None:
+    """Turn submodule inputs fed by top-level tensor get_attrs (parameters) into get_attrs inside."""
+    for call in [n for n in top.graph.nodes if n.op == "call_module"]:
+        sub = top.get_submodule(call.target)
+        phs = [n for n in sub.graph.nodes if n.op == "placeholder"]
+        if len(phs) != len(call.args) or call.kwargs:
+            continue  # unexpected calling convention: leave it alone
+        body = next(n for n in sub.graph.nodes if n.op != "placeholder")  # get_attrs go after the inputs
+        keep_args = []
+        for ph, arg in zip(phs, call.args):
+            if isinstance(arg, torch.fx.Node) and arg.op == "get_attr":
+                value = _fetch_attr(top, arg.target)
+                if isinstance(value, torch.Tensor):
+                    name = "p_" + arg.target.replace(".", "_")
+                    if isinstance(value, torch.nn.Parameter):
+                        sub.register_parameter(name, value)
+                    else:
+                        sub.register_buffer(name, value)
+                    with sub.graph.inserting_before(body):
+                        ga = sub.graph.get_attr(name)
+                    ga.meta = dict(ph.meta)
+                    ph.replace_all_uses_with(ga)
+                    sub.graph.erase_node(ph)
+                    continue
+            keep_args.append(arg)
+        if len(keep_args) != len(call.args):
+            call.args = tuple(keep_args)
+            sub.recompile()
+    top.graph.eliminate_dead_code()
+    for node in [n for n in top.graph.nodes if n.op == "get_attr" and not n.users]:
+        top.graph.erase_node(node)
+    top.graph.lint()
+    top.recompile()
+
+
+def _arg_sources(call: torch.fx.Node, kind_of: dict[str, str]) -> list[str]:
+    out = []
+    for a in call.args:
+        src = a
+        while isinstance(src, torch.fx.Node) and src.op == "call_function" and src.target is operator.getitem:
+            src = src.args[0]
+        if not isinstance(src, torch.fx.Node) or src.op in ("placeholder", "get_attr"):
+            out.append("input")
+        elif src.op == "call_module":
+            out.append(kind_of.get(src.target, DYNAMIC))
+        else:
+            out.append(DYNAMIC)  # unknown producer: treat as fresh every step
+    return out
+
+
+def split_graph(gm: torch.fx.GraphModule) -> SplitGraph:
+    """Split `gm` around its split-point ops into static and dynamic pieces."""
+    ops = split_point_ops()
+    part, kinds = plan_partitions(gm, ops)
+    if not any(k == DYNAMIC for k in kinds.values()):
+        raise PiecewiseError(
+            "piecewise: the graph has no cached attention op to split at (registered split points: "
+            f"{', '.join(sorted({str(o) for o in ops if hasattr(o, '_schema')}))}). "
+            "Run insert_cached_mla_attention first, or disable `piecewise`."
+        )
+    dag = partition_dag(part, kinds)
+    order = list(nx.lexicographical_topological_sort(dag))
+    rank = {p: i for i, p in enumerate(order)}
+    top = split_module(gm, gm, lambda n: rank[part[n]], keep_original_order=True)
+    _inline_params(top)
+
+    by_rank = {rank[p]: p for p in kinds}
+    kind_of = {f"submod_{r}": kinds[p] for r, p in by_rank.items()}
+    counts: dict[int, int] = {}
+    for node, p in part.items():
+        counts[rank[p]] = counts.get(rank[p], 0) + 1
+
+    pieces: list[Piece] = []
+    unsafe: dict[str, list[str]] = {}
+    for call in top.graph.nodes:
+        if call.op != "call_module":
+            continue
+        r = int(call.target.rsplit("_", 1)[1])
+        piece = Piece(len(pieces), call.target, kinds[by_rank[r]], counts.get(r, 0),
+                      arg_sources=_arg_sources(call, kind_of))
+        if piece.kind == DYNAMIC:
+            sub = top.get_submodule(call.target)
+            for n in sub.graph.nodes:
+                if n.op == "call_function" and n.target in ops:
+                    be = ops[n.target]
+                    piece.ops.append(str(n.target))
+                    piece.backends.append(be.name)
+                    layer = getattr(n.meta.get("mla_backend"), "layer", None) or n.meta.get("mla_layer", n.name)
+                    piece.layers.append(str(layer))
+                    if not be.decode_graph_safe:
+                        unsafe.setdefault(be.name, []).append(str(layer))
+        pieces.append(piece)
+    if unsafe:
+        reason = "; ".join(f"backend {b!r} is not decode_graph_safe (layers {', '.join(ls)})" for b, ls in unsafe.items())
+    else:
+        reason = "every dynamic op is decode_graph_safe"
+    return SplitGraph(gm, top, pieces, not unsafe, reason)
+
+
+# ----------------------------------------------------------------------------- buckets
+def resolve_buckets(buckets: Union[str, list[int]], max_num_tokens: int, max_batch_size: int) -> list[int]:
+    if buckets == "auto":
+        out, b = set(), 1
+        while b <= min(max_num_tokens, AUTO_BUCKET_LIMIT):
+            out.add(b)
+            b *= 2
+        out.add(min(max_num_tokens, AUTO_BUCKET_LIMIT))
+        if max_batch_size <= max_num_tokens:
+            out.add(max_batch_size)
+        return sorted(out)
+    too_big = [b for b in buckets if b > max_num_tokens]
+    if too_big:
+        raise ValueError(
+            f"piecewise.buckets {too_big} exceed runtime.max_num_tokens={max_num_tokens}: a step never has "
+            "more tokens; drop them or raise max_num_tokens."
+        )
+    return list(buckets)
+
+
+# ----------------------------------------------------------------------------- the pass
+def make_runner_factory(split: SplitGraph, opts: PiecewiseOptions, buckets: list[int], report: list[dict]):
+    def factory(gm: torch.fx.GraphModule, seq_info: Any):
+        from ..runtime.piecewise_runner import PiecewiseRunner
+
+        sg = split if gm is split.source else split_graph(gm)
+        if sg is not split:  # the graph changed after the pass: report the pieces actually run
+            report[:] = [p.to_dict() for p in sg.pieces]
+        return PiecewiseRunner(
+            sg, seq_info, compile=opts.compile, cuda_graphs=opts.cuda_graphs, buckets=buckets,
+            decode_graph=opts.decode_graph == "auto", report=report,
+        )
+
+    return factory
+
+
+@register_pass("piecewise", PiecewiseOptions)
+def piecewise(ctx: BuildContext, opts: PiecewiseOptions) -> PassResult:
+    assert ctx.gm is not None
+    if ctx.device.type != "cuda" and not opts.on_cpu:
+        return PassResult("skipped: not on CUDA (no CUDA graphs here; set on_cpu: true to split anyway)",
+                          {"skipped": True})
+    rt = ctx.config.runtime
+    split = split_graph(ctx.gm)
+    buckets = resolve_buckets(opts.buckets, rt.max_num_tokens, rt.max_batch_size)
+    report = [p.to_dict() for p in split.pieces]
+    ctx.state["piecewise_split"] = split
+    ctx.state["piecewise_report"] = report
+    ctx.state["runner_factory"] = make_runner_factory(split, opts, buckets, report)
+
+    graphs = opts.cuda_graphs and ctx.device.type == "cuda"
+    decode = opts.decode_graph == "auto" and split.decode_graph_safe and graphs
+    summary = (
+        f"{len(split.pieces)} pieces ({split.num_static} static, {split.num_dynamic} dynamic); "
+        f"compile={opts.compile}; cuda graphs "
+        + (f"on, buckets {buckets}" if graphs else "off")
+        + (f"; decode whole-graph: {'on' if decode else 'off'} ({split.decode_graph_reason})" if graphs else "")
+    )
+    return PassResult(summary, {
+        "pieces": report,
+        "buckets": buckets if graphs else [],
+        "cuda_graphs": graphs,
+        "compile": opts.compile,
+        "decode_graph": decode,
+        "decode_graph_reason": split.decode_graph_reason,
+    })

@@ -1,0 +1,363 @@
+"""Piecewise split + runner (issue 6).
+
+CPU: splitting changes nothing (split vs flat graph over mixed prefill/decode steps, bit-identical),
+every registered cached op is a split point (by op identity, not by name), L MLA layers give
+S D S D ... S pieces, generation through the split model equals HF eager greedy, bucket padding.
+GPU (marked): CUDA-graph replay vs eager across steps of changing composition, unseen buckets,
+the whole-graph decode graph, capture failure fallback.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from autodeploy_mla.api import optimize
+from autodeploy_mla.custom_ops import all_backends, cached_ops, get_backend
+from autodeploy_mla.models.tiny_configs import TINY_CONFIGS
+from autodeploy_mla.runtime.cuda_graphs import BORROW, BORROW_OWNED, OWNED, CapturedGraph
+from autodeploy_mla.runtime.piecewise_runner import PiecewiseRunner, _mutation_reason
+from autodeploy_mla.runtime.sequence_info import SequenceInfo, StepSequence
+from autodeploy_mla.testing import hf_greedy_generate
+from autodeploy_mla.transforms.piecewise import (
+    DYNAMIC,
+    STATIC,
+    PiecewiseError,
+    resolve_buckets,
+    split_graph,
+    split_point_ops,
+)
+
+RUNTIME = {"max_batch_size": 4, "max_seq_len": 64, "max_num_tokens": 8, "page_size": 4}
+
+
+def _hf(layers: int) -> dict:
+    cfg = copy.deepcopy(TINY_CONFIGS["deepseek_v3"])
+    cfg["num_hidden_layers"] = layers
+    return cfg
+
+
+def build(layers: int = 4, device: str = "cpu", dtype: str = "float32", runtime=None, **piecewise):
+    pw = {"enabled": True, "on_cpu": True, **piecewise}
+    return optimize(None, {
+        "model": {"hf_config": _hf(layers), "device": device, "dtype": dtype},
+        "runtime": {**RUNTIME, **(runtime or {})},
+        "transforms": {"piecewise": pw},
+    })
+
+
+@pytest.fixture(scope="module")
+def om4():
+    return build(4)
+
+
+# Steps of (seq_id, new tokens, tokens already cached): prefill, chunked prefill, mixed, decode,
+# sequences finishing and new ones arriving.
+SCHEDULE = [
+    [(0, 5, 0), (1, 3, 0)],
+    [(0, 1, 5), (1, 1, 3), (2, 6, 0)],
+    [(0, 1, 6), (1, 1, 4), (2, 2, 6), (3, 4, 0)],
+    [(0, 1, 7), (1, 1, 5), (2, 1, 8), (3, 1, 4)],
+    [(1, 1, 6), (2, 1, 9), (3, 1, 5)],
+    [(2, 1, 10), (3, 1, 6), (4, 5, 0)],
+    [(2, 1, 11), (4, 1, 5)],
+]
+
+
+def run_steps(om, runner, schedule=SCHEDULE, seed=0, pad_to=None):
+    """Drive `runner` through `schedule` on fresh caches; returns logits [T, V] per step (copies)."""
+    for c in om.caches.caches.values():
+        c.zero_()
+    g = torch.Generator().manual_seed(seed)
+    vocab = om.eager_model.config.vocab_size
+    alloc = om.allocator
+    outs = []
+    saved, om.runner = om.runner, runner
+    try:
+        for k, step in enumerate(schedule):
+            alloc.ensure_many({sid: n + cached for sid, n, cached in step})
+            seqs = [StepSequence(sid, torch.randint(0, vocab, (n,), generator=g).tolist(), cached)
+                    for sid, n, cached in step]
+            om.seq_info.prepare_step(seqs, alloc.pages_of, pad_to=None if pad_to is None else pad_to[k])
+            t = om.seq_info.num_tokens
+            outs.append(om.forward_step(om.seq_info)[0, :t].float().clone())
+    finally:
+        om.runner = saved
+        for sid in {s for step in schedule for s, _, _ in step}:
+            alloc.free(sid)
+    return outs
+
+
+# ----------------------------------------------------------------------------- CPU
+def test_split_equals_flat_graph_over_mixed_steps(om4):
+    assert isinstance(om4.runner, PiecewiseRunner)
+    flat = run_steps(om4, om4.gm)
+    split = run_steps(om4, om4.runner)
+    for a, b in zip(flat, split):
+        assert torch.equal(a, b), (a - b).abs().max()
+    assert om4.runner.stats["eager"] == len(SCHEDULE)  # CPU: no graphs, every piece eager
+
+
+@pytest.mark.parametrize("layers", [1, 4])
+def test_pieces_alternate_static_dynamic(layers, om4):
+    om = om4 if layers == 4 else build(layers)
+    split = om.runner.split
+    assert split.kinds() == [STATIC, DYNAMIC] * layers + [STATIC]
+    dyn = [p for p in split.pieces if p.kind == DYNAMIC]
+    assert [p.backends for p in dyn] == [["torch"]] * layers
+    assert [p.nodes for p in dyn] == [1] * layers
+    # the report api.py shows: one entry per piece, nothing captured on CPU
+    rep = om.report()["pieces"]
+    assert [(e["index"], e["kind"]) for e in rep] == [(p.index, p.kind) for p in split.pieces]
+    assert all(e["captured"] == {"piecewise": [], "decode_graph": []} for e in rep)
+    # the torch reference op reads host sizes: no whole-graph decode graph with it
+    assert not split.decode_graph_safe and "torch" in split.decode_graph_reason
+
+
+def test_generation_token_identical_to_hf_eager(om4):
+    prompts = [[5, 6, 7], [3, 4], [9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 12], [42]]
+    got = om4.generate(prompts, max_new_tokens=7)
+    assert om4.runner.stats["eager"] > 0
+    for p, g in zip(prompts, got):
+        assert g == hf_greedy_generate(om4.eager_model, p, 7)
+
+
+def test_padded_buckets_keep_generation_identical(om4):
+    """Token buckets (what CUDA graphs use) pad steps: dummy decode seqs / ignored tokens are harmless."""
+    prompts = [[5, 6, 7], [3, 4], [9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 12]]
+    om4.seq_info.token_buckets = (2, 4, 8)
+    try:
+        got = om4.generate(prompts, max_new_tokens=5)
+    finally:
+        om4.seq_info.token_buckets = ()
+    for p, g in zip(prompts, got):
+        assert g == hf_greedy_generate(om4.eager_model, p, 5)
+
+
+def _graph_with(op, n_args: int) -> torch.fx.GraphModule:
+    g = torch.fx.Graph()
+    xs = [g.placeholder(f"a{i}") for i in range(n_args)]
+    pre = g.call_function(torch.ops.aten.add.Tensor, (xs[0], 1.0))
+    out = g.call_function(op, (pre, *xs[1:]))
+    post = g.call_function(torch.ops.aten.mul.Tensor, (out, 2.0))
+    g.output((post,))
+    return torch.fx.GraphModule(torch.nn.Module(), g)
+
+
+@pytest.mark.parametrize("name", sorted(all_backends()))
+def test_every_registered_cached_op_is_a_split_point(name):
+    """Fails when a backend's cached op would not be split at (e.g. is_dynamic turned off)."""
+    be = get_backend(name)
+    assert be.is_dynamic, f"backend {name!r}: a cached MLA op must be a piecewise split point"
+    op = be.cached_op.default
+    assert op in cached_ops() and op in split_point_ops()
+    split = split_graph(_graph_with(op, len(op._schema.arguments)))
+    assert split.kinds() == [STATIC, DYNAMIC, STATIC]
+    assert split.pieces[1].ops == [str(op)] and split.pieces[1].backends == [name]
+    assert split.decode_graph_safe == be.decode_graph_safe
+
+
+def test_split_points_are_found_by_identity_not_name():
+    @torch.library.custom_op("autodeploy_test::lookalike_mla_with_cache", mutates_args=())
+    def lookalike(x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    op = torch.ops.autodeploy_test.lookalike_mla_with_cache.default
+    assert op not in split_point_ops()
+    with pytest.raises(PiecewiseError, match="no cached attention op"):
+        split_graph(_graph_with(op, 1))
+
+
+def test_sym_sizes_cross_pieces(om4):
+    """sym_size ints computed in piece 0 feed later pieces as plain ints (split_module passes them)."""
+    top = om4.runner.split.module
+    sub0 = top.get_submodule("submod_0")
+    syms = [n for n in sub0.graph.nodes if n.target is torch.ops.aten.sym_size.int]
+    assert syms
+    out_node = next(n for n in sub0.graph.nodes if n.op == "output")
+    outs = out_node.args[0] if isinstance(out_node.args[0], (tuple, list)) else [out_node.args[0]]
+    assert any(o in syms for o in outs)
+
+
+def test_parameters_live_in_pieces_not_in_arguments(om4):
+    top = om4.runner.split.module
+    assert not [n for n in top.graph.nodes if n.op == "get_attr"]
+    for p in om4.runner.split.pieces:
+        if p.kind == STATIC:
+            assert len(p.arg_sources) < 10
+
+
+def test_compiled_pieces_match(om4):
+    """compile: aot_eager on CPU exercises the torch.compile plumbing (inductor is the GPU choice)."""
+    runner = PiecewiseRunner(om4.runner.split, om4.seq_info, compile="aot_eager", cuda_graphs=False)
+    flat = run_steps(om4, om4.gm, SCHEDULE[:3])
+    comp = run_steps(om4, runner, SCHEDULE[:3])
+    for a, b in zip(flat, comp):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_skipped_on_cpu_unless_asked():
+    om = optimize(None, {"model": {"hf_config": _hf(1)}, "runtime": RUNTIME,
+                         "transforms": {"piecewise": {"enabled": True}}})
+    rec = next(r for r in om.history if r.name == "piecewise")
+    assert "skipped" in rec.summary
+    assert om.runner is om.gm and om.report()["pieces"] is None
+
+
+def test_config_errors():
+    from autodeploy_mla.config.loader import load_config
+
+    with pytest.raises(ValueError, match="valid options"):
+        load_config({"transforms": {"piecewise": {"bucket": [1]}}})
+    with pytest.raises(ValueError, match="compile"):
+        load_config({"transforms": {"piecewise": {"compile": "max"}}})
+    with pytest.raises(ValueError, match="positive"):
+        load_config({"transforms": {"piecewise": {"buckets": [0, 4]}}})
+    with pytest.raises(ValueError, match="max_num_tokens=8"):
+        resolve_buckets([4, 16], 8, 4)
+    assert resolve_buckets("auto", 8, 4) == [1, 2, 4, 8]
+    assert resolve_buckets("auto", 1024, 48) == [1, 2, 4, 8, 16, 32, 48, 64, 128, 256, 512]
+
+
+def test_sequence_info_pads_to_buckets():
+    info = SequenceInfo(max_batch_size=6, max_num_tokens=16, max_seq_len=32, page_size=4)
+    pages = {i: [1 + 2 * i, 2 + 2 * i] for i in range(8)}
+    info.token_buckets = (1, 2, 4, 8, 16)
+    # decode-only, 3 seqs -> bucket 4 <= max_batch_size: one dummy decode sequence
+    info.prepare_step([StepSequence(i, [7], 3) for i in range(3)], pages.get)
+    assert info.num_padded_tokens == 4 and info.num_decode_seqs == 4 and info.num_tokens == 3
+    assert info.get("seq_len_with_cache_host")[3] == 1 and info.get("cache_loc_host")[3] == 0
+    # decode-only, 5 seqs: 8 > max_batch_size 6 -> padded with ignored tokens, not dummy seqs
+    info.prepare_step([StepSequence(i, [7], 3) for i in range(5)], pages.get)
+    assert info.num_padded_tokens == 8 and info.num_decode_seqs == 5
+    # mixed: 5 + 1 tokens -> 8, ignored padding
+    info.prepare_step([StepSequence(0, [1] * 5, 0), StepSequence(1, [2], 3)], pages.get)
+    assert info.num_padded_tokens == 8 and info.get("batch_info_host").tolist() == [1, 5, 1]
+    # explicit pad_to wins; no bucket fits -> unpadded
+    info.token_buckets = (2, 4)
+    info.prepare_step([StepSequence(0, [1] * 5, 0)], pages.get)
+    assert info.num_padded_tokens == 5
+    info.prepare_step([StepSequence(0, [1] * 3, 0)], pages.get, pad_to=7)
+    assert info.num_padded_tokens == 7
+
+
+def test_captured_graph_binding_rules():
+    """bind(): borrowed graph inputs must be the same tensor; owned buffers take a copy; scalars must match."""
+    inp, owned_out, mine = torch.randn(4), torch.randn(3), torch.randn(2)
+    cap = CapturedGraph(None, [(0, inp, BORROW), (1, owned_out, BORROW_OWNED), (2, mine, OWNED)], [(3, 8)], None, [],
+                        "t")
+    new = torch.randn(2)
+    assert cap.bind([inp, owned_out, new, 8]) and torch.equal(mine, new)
+    other = torch.randn(3)
+    assert cap.bind([inp, other, new, 8]) and torch.equal(owned_out, other)
+    assert not cap.bind([inp.clone(), owned_out, new, 8])  # foreign address changed: run eagerly
+    assert not cap.bind([inp, owned_out, new, 9])  # a captured size differs
+    assert not cap.bind([inp, owned_out, torch.randn(5), 8])  # shape differs
+
+
+def test_pieces_writing_their_inputs_are_not_captured():
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    v = g.call_function(torch.ops.aten.view.default, (x, [-1]))
+    g.call_function(torch.ops.aten.add_.Tensor, (v, 1.0))
+    g.output((x,))
+    assert "writes into input x" in _mutation_reason(torch.fx.GraphModule(torch.nn.Module(), g))
+    g2 = torch.fx.Graph()
+    y = g2.placeholder("y")
+    z = g2.call_function(torch.ops.aten.mul.Tensor, (y, 2.0))
+    g2.call_function(torch.ops.aten.add_.Tensor, (z, 1.0))
+    g2.output((z,))
+    assert _mutation_reason(torch.fx.GraphModule(torch.nn.Module(), g2)) is None
+
+
+# ----------------------------------------------------------------------------- GPU
+def _triton_ok() -> bool:
+    if "triton" not in all_backends():
+        return False
+    from autodeploy_mla.custom_ops.backend_registry import DeviceInfo, library_versions
+    from autodeploy_mla.custom_ops.mla_dims import MLADims
+
+    c = TINY_CONFIGS["deepseek_v3"]
+    dims = MLADims(c["num_attention_heads"], c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"],
+                   c["kv_lora_rank"])
+    return bool(get_backend("triton").check(dims, torch.bfloat16, DeviceInfo.of("cuda"), library_versions(), 4))
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+GPU_RUNTIME = {"max_batch_size": 8, "max_seq_len": 64, "max_num_tokens": 16, "page_size": 4, "num_pages": 64}
+GPU_SCHEDULE = SCHEDULE + [
+    [(5, 1, 0), (6, 2, 0), (7, 3, 0)],
+    [(2, 1, 12), (4, 1, 6), (5, 1, 1), (6, 1, 2), (7, 1, 3)],
+    [(2, 1, 13), (4, 1, 7), (5, 1, 2), (6, 1, 3), (7, 1, 4)],
+    [(2, 1, 14), (4, 1, 8), (5, 1, 3)],
+    [(2, 1, 15), (4, 1, 9), (5, 1, 4)],
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_gpu_cuda_graph_replay_matches_eager(backend):
+    if backend == "triton" and not _triton_ok():
+        pytest.skip("triton backend not registered or its check() refuses these dims")
+    om = optimize(None, {
+        "model": {"hf_config": _hf(3), "device": "cuda", "dtype": "bfloat16"},
+        "runtime": GPU_RUNTIME,
+        "transforms": {"insert_cached_mla_attention": {"backend": backend},
+                       "piecewise": {"enabled": True, "buckets": [1, 2, 4, 8, 16]}},
+    })
+    runner = om.runner
+    assert isinstance(runner, PiecewiseRunner) and runner.use_graphs
+    ref = run_steps(om, om.gm, GPU_SCHEDULE, seed=1)  # flat graph, unpadded, eager
+    for rep in range(2):  # first pass captures, second pass replays only
+        got = run_steps(om, runner, GPU_SCHEDULE, seed=1)
+        for k, (a, b) in enumerate(zip(got, ref)):
+            assert torch.isfinite(a).all()
+            assert _rel(a, b) < 2e-2, (rep, k, _rel(a, b))
+    st = runner.summary()
+    assert st["stats"].get("piecewise", 0) > 0 and not st["failures"], st
+    assert st["captured"]["piecewise"], st
+    if backend == "triton" and runner.split.decode_graph_safe:
+        assert st["stats"].get("decode_graph", 0) > 0 and st["captured"]["decode_graph"], st
+    if backend == "torch":
+        assert not st["captured"]["decode_graph"]
+    pieces = om.report()["pieces"]
+    assert any(e["captured"]["piecewise"] for e in pieces if e["kind"] == STATIC)
+
+
+@pytest.mark.gpu
+def test_gpu_unseen_bucket_runs_eagerly():
+    om = optimize(None, {
+        "model": {"hf_config": _hf(2), "device": "cuda", "dtype": "bfloat16"},
+        "runtime": GPU_RUNTIME,
+        "transforms": {"piecewise": {"enabled": True, "buckets": [2, 4]}},
+    })
+    sched = [[(0, 7, 0)], [(0, 1, 7), (1, 3, 0)], [(0, 1, 8), (1, 1, 3)], [(0, 5, 9), (1, 6, 4)]]
+    ref = run_steps(om, om.gm, sched, seed=2)
+    got = run_steps(om, om.runner, sched, seed=2)
+    for a, b in zip(got, ref):
+        assert _rel(a, b) < 2e-2
+    st = om.runner.summary()
+    assert st["stats"]["eager"] == 2 and st["stats"]["piecewise"] == 2, st  # 7 and 11 tokens: no bucket
+    assert st["captured"]["piecewise"] == [2, 4]
+
+
+@pytest.mark.gpu
+def test_gpu_generation_matches_hf_fp32_with_capture_fallback():
+    """fp32 MoE uses transformers' grouped_mm_fallback (host sync): that piece cannot be captured and
+    must run eagerly; the others replay; greedy tokens equal HF eager."""
+    om = optimize(None, {
+        "model": {"hf_config": _hf(3), "device": "cuda", "dtype": "float32"},
+        "runtime": GPU_RUNTIME,
+        "transforms": {"piecewise": {"enabled": True}},
+    })
+    prompts = [[5, 6, 7], [3, 4], [9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 12], [42]]
+    got = om.generate(prompts, max_new_tokens=8)
+    for p, g in zip(prompts, got):
+        assert g == hf_greedy_generate(om.eager_model, p, 8)
+    st = om.runner.summary()
+    assert st["stats"].get("piecewise", 0) > 0, st
