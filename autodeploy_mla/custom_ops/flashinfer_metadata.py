@@ -140,8 +140,9 @@ def fa_plan_work_count(qo_lens: torch.Tensor, kv_lens: torch.Tensor, num_heads: 
     clusters = num_sm // cluster
     tile = 64 * cluster
     n_tiles = _ceil_div(packed, tile)  # [nb]
-    req = torch.repeat_interleave(torch.arange(nb), n_tiles)
-    first = torch.cumsum(n_tiles, 0) - n_tiles
+    ends = torch.cumsum(n_tiles, 0)
+    req = torch.searchsorted(ends, torch.arange(int(ends[-1])), right=True)  # tile -> request
+    first = ends - n_tiles
     idx = torch.arange(req.numel()) - first[req]  # tile index within its request
     kv_t, q_t = kv[req], q[req]
     if causal:
@@ -162,6 +163,15 @@ def fa_plan_work_count(qo_lens: torch.Tensor, kv_lens: torch.Tensor, num_heads: 
     else:
         limit = -(-avg // 256) * 256
     return int(torch.clamp(_ceil_div(eff, limit), min=1).sum())
+
+
+def fa_plan_work_bound(qo_lens: torch.Tensor, num_heads: int, num_sm: int) -> int:
+    """Cheap upper bound of `fa_plan_work_count`: query tiles (at the 64-row tile) + num_sm.
+
+    Each tile yields ceil(eff / limit) <= eff / limit + 1 items and the split limit is at least the
+    mean KV work per cluster, so the KV splits add at most one item per cluster (<= num_sm).
+    """
+    return int(_ceil_div(qo_lens.to(torch.int64) * num_heads, 64).sum()) + int(num_sm)
 
 
 def trtllm_block_table_width(max_pages_per_seq: int, page_size: int) -> int:

@@ -17,10 +17,13 @@ softmax scale is not part of the key: wrappers are planned with sm_scale=1 and e
 own scale into the query (FlashInfer's plan work does not depend on the scale), so layers with
 different scales share one plan.
 
-Per-step fallback. Steps FlashInfer must not run go, whole, to the fallback op (Triton if registered
-and accepting the node, else the torch reference): multi-token steps when N does not divide
-FlashInfer's 64/128-row query tile (a causal tile-boundary defect, capabilities.FA_PREFILL_SAFE_HEADS)
-and steps whose plan would exceed MLAPlan's 16384 work items. Decode-only steps always use FlashInfer.
+Per-step fallback. Some steps go, whole, to the fallback op (Triton if registered and accepting
+the node, else the torch reference; both vectorised): for safety, multi-token steps when N does not
+divide FlashInfer's 64/128-row query tile (a causal tile-boundary defect,
+capabilities.FA_PREFILL_SAFE_HEADS) and steps whose plan would exceed MLAPlan's 16384 work items;
+by policy (`configure(prefill=...)`, default "auto"), steps with prefill tokens when the fallback is
+Triton, which measured faster than FlashInfer's absorbed path on prefill on H200
+(docs/benchmarks/flashinfer_plan.md). Decode-only steps always use FlashInfer.
 
 CUDA graphs. With `configure(cuda_graph=True)` decode-only steps use one wrapper per batch size
 created with `use_cuda_graph=True` over fixed qo_indptr / kv_indptr / kv_indices / kv_len buffers;
@@ -49,7 +52,7 @@ from .backend_registry import (
 )
 from .cached_op_checks import check_cached_inputs
 from .capabilities import FA_MAX_WORK_ITEMS, check_against_facts, fa_kernel_for, fa_prefill_safe
-from .flashinfer_metadata import MLACsr, StepCounts, fa_plan_work_count, mla_csr
+from .flashinfer_metadata import MLACsr, StepCounts, fa_plan_work_bound, fa_plan_work_count, mla_csr
 from .mla_dims import MLADims, resolve_scale
 from .torch_backend import append_to_paged_cache
 
@@ -71,6 +74,10 @@ METADATA: tuple[str, ...] = (
 )
 #: Preference for steps FlashInfer must not run (first registered backend whose check() accepts).
 FALLBACK_ORDER: tuple[str, ...] = ("triton", "torch")
+#: Fallback backends measured faster than FlashInfer's absorbed path on steps with prefill tokens
+#: (docs/benchmarks/flashinfer_plan.md). With prefill="auto", such steps are routed to them.
+FAST_PREFILL_FALLBACKS: tuple[str, ...] = ("triton",)
+PREFILL_POLICIES = ("auto", "flashinfer", "fallback")
 #: Head-major query/latent storage passed to FlashInfer as strided [T, N, R] views (saves two copies
 #: per layer). False = contiguous token-major tensors (one extra copy each); kept for benchmarking.
 STRIDED_IO = True
@@ -198,9 +205,12 @@ class FlashInferMLAState:
     graph: dict[tuple[PlanKey, int], Any] = field(default_factory=dict)
     graph_buffers: dict[int, GraphBuffers] = field(default_factory=dict)
     cuda_graph: bool = False
+    prefill: str = "auto"  # see PREFILL_POLICIES / FlashInferMLABackend.configure
     step: Optional[StepPlan] = None
+    plan_events: dict[int, Any] = field(default_factory=dict)  # id(wrapper) -> event after its last plan
     plans: int = 0  # plan() calls since setup (for tests and benchmarks)
-    fallback_steps: int = 0
+    fallback_steps: int = 0  # steps with at least one config on the fallback op (safety or routing)
+    routed_steps: int = 0  # of those, steps routed by the prefill policy
 
 
 _STATE = FlashInferMLAState()
@@ -246,12 +256,22 @@ def _wrapper_for(st: FlashInferMLAState, key: PlanKey, graph_bs: Optional[int]) 
 
 
 def _plan(st: FlashInferMLAState, wrapper: Any, csr: MLACsr, key: PlanKey) -> None:
+    # plan() stages its schedule in a pinned host buffer and copies it to the device asynchronously;
+    # re-planning overwrites that buffer, so first wait until the previous plan's copy has executed
+    # (normally long done: the engine synchronises every step to read the sampled tokens).
+    done = st.plan_events.get(id(wrapper))
+    if done is not None:
+        done.synchronize()
     # Keyword arguments: the positional form is deprecated in newer FlashInfer releases.
     wrapper.plan(
         qo_indptr=csr.qo_indptr, kv_indptr=csr.kv_indptr, kv_indices=csr.kv_indices, kv_len_arr=csr.kv_len,
         num_heads=key.num_heads, head_dim_ckv=key.kv_lora_rank, head_dim_kpe=key.qk_rope_head_dim,
         page_size=st.page_size, causal=True, sm_scale=1.0, q_data_type=key.dtype, kv_data_type=key.dtype,
     )
+    if st.device.type == "cuda":
+        ev = st.plan_events.get(id(wrapper)) or torch.cuda.Event()
+        ev.record()
+        st.plan_events[id(wrapper)] = ev
     st.plans += 1
 
 
@@ -265,12 +285,19 @@ def plan_step(st: FlashInferMLAState, seq_info) -> StepPlan:
                   seq_info.get("page_table_host"), counts.num_seqs, st.page_size)
     graph_bs = counts.num_seqs if (st.cuda_graph and counts.decode_only) else None
     qo_lens = csr.qo_lens
+    routed = False
     for key in st.configs:
+        if not counts.decode_only and _route_prefill(st, key):
+            step.fallback[key] = f"step with prefill tokens routed to {st.configs[key].name} (prefill={st.prefill})"
+            routed = True
+            continue
         if not counts.decode_only and not fa_prefill_safe(key.num_heads):
             step.fallback[key] = (f"multi-token step with N={key.num_heads}: FlashInfer's causal tile bound "
                                   "can drop a visible key unless N divides the 64/128-row query tile")
             continue
-        works = fa_plan_work_count(qo_lens, csr.kv_len, key.num_heads, st.num_sm)
+        works = fa_plan_work_bound(qo_lens, key.num_heads, st.num_sm)
+        if works > FA_MAX_WORK_ITEMS:  # the bound is loose: count exactly before giving up
+            works = fa_plan_work_count(qo_lens, csr.kv_len, key.num_heads, st.num_sm)
         if works > FA_MAX_WORK_ITEMS:
             step.fallback[key] = f"plan needs {works} work items, over MLAPlan's capacity of {FA_MAX_WORK_ITEMS}"
             continue
@@ -279,7 +306,17 @@ def plan_step(st: FlashInferMLAState, seq_info) -> StepPlan:
         step.wrappers[key] = w
     if step.fallback:
         st.fallback_steps += 1
+        st.routed_steps += routed
     return step
+
+
+def _route_prefill(st: FlashInferMLAState, key: PlanKey) -> bool:
+    """Whether steps with prefill tokens go to the fallback op by policy (not for safety)."""
+    if st.prefill == "flashinfer":
+        return False
+    if st.prefill == "fallback":
+        return True
+    return st.configs[key].name in FAST_PREFILL_FALLBACKS  # auto
 
 
 def _step_for(st: FlashInferMLAState, op: str, key: PlanKey, batch_info_host: torch.Tensor) -> StepPlan:
@@ -416,12 +453,22 @@ class FlashInferMLABackend(MLABackend):
         return res
 
     # -- runtime hooks
-    def configure(self, *, cuda_graph: Optional[bool] = None) -> None:
-        """cuda_graph=True: decode-only steps use fixed-buffer wrappers (one per batch size) that CUDA graphs
-        can capture; prepare() re-plans them before each replay."""
+    def configure(self, *, cuda_graph: Optional[bool] = None, prefill: Optional[str] = None) -> None:
+        """Runtime options (kept across setup()).
+
+        cuda_graph=True: decode-only steps use fixed-buffer wrappers (one per batch size) that CUDA
+        graphs can capture; prepare() re-plans them before each replay.
+        prefill: where steps with prefill tokens run. "auto" (default): on the fallback op when that is
+        a backend measured faster for prefill (Triton), else on FlashInfer; "flashinfer": always on
+        FlashInfer (except the safety fallbacks); "fallback": always on the fallback op.
+        """
         if cuda_graph is not None:
             _STATE.cuda_graph = bool(cuda_graph)
             self.decode_graph_safe = bool(cuda_graph)
+        if prefill is not None:
+            if prefill not in PREFILL_POLICIES:
+                raise ValueError(f"{self.name}.configure: prefill={prefill!r}; valid: {', '.join(PREFILL_POLICIES)}.")
+            _STATE.prefill = prefill
 
     def setup(self, dims: list[MLADims], dtype: torch.dtype, seq_info) -> None:
         device = torch.device(seq_info.device)
@@ -436,9 +483,9 @@ class FlashInferMLABackend(MLABackend):
                                      f"(page_size={seq_info.page_size}): {res.reason}")
             configs[key] = resolve_fallback(ds, dtype, dev, versions, seq_info.page_size)
         st = _STATE
-        keep_graph = st.cuda_graph
+        keep = (st.cuda_graph, st.prefill)
         _STATE.__init__()  # drop wrappers/plans of a previous build
-        st.cuda_graph = keep_graph
+        st.cuda_graph, st.prefill = keep
         st.configs = configs
         st.device = device
         st.page_size = seq_info.page_size
