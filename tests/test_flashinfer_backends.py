@@ -536,7 +536,38 @@ def test_fa_cuda_graph_mode_uses_fixed_buffers(fake_fi):
     w = st_.graph[(fm.PlanKey.of(DS16, BF16), 4)]
     assert w.plans == len(sch) - 1 and w._kv_indices_buf is st_.graph_buffers[4].kv_indices
     be.configure(cuda_graph=False)
-    assert not be.decode_graph_safe
+    assert be.decode_graph_safe  # graph wrappers are still used at token-bucket sizes
+
+
+def test_fa_token_buckets_select_graph_wrappers(fake_fi):
+    """With the runner's token buckets set, decode-only steps at a bucket size get fixed-buffer wrappers
+    (one per bucket); other steps the eager wrapper."""
+    fake_fi()
+    be = get_backend("flashinfer_mla")
+    info = SequenceInfo(8, 32, 64, 16)
+    info.token_buckets = (2, 4, 8)
+    alloc = PageAllocator(1 + 8 * info.max_pages_per_seq, 16, info.max_pages_per_seq)
+    be.setup([DS16], BF16, info)
+    st_ = fm.state()
+    g = torch.Generator().manual_seed(0)
+    cache = torch.full((alloc.num_pages, 16, 576), float("nan"), dtype=BF16)
+    w = (torch.randn(16 * 256, 512, generator=g) * 0.04).to(BF16)
+    done = {}
+    for step in [{0: 5, 1: 3, 2: 2}, {0: 1, 1: 1, 2: 1}, {0: 1, 1: 1, 2: 1, 3: 9}, {0: 1, 1: 1, 2: 1, 3: 1},
+                 {0: 1, 1: 1}, {0: 1}]:
+        alloc.ensure_many({s: done.get(s, 0) + n for s, n in step.items()})
+        info.prepare_step([StepSequence(s, [0] * n, done.get(s, 0)) for s, n in step.items()], alloc.pages_of)
+        be.prepare(info)
+        t = info.num_padded_tokens
+        x = [torch.randn(1, t, *shape, generator=g).to(BF16) for shape in ((16, 128), (16, 64), (512,), (1, 64))]
+        out = be.cached_op(*x, w, *[info.get(m) for m in be.metadata], cache, None)
+        assert torch.isfinite(out).all()
+        for s, n in step.items():
+            done[s] = done.get(s, 0) + n
+    key = fm.PlanKey.of(DS16, BF16)
+    # decode steps of 3, 4, 2, 1 sequences were padded to buckets 4, 4, 2, 2
+    assert sorted(b for _, b in st_.graph) == [2, 4] and list(st_.eager) == [key]
+    assert st_.graph[(key, 4)].plans == 2 and st_.graph[(key, 2)].plans == 2
 
 
 def test_fa_errors_are_actionable(fake_fi):

@@ -25,11 +25,14 @@ by policy (`configure(prefill=...)`, default "auto"), steps with prefill tokens 
 Triton, which measured faster than FlashInfer's absorbed path on prefill on H200
 (docs/benchmarks/flashinfer_plan.md). Decode-only steps always use FlashInfer.
 
-CUDA graphs. With `configure(cuda_graph=True)` decode-only steps use one wrapper per batch size
-created with `use_cuda_graph=True` over fixed qo_indptr / kv_indptr / kv_indices / kv_len buffers;
-`prepare()` re-plans it before every replay, so a graph captured at one sequence length replays
-correctly after the sequences grew. Without that mode the op is not graph safe (the eager wrapper
-re-allocates its metadata buffers at each plan).
+CUDA graphs. Decode-only steps that a whole-graph decode CUDA graph may replay — those whose batch
+size is one of `seq_info.token_buckets` (set by the piecewise runner), or every decode-only step
+after `configure(cuda_graph=True)` — use one wrapper per batch size created with
+`use_cuda_graph=True` over fixed qo_indptr / kv_indptr / kv_indices / kv_len buffers; `prepare()`
+re-plans it before every replay, so a graph captured at one sequence length replays correctly after
+the sequences grew. Other steps use the per-config eager wrapper (which re-allocates its metadata
+buffers at each plan and so is never captured). Each fixed-buffer wrapper holds FlashInfer's 8 MiB
+int workspace plus an 8 MiB pinned host mirror.
 """
 
 from __future__ import annotations
@@ -283,7 +286,10 @@ def plan_step(st: FlashInferMLAState, seq_info) -> StepPlan:
         return step
     csr = mla_csr(seq_info.get("cu_seqlen_host"), seq_info.get("seq_len_with_cache_host"),
                   seq_info.get("page_table_host"), counts.num_seqs, st.page_size)
-    graph_bs = counts.num_seqs if (st.cuda_graph and counts.decode_only) else None
+    # Fixed-buffer (CUDA-graph) wrappers for decode-only steps that may be replayed from a graph: those
+    # padded to one of the runner's token buckets (T == batch size), or all of them in cuda_graph mode.
+    buckets = getattr(seq_info, "token_buckets", ()) or ()
+    graph_bs = counts.num_seqs if counts.decode_only and (st.cuda_graph or counts.num_seqs in buckets) else None
     qo_lens = csr.qo_lens
     routed = False
     for key in st.configs:
@@ -436,7 +442,8 @@ class FlashInferMLABackend(MLABackend):
     metadata = METADATA
     source = "FlashInfer BatchMLAPagedAttentionWrapper (fa3 on SM90, fa2 on SM80+); facts: custom_ops/capabilities.py"
     is_dynamic = True
-    decode_graph_safe = False  # True after configure(cuda_graph=True)
+    #: Decode-only steps at a token-bucket batch size plan fixed-buffer wrappers (see module doc).
+    decode_graph_safe = True
 
     def check(
         self,
@@ -456,15 +463,15 @@ class FlashInferMLABackend(MLABackend):
     def configure(self, *, cuda_graph: Optional[bool] = None, prefill: Optional[str] = None) -> None:
         """Runtime options (kept across setup()).
 
-        cuda_graph=True: decode-only steps use fixed-buffer wrappers (one per batch size) that CUDA
-        graphs can capture; prepare() re-plans them before each replay.
+        cuda_graph=True: every decode-only step uses a fixed-buffer wrapper (one per batch size) that
+        CUDA graphs can capture, not only those at a `seq_info.token_buckets` size; for callers that
+        capture graphs themselves. prepare() re-plans them before each replay.
         prefill: where steps with prefill tokens run. "auto" (default): on the fallback op when that is
         a backend measured faster for prefill (Triton), else on FlashInfer; "flashinfer": always on
         FlashInfer (except the safety fallbacks); "fallback": always on the fallback op.
         """
         if cuda_graph is not None:
             _STATE.cuda_graph = bool(cuda_graph)
-            self.decode_graph_safe = bool(cuda_graph)
         if prefill is not None:
             if prefill not in PREFILL_POLICIES:
                 raise ValueError(f"{self.name}.configure: prefill={prefill!r}; valid: {', '.join(PREFILL_POLICIES)}.")
