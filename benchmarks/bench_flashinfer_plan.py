@@ -226,10 +226,22 @@ def bench_61_layers(dev, quick):
             _sync(dev)
 
         be.prepare(info)
-        reps = 3 if quick else 30
+        reps = 3 if quick else 40
+        variants = {"one_plan_ms": one_plan, "per_layer_plans_ms": per_layer_plans, "runs_only_ms": runs_only}
+        times: dict[str, list[float]] = {k: [] for k in variants}
+        for f in variants.values():
+            f()  # warm-up
+        for i in range(reps):  # interleaved, rotating order: host/GPU drift hits every variant alike
+            names = list(variants)
+            names = names[i % 3:] + names[: i % 3]
+            for k in names:
+                t0 = time.perf_counter()
+                variants[k]()
+                times[k].append((time.perf_counter() - t0) * 1e3)
         row = {"N": n, "batch": len(seqs), "kv_len": seqs[0][0] + seqs[0][1], "layers": layers,
-               "one_plan_ms": _host_median_ms(one_plan, reps), "per_layer_plans_ms": _host_median_ms(per_layer_plans, reps),
-               "runs_only_ms": _host_median_ms(runs_only, reps)}
+               **{k: statistics.median(v) for k, v in times.items()},
+               **{k.replace("_ms", "_p10_p90_ms"): (sorted(v)[len(v) // 10], sorted(v)[(9 * len(v)) // 10])
+                  for k, v in times.items()}}
         rows.append(row)
         print(f"step  {layers} layers N={n:3d} batch={len(seqs):3d}: one plan + runs {row['one_plan_ms']:.2f} ms | "
               f"plan per layer {row['per_layer_plans_ms']:.2f} ms | runs only {row['runs_only_ms']:.2f} ms", flush=True)
@@ -475,6 +487,8 @@ def main(argv=None):
         except Exception:
             pass
     skip = set(filter(None, a.skip.split(",")))
+    # plan/run/layers time FlashInfer itself: keep every step on it (no prefill routing to Triton).
+    get_backend("flashinfer_mla").configure(prefill="flashinfer")
     result = {
         "machine": {"gpu": gpu, "sm": sm, "driver": driver, "torch": torch.__version__, "flashinfer": vers.get("flashinfer"),
                     "triton": vers.get("triton"), "python": platform.python_version(), "host_cpus": os.cpu_count()},

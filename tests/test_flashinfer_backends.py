@@ -433,11 +433,17 @@ def test_fa_untileable_heads_use_fallback_for_prefill(fake_fi):
     assert st_.plans == len(sch) - 1  # decode steps still planned and run on FlashInfer
 
 
-@pytest.mark.parametrize("policy,fast,routed", [("auto", ("torch",), True), ("auto", ("triton",), False),
-                                                 ("flashinfer", ("torch",), False), ("fallback", (), True)])
-def test_fa_prefill_policy(fake_fi, monkeypatch, policy, fast, routed):
+@pytest.mark.parametrize("policy,fast,threshold,routed", [
+    ("auto", ("torch",), 8 * 16, True),  # first step: 8 prefill tokens x 16 heads
+    ("auto", ("torch",), 8 * 16 + 1, False),  # below the work threshold
+    ("auto", ("triton",), 1, False),  # the fallback (torch here) is not a fast one
+    ("flashinfer", ("torch",), 1, False),
+    ("fallback", (), 10**9, True),
+])
+def test_fa_prefill_policy(fake_fi, monkeypatch, policy, fast, threshold, routed):
     fake_fi()
     monkeypatch.setattr(fm, "FAST_PREFILL_FALLBACKS", fast)
+    monkeypatch.setattr(fm, "ROUTE_PREFILL_MIN_HEAD_TOKENS", threshold)
     be = get_backend("flashinfer_mla")
     be.configure(prefill=policy)
     try:
@@ -690,17 +696,18 @@ def test_gpu_fa_untileable_heads_fall_back_to_triton():
 
 @pytest.mark.gpu
 def test_gpu_prefill_routed_to_triton_by_default():
-    """Default policy (prefill="auto"): steps with prefill tokens run on Triton, decode-only steps on FlashInfer."""
+    """Default policy (prefill="auto"): large prefill steps run on Triton, the rest on FlashInfer."""
     _need_flashinfer()
     d = GPU_DIMS["ds_n128"]
     fb = fm.resolve_fallback([d], BF16, DeviceInfo.of("cuda"), fm.installed_versions(), 64)
     if fb.name not in fm.FAST_PREFILL_FALLBACKS:
         pytest.skip(f"fallback is {fb.name}: prefill stays on FlashInfer")
-    sch = [{0: 300, 1: 77}, {0: 257, 1: 1, 2: 130}] + [{0: 1, 1: 1, 2: 1}] * 4
+    big = -(-fm.ROUTE_PREFILL_MIN_HEAD_TOKENS // d.num_heads)  # prefill tokens that reach the threshold
+    sch = [{0: big, 1: 77}, {0: 1, 1: 1, 2: 130}] + [{0: 1, 1: 1, 2: 1}] * 4
     res = run_scenario("flashinfer_mla", d, sch, page_size=64, dtype=BF16, device="cuda", scale=0.11, seed=5)
     assert 0 < res.max_rel_error() < 1e-2
     st_ = fm.state()
-    assert st_.routed_steps == 2 and st_.plans == 4
+    assert st_.routed_steps == 1 and st_.plans == len(sch) - 1  # the small mixed step stays on FlashInfer
 
 
 @pytest.mark.gpu

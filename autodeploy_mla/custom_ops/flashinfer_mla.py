@@ -21,8 +21,8 @@ Per-step fallback. Some steps go, whole, to the fallback op (Triton if registere
 the node, else the torch reference; both vectorised): for safety, multi-token steps when N does not
 divide FlashInfer's 64/128-row query tile (a causal tile-boundary defect,
 capabilities.FA_PREFILL_SAFE_HEADS) and steps whose plan would exceed MLAPlan's 16384 work items;
-by policy (`configure(prefill=...)`, default "auto"), steps with prefill tokens when the fallback is
-Triton, which measured faster than FlashInfer's absorbed path on prefill on H200
+by policy (`configure(prefill=...)`, default "auto"), steps with large prefill (prefill tokens x N
+>= ROUTE_PREFILL_MIN_HEAD_TOKENS) when the fallback is Triton, which measured faster there on H200
 (docs/benchmarks/flashinfer_plan.md). Decode-only steps always use FlashInfer.
 
 CUDA graphs. Decode-only steps that a whole-graph decode CUDA graph may replay — those whose batch
@@ -77,9 +77,14 @@ METADATA: tuple[str, ...] = (
 )
 #: Preference for steps FlashInfer must not run (first registered backend whose check() accepts).
 FALLBACK_ORDER: tuple[str, ...] = ("triton", "torch")
-#: Fallback backends measured faster than FlashInfer's absorbed path on steps with prefill tokens
-#: (docs/benchmarks/flashinfer_plan.md). With prefill="auto", such steps are routed to them.
+#: Fallback backends measured faster than FlashInfer's absorbed path on large prefill
+#: (docs/benchmarks/flashinfer_plan.md). With prefill="auto", a step is routed to them when its
+#: prefill work, num_prefill_tokens x N, reaches ROUTE_PREFILL_MIN_HEAD_TOKENS. On H200 (N=128) the
+#: absorbed path won up to 512 prefill tokens and on mixed steps with 1024 prefill tokens + 62
+#: decodes; Triton won from 2048 prefill tokens (fresh, chunked on a 3584-token prefix, or 8x512):
+#: absorbed attention runs in the 576/512-wide latent space, ~3.4x the FLOPs of expanded 192/128 heads.
 FAST_PREFILL_FALLBACKS: tuple[str, ...] = ("triton",)
+ROUTE_PREFILL_MIN_HEAD_TOKENS = 2048 * 128
 PREFILL_POLICIES = ("auto", "flashinfer", "fallback")
 #: Head-major query/latent storage passed to FlashInfer as strided [T, N, R] views (saves two copies
 #: per layer). False = contiguous token-major tensors (one extra copy each); kept for benchmarking.
@@ -293,7 +298,7 @@ def plan_step(st: FlashInferMLAState, seq_info) -> StepPlan:
     qo_lens = csr.qo_lens
     routed = False
     for key in st.configs:
-        if not counts.decode_only and _route_prefill(st, key):
+        if not counts.decode_only and _route_prefill(st, key, counts):
             step.fallback[key] = f"step with prefill tokens routed to {st.configs[key].name} (prefill={st.prefill})"
             routed = True
             continue
@@ -316,13 +321,14 @@ def plan_step(st: FlashInferMLAState, seq_info) -> StepPlan:
     return step
 
 
-def _route_prefill(st: FlashInferMLAState, key: PlanKey) -> bool:
-    """Whether steps with prefill tokens go to the fallback op by policy (not for safety)."""
+def _route_prefill(st: FlashInferMLAState, key: PlanKey, counts: StepCounts) -> bool:
+    """Whether a step with prefill tokens goes to the fallback op by policy (not for safety)."""
     if st.prefill == "flashinfer":
         return False
     if st.prefill == "fallback":
         return True
-    return st.configs[key].name in FAST_PREFILL_FALLBACKS  # auto
+    return (st.configs[key].name in FAST_PREFILL_FALLBACKS  # auto
+            and counts.num_prefill_tokens * key.num_heads >= ROUTE_PREFILL_MIN_HEAD_TOKENS)
 
 
 def _step_for(st: FlashInferMLAState, op: str, key: PlanKey, batch_info_host: torch.Tensor) -> StepPlan:
@@ -467,8 +473,9 @@ class FlashInferMLABackend(MLABackend):
         CUDA graphs can capture, not only those at a `seq_info.token_buckets` size; for callers that
         capture graphs themselves. prepare() re-plans them before each replay.
         prefill: where steps with prefill tokens run. "auto" (default): on the fallback op when that is
-        a backend measured faster for prefill (Triton), else on FlashInfer; "flashinfer": always on
-        FlashInfer (except the safety fallbacks); "fallback": always on the fallback op.
+        a backend measured faster for large prefill (Triton) and the step's prefill tokens x N reach
+        ROUTE_PREFILL_MIN_HEAD_TOKENS, else on FlashInfer; "flashinfer": always on FlashInfer (except
+        the safety fallbacks); "fallback": always on the fallback op.
         """
         if cuda_graph is not None:
             _STATE.cuda_graph = bool(cuda_graph)
