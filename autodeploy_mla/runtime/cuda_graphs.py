@@ -112,12 +112,29 @@ class GraphCapturer:
             else:
                 scalars.append((i, a))
         cur = torch.cuda.current_stream(self.device)
+        # Warm up off the capture, on a side stream: first plainly (lazy inits, cuBLAS workspaces,
+        # Triton/torch.compile compilation may synchronize), then once more with synchronizing ops
+        # made errors. A host sync cannot be captured, and a capture that fails half-way leaves the
+        # CUDA RNG generator in capture mode for the rest of the process (seen on the H200: later
+        # RNG use raised "Offset increment outside graph capture"), so a callable that syncs in
+        # steady state is refused here, before any capture begins.
+        prev_mode = torch.cuda.get_sync_debug_mode()
         try:
-            # Warm up off the capture (lazy inits, cuBLAS workspaces, torch.compile), on a side stream.
             self.stream.wait_stream(cur)
             with torch.cuda.stream(self.stream):
                 for _ in range(self.warmup):
                     fn(*static_args)
+                torch.cuda.set_sync_debug_mode("error")
+                fn(*static_args)
+        except Exception as exc:  # noqa: BLE001
+            torch.cuda.set_sync_debug_mode(prev_mode)
+            cur.wait_stream(self.stream)
+            torch.cuda.synchronize(self.device)
+            raise CaptureError(f"{label}: not capturable (warm-up under sync checking failed: "
+                               f"{type(exc).__name__}: {exc})") from exc
+        finally:
+            torch.cuda.set_sync_debug_mode(prev_mode)
+        try:
             cur.wait_stream(self.stream)
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
