@@ -243,9 +243,10 @@ class SequenceInfo:
             if vals:
                 h[name][: len(vals)] = torch.tensor(vals, dtype=torch.int32)
         h["page_table"].fill_(SCRATCH_PAGE)
-        for b, pages in enumerate(page_rows):
-            if pages:
-                h["page_table"][b, : len(pages)] = torch.tensor(list(pages), dtype=torch.int32)
+        if page_rows:  # one tensor for all rows: per-row tensors dominated host time at large batch
+            width = max(len(p) for p in page_rows)
+            rows = [list(p) + [SCRATCH_PAGE] * (width - len(p)) for p in page_rows]
+            h["page_table"][: len(rows), :width] = torch.tensor(rows, dtype=torch.int32)
 
         batch_idx: list[int] = []
         cache_loc: list[int] = []

@@ -660,11 +660,12 @@ def _run_mask(sub: GraphModule, inputs: list[Node], sizes: dict[str, int], posit
         if ph.name == "position_ids":
             if tuple(shape) != tuple(positions.shape):
                 raise _Refuse(f"cannot evaluate the mask: position_ids has shape {tuple(val.shape)}, not [B,S]")
-            args.append(positions.to(val.dtype))
+            args.append(positions.to(device=val.device, dtype=val.dtype))
         else:
-            args.append(torch.zeros(shape, dtype=val.dtype))
-    with torch.no_grad():
-        return sub(*args)
+            args.append(torch.zeros(shape, dtype=val.dtype, device=val.device))
+    with torch.no_grad():  # probe on the graph's own device (CUDA graphs hold CUDA constants)
+        out = sub(*args)
+    return out.cpu() if isinstance(out, torch.Tensor) else out
 
 
 def _mask_equals(got: Any, want: torch.Tensor, additive: bool) -> bool:
