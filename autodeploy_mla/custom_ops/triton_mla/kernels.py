@@ -199,10 +199,10 @@ def split_reduce_kernel(
     acc = tl.zeros([BLOCK_R], tl.float32)
     for s in range(0, num_splits):
         lse = tl.load(PART_LSE + rel * stride_pl_t + h * stride_pl_h + s)
-        valid = lse > float("-inf")
         # Partials of empty chunks were never written: do not read them (0 * NaN = NaN).
+        r_lim = tl.where(lse > float("-inf"), R, 0)
         x = tl.load(PART_ACC + rel * stride_pa_t + h * stride_pa_h + s * stride_pa_s + offs_r,
-                    mask=rmask & valid, other=0.0)
+                    mask=offs_r < r_lim, other=0.0)
         m_new = tl.maximum(m, lse)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m - m_safe)

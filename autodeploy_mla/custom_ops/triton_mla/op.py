@@ -76,24 +76,40 @@ def expansion_supported(dims: MLADims) -> bool:
 
 
 # ----------------------------------------------------------------------------- cost rule
-def choose_prefill_path(dims: MLADims, new_tokens: int, prefix_tokens: int, causal_pairs: int) -> str:
-    """'expand' or 'absorb' for the prefill part of a step, by FLOP count (docs/triton_backend.md).
+#: How many times more FLOP/s the expanded path sustains than the absorbed one on H200 (bf16):
+#: expansion is one cuBLAS GEMM + a FlashAttention kernel on wgmma tiles with head dims <= 256; the
+#: absorbed kernel carries a [rows, R] fp32 accumulator and reaches ~100 TFLOP/s. Measured ratio
+#: 3.3-4.3 (docs/benchmarks/mla_kernels.md, prefill T=128/2048); 3 is the conservative end.
+ABSORB_SLOWDOWN = 3.0
 
-    Per (query, key) pair and head the expanded attention costs 2(Dn+Dr+Dv) FLOPs, the absorbed one
-    2(2R+Dr). Expansion also runs the kv_b_proj GEMM over every history token (2·R·(Dn+Dv) per token
-    and head), absorption runs q_abs and W_v over every new token (the same 2·R·(Dn+Dv)). So
-        expand - absorb = 2N·[ P·R·(Dn+Dv) - pairs·(2R - Dn - Dv) ]     (P = cached prefix tokens)
-    and expansion wins iff pairs·(2R - Dn - Dv) > P·R·(Dn+Dv). A fresh prefill (P = 0) always expands
-    when 2R > Dn + Dv (every MLA model); a short chunk on a long prefix (each new token sees ~P keys)
-    expands iff new_tokens > R(Dn+Dv)/(2R-Dn-Dv) (171 tokens for DeepSeek-V3).
+
+def prefill_costs(dims: MLADims, new_tokens: int, prefix_tokens: int, causal_pairs: int) -> tuple[float, float]:
+    """(expand, absorb) FLOPs per head / 2 of one step's prefill part (docs/triton_backend.md).
+
+    Per (query, key) pair the expanded attention costs Dn+Dr+Dv multiply-adds, the absorbed one
+    2R+Dr. Expansion also runs kv_b_proj over every history token (R·(Dn+Dv) per token: prefix P and
+    new T), absorption runs q_abs and W_v over the new tokens only (the same R·(Dn+Dv) per token).
+    """
+    r, dn, dv, dr = dims.kv_lora_rank, dims.qk_nope_head_dim, dims.v_head_dim, dims.qk_rope_head_dim
+    proj = r * (dn + dv)
+    expand = (prefix_tokens + new_tokens) * proj + causal_pairs * (dn + dr + dv)
+    absorb = new_tokens * proj + causal_pairs * (2 * r + dr)
+    return float(expand), float(absorb)
+
+
+def choose_prefill_path(dims: MLADims, new_tokens: int, prefix_tokens: int, causal_pairs: int) -> str:
+    """'expand' or 'absorb' for the prefill part of a step: expand iff
+        FLOPs_expand < ABSORB_SLOWDOWN * FLOPs_absorb        (prefill_costs).
+    A fresh prefill (P = 0) always expands (2R+Dr > Dn+Dr+Dv for every MLA model). A chunk of T new
+    tokens on a long prefix P (pairs ~ T·P) expands iff T > R(Dn+Dv) / (k(2R+Dr) - (Dn+Dr+Dv)) with
+    k = ABSORB_SLOWDOWN: 45 tokens for DeepSeek-V3, 33 Mistral-Small-4, 83 GLM-4.7-Flash, 22 MiniCPM3
+    (171 / 154 / 398 / 85 on raw FLOPs, k = 1). Decode-like chunks stay absorbed: expanding a long
+    prefix for a few queries is mostly the kv_b_proj GEMM over the whole history.
     """
     if not expansion_supported(dims):
         return "absorb"
-    r, dn, dv = dims.kv_lora_rank, dims.qk_nope_head_dim, dims.v_head_dim
-    gain = 2 * r - dn - dv
-    if gain <= 0:
-        return "absorb"
-    return "expand" if causal_pairs * gain > prefix_tokens * r * (dn + dv) else "absorb"
+    expand, absorb = prefill_costs(dims, new_tokens, prefix_tokens, causal_pairs)
+    return "expand" if expand < ABSORB_SLOWDOWN * absorb else "absorb"
 
 
 # ----------------------------------------------------------------------------- launch configs
@@ -116,39 +132,58 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+#: Split-K policy: split a launch until it has about this many programs per SM ...
+SPLIT_PROGRAMS_PER_SM = 4
+#: ... but never into chunks shorter than this many kv positions (per-chunk overhead + reduce).
+#: H200 sweep: B=1 kv=8192 best at 64 splits, B=8 kv=2048 at 16 (docs/benchmarks/mla_kernels.md).
+MIN_SPLIT_CHUNK = 128
+
+
 def _target_programs(device: torch.device) -> int:
     if device.type != "cuda":
         return 8  # interpreter: a few programs, so split-K paths get exercised on CPU too
-    return 2 * _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return SPLIT_PROGRAMS_PER_SM * _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@dataclass(frozen=True)
+class ExpandConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
 
 
 def decode_config(dims: MLADims, dtype: torch.dtype) -> AbsorbedConfig:
-    """One query token x BLOCK_H heads per program (tuned on H200, docs/triton_backend.md)."""
+    """One query token x BLOCK_H heads per program. BLOCK_H=64 lets Triton use Hopper wgmma (many
+    heads: compute-heavy); 16/32 keep the wasted rows of small N low (memory-bound). Every choice
+    compiles for sm_90 without spills (ptxas); each is the fastest of the H200 sweep for its class
+    (`bench_mla_kernels.py --tune`, docs/benchmarks/mla_kernels.md). Large KV tiles (64 tokens) and
+    3 stages keep more bytes in flight, which is what these memory-bound loops need."""
     n, r = dims.num_heads, dims.kv_lora_rank
-    block_h = 16 if n <= 16 else (32 if n <= 32 or r > 256 else 64)
-    block_h = min(block_h, 64)
-    block_n = 32 if r > 256 else 64
-    warps = 4 if block_h * _pow2(r) <= 16 * 512 else 8
-    return AbsorbedConfig(block_h, 1, block_n, warps, 2)
+    if r > 256:
+        if n > 32:
+            return AbsorbedConfig(64, 1, 32, 8, 3)
+        if n <= 16:
+            return AbsorbedConfig(16, 1, 64, 8, 3)
+        return AbsorbedConfig(32, 1, 64, 8, 3)
+    if n <= 16:
+        return AbsorbedConfig(16, 1, 64, 8, 2)
+    if n <= 32:
+        return AbsorbedConfig(32, 1, 64, 8, 2)
+    return AbsorbedConfig(64, 1, 64, 8, 2)
 
 
 def absorb_prefill_config(dims: MLADims, dtype: torch.dtype) -> AbsorbedConfig:
-    """BLOCK_Q query tokens x BLOCK_H heads per program: rows share each KV tile."""
-    n, r = dims.num_heads, dims.kv_lora_rank
-    rows = 32 if r > 256 else 64
-    block_h = min(_pow2(n), rows)
-    block_n = 32 if r > 256 else 64
-    warps = 4 if rows * _pow2(r) <= 16 * 512 else 8
-    return AbsorbedConfig(block_h, rows // block_h, block_n, warps, 2)
+    """BLOCK_Q query tokens x BLOCK_H heads (64 rows) per program: every row shares each KV tile."""
+    block_h = min(_pow2(dims.num_heads), 64)
+    return AbsorbedConfig(block_h, 64 // block_h, 32, 8, 2)
 
 
-def _prefill_blocks(dims: MLADims) -> tuple[int, int, int]:
+def expand_config(dims: MLADims, dtype: torch.dtype) -> ExpandConfig:
     dmax = max(_pow2(dims.qk_nope_head_dim), _pow2(dims.v_head_dim))
-    if dmax <= 64:
-        return 64, 64, 4
     if dmax <= 128:
-        return 64, 64, 4
-    return 64, 32, 8
+        return ExpandConfig(128, 64, 8, 2)
+    return ExpandConfig(128, 32, 8, 3)
 
 
 #: Tests set this to fill every intermediate/output buffer with NaN before the kernels run, so an
@@ -187,7 +222,7 @@ def _split_plan(progs: int, kv_bound: int, block_n: int, forced: int, device: to
 
 
 def _min_chunk(device: torch.device) -> int:
-    return 256 if device.type == "cuda" else 4
+    return MIN_SPLIT_CHUNK if device.type == "cuda" else 4
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -202,6 +237,10 @@ def _launch_append(compressed_kv, kpe, mla_cache, cache_loc, num_tok, dims):
     )
 
 
+#: (kernel config, dims, dtype, device, page size) whose SPLIT and non-SPLIT variants are loaded.
+_WARMED: set = set()
+
+
 def _launch_absorbed(q_abs, q_pe, mla_cache, page_table, cu_seqlen, input_pos, seq_len, latent,
                      *, seq_base, n_seqs, tok_base, n_tok, abs_base, max_q, kv_bound, cfg, dims,
                      qk_scale, forced_splits):
@@ -212,33 +251,50 @@ def _launch_absorbed(q_abs, q_pe, mla_cache, page_table, cu_seqlen, input_pos, s
     splits, chunk = _split_plan(n_seqs * num_hb * num_qb, kv_bound, cfg.block_n, forced_splits, dev,
                                 _min_chunk(dev))
     split = splits > 1
+    flat = mla_cache.view(-1, mla_cache.shape[-1])
+    page_size = mla_cache.shape[1]
+    meta = dict(
+        N=n, R=r, DR=dr, PAGE_SIZE=page_size, NUM_HB=num_hb, BLOCK_H=cfg.block_h, BLOCK_Q=cfg.block_q,
+        BLOCK_N=cfg.block_n, BLOCK_R=_pow2(r), BLOCK_DR=_pow2(dr),
+        DOT_PREC=_dot_prec(q_abs.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    reduce_meta = dict(R=r, BLOCK_R=_pow2(r), num_warps=4 if r <= 256 else 8)
+
+    def args(part_acc, part_lse):
+        is_split = part_acc is not latent
+        pa = part_acc.stride()[:3] if is_split else (0, 0, 0)
+        pl = part_lse.stride()[:2] if is_split else (0, 0)
+        attn = (q_abs, q_pe, flat, page_table, cu_seqlen, input_pos, seq_len, latent, part_acc, part_lse,
+                seq_base, tok_base, abs_base, chunk, qk_scale,
+                q_abs.stride(0), q_abs.stride(1), q_pe.stride(1), q_pe.stride(2),
+                flat.stride(0), page_table.stride(0), latent.stride(0), latent.stride(1), *pa, *pl)
+        red = (part_acc, part_lse, latent, tok_base, abs_base, splits, *pa, *pl, latent.stride(0), latent.stride(1))
+        return attn, red
+
+    if dev.type == "cuda" and not _capturing():
+        # Load both variants (SPLIT or not) now, in eager mode: a decode step captured into a CUDA
+        # graph later plans its splits from the static capacity and may need the other variant,
+        # and loading a kernel module while a stream is capturing is not allowed.
+        key = (cfg, dims, q_abs.dtype, dev, page_size)
+        if key not in _WARMED:
+            dummy_acc = torch.empty(1, n, 2, r, dtype=torch.float32, device=dev)
+            dummy_lse = torch.empty(1, n, 2, dtype=torch.float32, device=dev)
+            for pa_, pl_, sp in ((latent, latent, False), (dummy_acc, dummy_lse, True)):
+                a_attn, a_red = args(pa_, pl_)
+                K.absorbed_attn_kernel.warmup(*a_attn, SPLIT=sp, grid=(1,), **meta).run  # noqa: B018
+                if sp:
+                    K.split_reduce_kernel.warmup(*a_red, grid=(1,), **reduce_meta).run  # noqa: B018
+            _WARMED.add(key)
+
     if split:
         part_acc = _empty(n_tok, n, splits, r, dtype=torch.float32, device=dev)
         part_lse = _empty(n_tok, n, splits, dtype=torch.float32, device=dev)
     else:
         part_acc = part_lse = latent  # unused
-    flat = mla_cache.view(-1, mla_cache.shape[-1])
-    page_size = mla_cache.shape[1]
-    pa_strides = part_acc.stride()[:3] if split else (0, 0, 0)
-    pl_strides = part_lse.stride()[:2] if split else (0, 0)
-    K.absorbed_attn_kernel[(num_hb * num_qb, n_seqs, splits)](
-        q_abs, q_pe, flat, page_table, cu_seqlen, input_pos, seq_len,
-        latent, part_acc, part_lse,
-        seq_base, tok_base, abs_base, chunk, qk_scale,
-        q_abs.stride(0), q_abs.stride(1), q_pe.stride(1), q_pe.stride(2),
-        flat.stride(0), page_table.stride(0),
-        latent.stride(0), latent.stride(1),
-        *pa_strides, *pl_strides,
-        N=n, R=r, DR=dr, PAGE_SIZE=page_size, NUM_HB=num_hb, BLOCK_H=cfg.block_h, BLOCK_Q=cfg.block_q,
-        BLOCK_N=cfg.block_n, BLOCK_R=_pow2(r), BLOCK_DR=_pow2(dr), SPLIT=split,
-        DOT_PREC=_dot_prec(q_abs.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    a_attn, a_red = args(part_acc, part_lse)
+    K.absorbed_attn_kernel[(num_hb * num_qb, n_seqs, splits)](*a_attn, SPLIT=split, **meta)
     if split:
-        K.split_reduce_kernel[(n_tok, n)](
-            part_acc, part_lse, latent, tok_base, abs_base, splits,
-            *pa_strides, *pl_strides, latent.stride(0), latent.stride(1),
-            R=r, BLOCK_R=_pow2(r), num_warps=4 if r <= 256 else 8,
-        )
+        K.split_reduce_kernel[(n_tok, n)](*a_red, **reduce_meta)
     return splits
 
 
@@ -258,18 +314,19 @@ def _prefill_expanded(q_nope, q_pe, mla_cache, kv_b_proj_weight, page_table, cu_
         W=w, PAGE_SIZE=mla_cache.shape[1], BLOCK_T=block_t, BLOCK_W=min(256, _pow2(w)), num_warps=4,
     )
     kv = torch.matmul(lat[:, :r], kv_b_proj_weight.t())  # [total_kv, N*(Dn+Dv)]: K_nope | V per head
-    bm, bn, warps = _prefill_blocks(dims)
+    cfg = expand_config(dims, q_nope.dtype)
+    bm, bn = cfg.block_m, cfg.block_n
     K.expanded_prefill_kernel[(triton.cdiv(max_q, bm), n, n_pre)](
         q_nope, q_pe, kv, lat, cu_seqlen, input_pos, kv_cu, out, qk_scale,
         q_nope.stride(1), q_nope.stride(2), q_pe.stride(1), q_pe.stride(2),
         kv.stride(0), lat.stride(0), out.stride(1), out.stride(2),
         DN=dn, DV=dv, DR=dr, R=r, BLOCK_M=bm, BLOCK_N=bn,
         BLOCK_DN=_pow2(dn), BLOCK_DV=_pow2(dv), BLOCK_DR=_pow2(dr),
-        DOT_PREC=_dot_prec(q_nope.dtype), num_warps=warps, num_stages=2,
+        DOT_PREC=_dot_prec(q_nope.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
-def _prefill_costs(cu_seqlen_host, input_pos_host, n_pre: int) -> tuple[int, int, int]:
+def _prefill_shape(cu_seqlen_host, input_pos_host, n_pre: int) -> tuple[int, int, int]:
     """(new tokens, cached prefix tokens, causal (query, key) pairs) of the prefill seqs, from host data."""
     q = (cu_seqlen_host[1 : n_pre + 1] - cu_seqlen_host[:n_pre]).long()
     p = input_pos_host[:n_pre].long()
@@ -338,7 +395,7 @@ def triton_mla_with_cache(
     mode = None
     total_kv = 0
     if n_pre > 0:
-        new_tok, prefix, pairs = _prefill_costs(cu_seqlen_host, input_pos_host, n_pre)
+        new_tok, prefix, pairs = _prefill_shape(cu_seqlen_host, input_pos_host, n_pre)
         total_kv = new_tok + prefix
         mode = choose_prefill_path(dims, new_tok, prefix, pairs) if prefill_mode == "auto" else prefill_mode
 
