@@ -387,10 +387,14 @@ def write_outputs(out_dir: Path, result: dict) -> None:
     lines += ["", "## run (device, median µs; op = append + q·W_kn + FlashInfer + ·W_v)", "",
               "| N | batch | tokens | kv tokens | FlashInfer run() | TB/s | op (strided q/latent) | op (contiguous) | torch reference op | rel err vs torch |",
               "|---|---|---|---|---|---|---|---|---|---|"]
+    def fmt(v, spec):  # None / NaN = not measured
+        return "n/a" if v is None or v != v else format(v, spec)
+
     for r in result["run"]:
-        lines.append(f"| {r['N']} | {r['batch']} | {r['tokens']} | {r['kv_tokens']} | {r['fi_run_us']:.1f} | "
-                     f"{r['fi_run_TBps']:.2f} | {r['op_strided_us']:.1f} | {r['op_contiguous_us']:.1f} | "
-                     f"{r['torch_ref_us']:.1f} | {r['rel_err_strided']:.1e} |")
+        lines.append(f"| {r['N']} | {r['batch']} | {r['tokens']} | {r['kv_tokens']} | {fmt(r['fi_run_us'], '.1f')} | "
+                     f"{fmt(r['fi_run_TBps'], '.2f')} | {fmt(r['op_strided_us'], '.1f')} | "
+                     f"{fmt(r['op_contiguous_us'], '.1f')} | {fmt(r['torch_ref_us'], '.1f')} | "
+                     f"{fmt(r['rel_err_strided'], '.1e')} |")
     lines += ["", f"## per step, {result['layers'][0]['layers'] if result['layers'] else 61} layers (wall clock, median ms)", "",
               "| N | batch | kv len | one plan + runs (this backend) | plan per layer + runs | runs only |",
               "|---|---|---|---|---|---|"]
@@ -438,11 +442,13 @@ def write_outputs(out_dir: Path, result: dict) -> None:
         axes[0].legend()
         pr = result["plan"]
         rr = result["run"]
-        axes[1].bar([f"plan\n{r['kind']} b={r['batch']}" for r in pr], [r["fi_plan_ms"] * 1e3 for r in pr], label="plan()")
-        axes[1].bar([f"run\nN={r['N']} b={r['batch']}" for r in rr], [r["fi_run_us"] for r in rr], label="run()")
+        axes[1].bar([f"plan {r['kind']} N={r['N']} b={r['batch']}" for r in pr], [r["fi_plan_ms"] * 1e3 for r in pr],
+                    label="plan() (host)")
+        axes[1].bar([f"run N={r['N']} b={r['batch']} T={r['tokens']}" for r in rr],
+                    [r["fi_run_us"] or 0 for r in rr], label="run() (device)")
         axes[1].set_ylabel("µs")
-        axes[1].set_title("FlashInfer plan (host) vs run (device)")
-        axes[1].tick_params(axis="x", labelsize=7)
+        axes[1].set_title("FlashInfer plan vs run")
+        axes[1].tick_params(axis="x", labelsize=7, labelrotation=60)
         axes[1].legend()
         rt = [r for r in result["route"] if r.get("flashinfer_mla_us") and r.get("triton_us")]
         axes[2].barh([r["case"] for r in rt], [r["flashinfer_mla_us"] for r in rt], height=0.4, label="FlashInfer absorbed")
@@ -464,7 +470,11 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="small cases, few repeats (smoke test)")
     ap.add_argument("--fake", action="store_true", help="use the CPU fake FlashInfer of the tests (dry run)")
     ap.add_argument("--skip", default="", help="comma list of sections to skip: plan,run,layers,route,graph")
+    ap.add_argument("--replot", default=None, help="rewrite the .md/.png of --out from this JSON (no measuring)")
     a = ap.parse_args(argv)
+    if a.replot:
+        write_outputs(Path(a.out), json.loads(Path(a.replot).read_text()))
+        return
     dev = torch.device(a.device)
     if a.fake:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
