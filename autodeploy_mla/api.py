@@ -17,7 +17,8 @@ from torch import nn
 from .config.loader import ConfigLayer, load_config
 from .config.schema import AppConfig
 from .custom_ops.backend_registry import MLABackend, get_backend
-from .models.factory import build_model, resolve_device, resolve_dtype, resolve_model_arg
+from .distributed.loading import build_eager_model
+from .models.factory import resolve_device, resolve_dtype, resolve_model_arg
 from .runtime.engine import GenerationEngine, Request
 from .runtime.kv_cache import CacheLayout, MLACacheManager, plan_num_pages
 from .runtime.page_allocator import PageAllocator
@@ -182,7 +183,7 @@ def optimize(
     else:
         device = resolve_device(cfg.model.device)
         dtype = resolve_dtype(cfg.model.dtype, device)
-        eager = build_model(cfg.model, device, dtype)
+        eager = build_eager_model(cfg, device, dtype)  # weightless when `shard` reads checkpoint slices
     ctx = BuildContext(cfg, eager, device, dtype)
     run_passes(ctx, on_pass)
     return OptimizedModel(ctx, eager)

@@ -43,6 +43,7 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--top-p", type=float, default=1.0)
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--report", type=Path, help="write the build report as JSON")
+    b.add_argument("--world-size", type=int, default=1, help="tensor-parallel ranks, spawned here (torchrun: from its env)")
     b.add_argument("--no-verify", action="store_true", help="skip the comparison with the eager HF model")
     sub.add_parser("models", help="list the model configs in model_configs/")
     sub.add_parser("backends", help="list attention backends and whether they serve the DeepSeek dims here")
@@ -126,11 +127,12 @@ def _prompts(args: argparse.Namespace, om: Any) -> list[list[int]]:
 
 def _verify(om: Any, prompts: list[list[int]], outs: list[list[int]], max_new: int) -> dict[str, Any]:
     """Greedy tokens of the eager HF model vs ours: identical in fp32; in 16-bit, agreement is reported."""
+    from .distributed.launch import reference_model
     from .testing import hf_greedy_generate
 
-    per = []
+    per, model = [], reference_model(om)
     for p, o in zip(prompts, outs):
-        ref = hf_greedy_generate(om.eager_model, p, max_new)
+        ref = hf_greedy_generate(model, p, max_new)
         agree = next((i for i, (a, b) in enumerate(zip(ref, o)) if a != b), min(len(ref), len(o)))
         per.append({"prompt_len": len(p), "ours": o, "hf": ref, "identical": ref == o, "agreeing_prefix": agree})
     exact = om.dtype == torch.float32
@@ -141,8 +143,12 @@ def _verify(om: Any, prompts: list[list[int]], outs: list[list[int]], max_new: i
 
 def build(args: argparse.Namespace) -> int:
     from .api import optimize
+    from .distributed.launch import cli_launch, cli_setup, is_rank0
 
+    if (rc := cli_launch(args, build)) is not None:  # --world-size N: N ranks run build(); rank 0's code
+        return rc
     layers, sets = _layers(args)
+    sets += cli_setup(args, console)  # in a rank: process group, shard pass on, own GPU; ranks > 0 quiet
     cfg = load_config(*layers, overrides=sets)
     console.print(f"[bold]autodeploy build[/] model={args.model or 'default'} device={cfg.model.device} dtype={cfg.model.dtype}")
     with console.status("building...") as status:
@@ -159,13 +165,13 @@ def build(args: argparse.Namespace) -> int:
     outs = [r.generated for r in reqs]
     errors = [r.error for r in reqs if r.error]
     verification = None
-    if not args.no_verify and args.temperature == 0:
+    if not args.no_verify and args.temperature == 0 and is_rank0():
         with console.status("verifying against the eager HF model..."):
             verification = _verify(om, prompts, outs, args.max_new_tokens)
     report = om.report()
     report["verification"] = verification
     _print_report(report, prompts, outs)
-    if args.report:
+    if args.report and is_rank0():
         args.report.parent.mkdir(parents=True, exist_ok=True)
         args.report.write_text(json.dumps(report, indent=2, default=str))
         console.print(f"report written to {args.report}")

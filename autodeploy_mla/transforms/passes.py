@@ -10,6 +10,7 @@ from pydantic import Field
 
 from . import insert_cached_attention  # noqa: F401  (registers insert_cached_mla_attention)
 from . import piecewise  # noqa: F401  (registers piecewise)
+from . import shard  # noqa: F401  (registers shard)
 from .context import BuildContext
 from .export import export_model
 from .match_mla import match_mla as _match_mla

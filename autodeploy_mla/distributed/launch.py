@@ -1,0 +1,189 @@
+"""Launching ranks: `spawn` (torch.multiprocessing, one process per rank) and the CLI hooks.
+
+`spawn(fn, world_size, *args)` picks a free rendezvous port, sets the torchrun-style environment
+(MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK, and the NVLink-multicast-off variables),
+initialises the process group in every rank (gloo on CPU, NCCL on CUDA with `cuda:rank`), seeds
+every rank identically, runs `fn(rank, *args)` and returns rank 0's result. Any rank failing makes
+`spawn` raise with that rank's traceback.
+
+Under torchrun the environment is already there: `init_distributed()` (env.py) is all a process
+needs; `autodeploy build` calls it through `cli_setup`.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import sys
+import tempfile
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from .env import (
+    DistributedError,
+    default_backend,
+    disable_multicast_env,
+    env_info,
+    init_distributed,
+    shutdown_distributed,
+)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _worker(rank: int, fn: Callable[..., Any], args: tuple, world_size: int, port: int, backend: str,
+            seed: int, out_dir: str) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+    )
+    disable_multicast_env()
+    result: Any = None
+    error: Optional[str] = None
+    try:
+        init_distributed(backend)
+        torch.manual_seed(seed)  # same RNG state on every rank: unseeded sampling agrees too
+        result = fn(rank, *args)
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent with the traceback
+        error = f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+    finally:
+        try:
+            shutdown_distributed()
+        except Exception:  # noqa: BLE001
+            pass
+    with open(Path(out_dir) / f"rank{rank}.pkl", "wb") as f:
+        try:
+            pickle.dump((result, error), f)
+        except Exception as exc:  # noqa: BLE001 - an unpicklable result
+            f.seek(0)
+            f.truncate()
+            error = error or f"rank {rank}: result not picklable: {exc}"
+            pickle.dump((None, error), f)
+    if error is not None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # A non-zero exit makes the parent stop the other ranks, which may be waiting in a collective.
+        os._exit(1)
+
+
+class RankFailed(RuntimeError):
+    """A spawned rank raised; the message holds its traceback."""
+
+
+def spawn(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    backend: Optional[str] = None,
+    seed: int = 0,
+    all_results: bool = False,
+) -> Any:
+    """Run `fn(rank, *args)` in `world_size` fresh processes with a process group; rank 0's result
+    (or every rank's, in rank order, with `all_results`). `fn` must be importable (module level)."""
+    if world_size < 1:
+        raise DistributedError(f"world_size={world_size}: must be >= 1")
+    backend = backend or default_backend()
+    if backend == "nccl" and torch.cuda.device_count() < world_size:
+        raise DistributedError(
+            f"world_size={world_size} with NCCL needs {world_size} GPUs, this host has {torch.cuda.device_count()}"
+        )
+    disable_multicast_env()  # inherited by the children before CUDA/NCCL start there
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory(prefix="autodeploy_tp_") as out_dir:
+        ctx = mp.spawn(
+            _worker, args=(fn, args, world_size, free_port(), backend, seed, out_dir), nprocs=world_size,
+            join=False,
+        )
+        abnormal = None
+        try:
+            while not ctx.join():
+                pass
+        except mp.ProcessExitedException as exc:
+            abnormal = exc
+        results, errors = [], []
+        for r in range(world_size):
+            path = Path(out_dir) / f"rank{r}.pkl"
+            if not path.is_file():
+                results.append(None)
+                if abnormal is None:
+                    errors.append(f"rank {r}: no result")
+                continue
+            res, err = pickle.loads(path.read_bytes())
+            results.append(res)
+            if err:
+                errors.append(err)
+        if abnormal is not None and not errors:
+            errors.append(f"a rank exited abnormally: {abnormal}")
+    if errors:
+        raise RankFailed("\n".join(errors))
+    return results if all_results else results[0]
+
+
+# ----------------------------------------------------------------------------- CLI hooks
+def _cli_rank(rank: int, build: Callable[[Any], int], args: Any) -> int:
+    return build(args)
+
+
+def cli_launch(args: Any, build: Callable[[Any], int]) -> Optional[int]:
+    """`autodeploy build --world-size N`: spawn N ranks that each run `build(args)`; rank 0's exit
+    code. None when nothing has to be spawned (world size 1, or already inside a rank/torchrun)."""
+    want = getattr(args, "world_size", None) or 1
+    info = env_info()
+    if want == 1 or info.world_size > 1:
+        if info.world_size > 1 and want not in (1, info.world_size):
+            raise DistributedError(
+                f"--world-size {want} but this process is one of {info.world_size} ranks already (torchrun?)"
+            )
+        return None
+    try:
+        return int(spawn(_cli_rank, want, build, args, backend=default_backend(_device_type(args)), seed=args.seed))
+    except RankFailed as exc:
+        from .. import cli
+
+        cli.console.print(f"[red]error:[/] {exc}")
+        return 1
+
+
+def _device_type(args: Any) -> str:
+    dev = getattr(args, "device", None)
+    if dev:
+        return torch.device(dev).type
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def cli_setup(args: Any, console: Any = None) -> list[str]:
+    """In a rank (spawned or torchrun): start the process group; returns the `--set` overrides that
+    turn tensor parallelism on and put the rank on its own GPU; `console` (the CLI's rich Console)
+    goes quiet on ranks other than 0."""
+    info = env_info()
+    if info.world_size == 1:
+        return []
+    info = init_distributed(device_type=_device_type(args))
+    torch.manual_seed(getattr(args, "seed", 0))  # torchrun ranks: same RNG state everywhere
+    if console is not None:
+        console.quiet = info.rank != 0
+    sets = ["transforms.shard.enabled=true", f"transforms.shard.world_size={info.world_size}"]
+    if _device_type(args) == "cuda":
+        sets.append(f"model.device=cuda:{info.local_rank}")
+    return sets
+
+
+def is_rank0() -> bool:
+    return env_info().is_rank0
+
+
+def reference_model(om: Any) -> Any:
+    """The HF model with real weights to verify against (loads it when `om` was built weightless)."""
+    from .loading import reference_model as _reference
+
+    return _reference(om.eager_model, om.config.model, om.device, om.dtype)

@@ -1,0 +1,437 @@
+"""Sharded weight loading: each rank reads only its slices of a safetensors checkpoint.
+
+How a checkpoint model is built for tensor parallelism (`transforms.shard` enabled, world_size > 1,
+`model.path` set):
+
+1. `build_skeleton` builds the HF model with every *parameter* replaced by a placeholder: a
+   zero-stride view of one element (`torch.empty(()).expand(shape)`) on the target device, so the
+   whole model costs a few bytes per parameter. Buffers are real (RoPE `inv_freq` is computed at
+   construction and is not in checkpoints). The placeholders carry the right shapes and dtypes, so
+   `torch.export` traces the skeleton exactly like the real model.
+2. The passes run on the skeleton's graph; the `shard` pass decides a `ShardSpec` (dim + index
+   ranges) per weight, and then calls `load_graph_weights`, which fills every graph weight from
+   the checkpoint: `safe_open(...).get_slice(key)[...]` reads only the rank's ranges, for sharded
+   weights; replicated weights and persistent buffers are read whole.
+3. Checkpoint layouts that differ from the module's parameters are described as virtual tensors:
+   transformers' fused MoE expert weights (`experts.gate_up_proj [E, 2I, H]`,
+   `experts.down_proj [E, H, I]`) are stacks/concatenations of the per-expert
+   `experts.{e}.gate_proj/up_proj/down_proj.weight` tensors that HF checkpoints hold; a slice of
+   the fused weight reads only the matching rows of each expert tensor.
+
+Random-weight models (`model.hf_config`) have no checkpoint: every rank builds the full model from
+the same seed and the shard pass slices it (the full model stays as the HF reference).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+from torch import nn
+
+from ..config.schema import AppConfig, ModelConfig
+from ..models.factory import ModelLoadError, build_model, causal_lm_class
+
+Range = tuple[int, int]
+Selection = tuple[Optional[tuple[Range, ...]], ...]  # per dim: None (all) or index ranges, concatenated
+
+
+# ----------------------------------------------------------------------------- the skeleton
+@dataclass(frozen=True)
+class SkeletonInfo:
+    """Marks a weightless model: which names are placeholders and where the weights are."""
+
+    checkpoint: Path
+    params: frozenset[str]
+    persistent_buffers: frozenset[str]
+    aliases: dict[str, tuple[str, ...]] = field(default_factory=dict)  # tied parameters: every name
+
+
+def is_skeleton(model: Optional[nn.Module]) -> bool:
+    return model is not None and getattr(model, "_autodeploy_skeleton", None) is not None
+
+
+def skeleton_info(model: nn.Module) -> SkeletonInfo:
+    return model._autodeploy_skeleton  # type: ignore[attr-defined,no-any-return]
+
+
+def placeholder(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor of `shape` that owns one element (zero strides)."""
+    return torch.zeros((), dtype=dtype, device=device).expand(*shape)
+
+
+def is_placeholder(t: torch.Tensor) -> bool:
+    return t.numel() > 1 and all(s == 0 for s in t.stride())
+
+
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Modules constructed inside register their parameters on the meta device (buffers stay real)."""
+    original = nn.Module.register_parameter
+
+    def register(self: nn.Module, name: str, param: Optional[nn.Parameter]) -> None:
+        original(self, name, param)
+        p = self._parameters.get(name)
+        if p is not None and p.device.type != "meta":
+            self._parameters[name] = nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
+
+    nn.Module.register_parameter = register  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def build_skeleton(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """The HF model of the checkpoint at `cfg.path`, weightless (see module doc)."""
+    import transformers
+
+    if cfg.path is None:
+        raise ModelLoadError("build_skeleton needs model.path (a checkpoint directory)")
+    path = Path(cfg.path)
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"model.path {cfg.path!r} has no config.json; expected an HF checkpoint directory")
+    try:
+        config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
+        with _parameters_on_meta():
+            model = causal_lm_class(config)._from_config(
+                config, dtype=torch.float32, attn_implementation=cfg.attn_implementation
+            )
+    except ModelLoadError:
+        raise
+    except Exception as exc:
+        raise ModelLoadError(f"building the model skeleton for {path} failed: {type(exc).__name__}: {exc}") from exc
+    model.to(dtype)  # floating buffers follow the model dtype, as in build_model; parameters stay meta
+    params: set[str] = set()
+    memo: dict[int, nn.Parameter] = {}  # tied parameters stay tied
+    names_of: dict[int, list[str]] = {}
+    persistent: set[str] = set()
+    for mod_name, mod in model.named_modules(remove_duplicate=False):
+        prefix = f"{mod_name}." if mod_name else ""
+        for name, p in list(mod._parameters.items()):
+            if p is None:
+                continue
+            if id(p) not in memo:
+                memo[id(p)] = nn.Parameter(placeholder(p.shape, p.dtype, device), requires_grad=False)
+            names_of.setdefault(id(memo[id(p)]), []).append(prefix + name)
+            mod._parameters[name] = memo[id(p)]
+            params.add(prefix + name)
+        for name, b in list(mod._buffers.items()):
+            if b is None:
+                continue
+            mod._buffers[name] = b.to(device)
+            if name not in mod._non_persistent_buffers_set:
+                persistent.add(prefix + name)
+    model.eval()
+    aliases = {n: tuple(ns) for ns in names_of.values() if len(ns) > 1 for n in ns}
+    model._autodeploy_skeleton = SkeletonInfo(  # type: ignore[attr-defined]
+        path.resolve(), frozenset(params), frozenset(persistent), aliases
+    )
+    return model
+
+
+def wants_skeleton(cfg: AppConfig) -> bool:
+    """True when the shard pass will load this rank's weight slices from a checkpoint itself."""
+    from ..transforms.shard import resolve_world
+
+    raw = cfg.transforms.get("shard")
+    if raw is None or not raw.get("enabled", False) or cfg.model.path is None:
+        return False
+    if raw.get("load") == "full":
+        return False
+    world, _ = resolve_world(raw.get("world_size"), raw.get("rank"))
+    return world > 1
+
+
+def build_eager_model(cfg: AppConfig, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """`optimize()`'s model builder: the full HF model, or a skeleton when sharded loading applies."""
+    if wants_skeleton(cfg):
+        return build_skeleton(cfg.model, device, dtype)
+    return build_model(cfg.model, device, dtype)
+
+
+def reference_model(model: nn.Module, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """A model with real weights for verification: `model` itself, or (skeleton) the full HF model."""
+    if not is_skeleton(model):
+        return model
+    return build_model(cfg, device, dtype)
+
+
+# ----------------------------------------------------------------------------- checkpoint reading
+class CheckpointReader:
+    """Tensors of a safetensors checkpoint directory (single file or index + shards), by slices."""
+
+    def __init__(self, path: Union[str, Path]) -> None:
+        from safetensors import safe_open
+
+        self.path = Path(path)
+        self._safe_open = safe_open
+        self._stack = contextlib.ExitStack()
+        self._handles: dict[str, Any] = {}
+        index = self.path / "model.safetensors.index.json"
+        if index.is_file():
+            self.weight_map: dict[str, str] = dict(json.loads(index.read_text())["weight_map"])
+        else:
+            files = sorted(p.name for p in self.path.glob("*.safetensors"))
+            if not files:
+                raise ModelLoadError(
+                    f"{self.path}: no *.safetensors files. Sharded loading reads slices from safetensors "
+                    "only; convert the checkpoint (transformers save_pretrained writes safetensors) or set "
+                    "transforms.shard.load=full to load the whole model on every rank."
+                )
+            self.weight_map = {}
+            for f in files:
+                for key in self._handle(f).keys():
+                    self.weight_map[key] = f
+        self.bytes_read = 0
+
+    def __enter__(self) -> "CheckpointReader":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._stack.close()
+        self._handles.clear()
+
+    def _handle(self, file: str) -> Any:
+        if file not in self._handles:
+            handle = self._safe_open(str(self.path / file), framework="pt", device="cpu")
+            self._handles[file] = self._stack.enter_context(handle)
+        return self._handles[file]
+
+    def has(self, key: str) -> bool:
+        return key in self.weight_map
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self._handle(self.weight_map[key]).get_slice(key).get_shape())
+
+    def read(self, key: str, index: tuple[slice, ...]) -> torch.Tensor:
+        sl = self._handle(self.weight_map[key]).get_slice(key)
+        t = sl[index] if index else sl[:]
+        self.bytes_read += t.numel() * t.element_size()
+        return t
+
+
+# Virtual tensors: how one module parameter is assembled from checkpoint tensors.
+@dataclass
+class Ckpt:
+    key: str
+    shape: tuple[int, ...]
+
+
+@dataclass
+class Stack:  # new leading dim
+    parts: list[Any]
+    shape: tuple[int, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.shape = (len(self.parts), *self.parts[0].shape)
+
+
+@dataclass
+class Concat:
+    parts: list[Any]
+    dim: int
+    shape: tuple[int, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        s = list(self.parts[0].shape)
+        s[self.dim] = sum(p.shape[self.dim] for p in self.parts)
+        self.shape = tuple(s)
+
+
+@dataclass
+class Transposed:  # 2-D transpose
+    part: Any
+    shape: tuple[int, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.shape = tuple(reversed(self.part.shape))
+
+
+Source = Union[Ckpt, Stack, Concat, Transposed]
+
+
+def read_source(reader: CheckpointReader, src: Source, sel: Selection) -> torch.Tensor:
+    """The selected part of a virtual tensor (`sel`: per dim None or ranges, concatenated)."""
+    if isinstance(src, Ckpt):
+        dims = [d for d, r in enumerate(sel) if r is not None]
+        if len(dims) > 1:
+            raise ValueError(f"{src.key}: selections on more than one dim are not supported")
+        if not dims:
+            return reader.read(src.key, ())
+        d = dims[0]
+        ranges: tuple[Range, ...] = sel[d]  # type: ignore[assignment]
+        pieces = [reader.read(src.key, tuple([slice(None)] * d + [slice(a, b)])) for a, b in ranges]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, d)
+    if isinstance(src, Stack):
+        ranges = sel[0] if sel[0] is not None else ((0, len(src.parts)),)
+        idx = [i for a, b in ranges for i in range(a, b)]
+        return torch.stack([read_source(reader, src.parts[i], sel[1:]) for i in idx])
+    if isinstance(src, Transposed):
+        return read_source(reader, src.part, (sel[1], sel[0])).t()
+    # Concat
+    d = src.dim
+    ranges = sel[d] if sel[d] is not None else ((0, src.shape[d]),)
+    out = []
+    for a, b in ranges:
+        off = 0
+        for part in src.parts:
+            n = part.shape[d]
+            lo, hi = max(a, off), min(b, off + n)
+            if lo < hi:
+                sub = list(sel)
+                sub[d] = ((lo - off, hi - off),)
+                out.append(read_source(reader, part, tuple(sub)))
+            off += n
+    return out[0] if len(out) == 1 else torch.cat(out, d)
+
+
+_FUSED_GATE_UP = re.compile(r"(.*)\.experts\.gate_up_proj")
+_FUSED_DOWN = re.compile(r"(.*)\.experts\.down_proj")
+
+
+def source_for(reader: CheckpointReader, name: str, shape: tuple[int, ...]) -> Source:
+    """The virtual tensor that holds module parameter/buffer `name` of `shape` in the checkpoint."""
+    if reader.has(name):
+        got = reader.shape(name)
+        if got != shape:
+            raise ModelLoadError(f"checkpoint tensor {name} has shape {list(got)}, the model expects {list(shape)}")
+        return Ckpt(name, got)
+    m = _FUSED_GATE_UP.fullmatch(name) or _FUSED_DOWN.fullmatch(name)
+    if m is not None and len(shape) == 3:
+        base, fused_gate_up = m.group(1), m.re is _FUSED_GATE_UP
+        names = ("gate_proj", "up_proj") if fused_gate_up else ("down_proj",)
+        experts = []
+        for e in range(shape[0]):
+            keys = [f"{base}.experts.{e}.{n}.weight" for n in names]
+            if not all(reader.has(k) for k in keys):
+                break
+            parts = [Ckpt(k, reader.shape(k)) for k in keys]
+            experts.append(parts)
+        if len(experts) == shape[0]:
+            out_rows = sum(p.shape[0] for p in experts[0])
+            in_cols = experts[0][0].shape[1]
+            if shape[1:] == (out_rows, in_cols):  # [E, out, in]
+                return Stack([p[0] if len(p) == 1 else Concat(p, 0) for p in experts])
+            if shape[1:] == (in_cols, out_rows):  # [E, in, out]
+                return Stack([Transposed(p[0]) if len(p) == 1 else Transposed(Concat(p, 0)) for p in experts])
+            raise ModelLoadError(
+                f"{name}: model shape {list(shape)} matches neither [E, out, in] nor [E, in, out] of the "
+                f"per-expert checkpoint tensors ({keys[0]}: {list(experts[0][0].shape)})"
+            )
+    near = [k for k in reader.weight_map if k.rsplit(".", 1)[0] == name.rsplit(".", 1)[0]][:5]
+    raise ModelLoadError(
+        f"model weight {name} {list(shape)} is not in the checkpoint {reader.path} (nor as per-expert "
+        f"tensors of a fused MoE weight){'; tensors of that module: ' + ', '.join(near) if near else ''}. "
+        "Set transforms.shard.load=full to let transformers load (and convert) the whole checkpoint."
+    )
+
+
+# ----------------------------------------------------------------------------- filling a graph
+@dataclass(frozen=True)
+class ShardSpec:
+    """This rank's part of one weight: `ranges` of `dim`, concatenated (e.g. the gate and the up
+    halves of a fused gate_up weight). `zero`: this rank holds zeros (the bias of a row-parallel
+    matmul is added by rank 0 only, so the all-reduce adds it exactly once)."""
+
+    dim: int
+    ranges: tuple[Range, ...]
+    rule: str
+    zero: bool = False
+
+    def selection(self, ndim: int) -> Selection:
+        return tuple(self.ranges if d == self.dim else None for d in range(ndim))
+
+    def shape(self, full: Sequence[int]) -> tuple[int, ...]:
+        s = list(full)
+        s[self.dim] = sum(b - a for a, b in self.ranges)
+        return tuple(s)
+
+    def slice(self, t: torch.Tensor) -> torch.Tensor:
+        if self.zero:
+            return torch.zeros(self.shape(t.shape), dtype=t.dtype, device=t.device)
+        parts = [t.narrow(self.dim, a, b - a) for a, b in self.ranges]
+        return (parts[0] if len(parts) == 1 else torch.cat(parts, self.dim)).contiguous()
+
+
+def set_graph_tensor(gm: torch.fx.GraphModule, target: str, value: torch.Tensor) -> None:
+    """Replace the parameter/buffer/attribute `target` of `gm` (its get_attr nodes see the new one)."""
+    mod_path, _, attr = target.rpartition(".")
+    mod = gm.get_submodule(mod_path) if mod_path else gm
+    if attr in mod._parameters:
+        mod._parameters[attr] = nn.Parameter(value, requires_grad=False)
+    elif attr in mod._buffers:
+        mod._buffers[attr] = value
+    else:
+        setattr(mod, attr, value)
+
+
+def graph_tensor(gm: torch.fx.GraphModule, target: str) -> Any:
+    mod_path, _, attr = target.rpartition(".")
+    mod = gm.get_submodule(mod_path) if mod_path else gm
+    return getattr(mod, attr)
+
+
+def model_name(target: str, names: Union[set[str], frozenset[str]]) -> Optional[str]:
+    """The model's own name for a graph attribute (the export wrapper adds a `model.` prefix)."""
+    for cand in (target, target.removeprefix("model.")):
+        if cand in names:
+            return cand
+    return None
+
+
+def load_graph_weights(
+    gm: torch.fx.GraphModule, model: nn.Module, specs: dict[str, ShardSpec], device: torch.device
+) -> dict[str, Any]:
+    """Fill every placeholder weight (and persistent buffer) of `gm` from the skeleton's checkpoint,
+    reading only `specs[target]`'s slices of sharded weights. Returns what was read."""
+    info = skeleton_info(model)
+    known = set(info.params) | set(info.persistent_buffers)
+    targets = list(dict.fromkeys(n.target for n in gm.graph.nodes if n.op == "get_attr"))
+    loaded, kept, full_bytes = 0, [], 0
+    with CheckpointReader(info.checkpoint) as reader:
+        for target in targets:
+            cur = graph_tensor(gm, target)
+            if not isinstance(cur, torch.Tensor):
+                continue
+            name = model_name(target, known)
+            if name is None:
+                if is_placeholder(cur):
+                    raise ModelLoadError(f"graph weight {target} is a placeholder with no model name to load it by")
+                continue
+            shape = tuple(cur.shape)
+            candidates = info.aliases.get(name, (name,))
+            src = None
+            for cand in candidates:
+                try:
+                    src = source_for(reader, cand, shape)
+                    break
+                except ModelLoadError:
+                    if cand == candidates[-1] and name in info.params:
+                        raise
+            if src is None:  # a persistent buffer the checkpoint lacks: keep its constructed value
+                kept.append(name)
+                continue
+            spec = specs.get(target)
+            full_bytes += cur.numel() * cur.element_size()
+            if spec is not None and spec.zero:
+                t = torch.zeros(spec.shape(shape), dtype=cur.dtype)
+            else:
+                t = read_source(reader, src, spec.selection(len(shape)) if spec else (None,) * len(shape))
+            set_graph_tensor(gm, target, t.to(device=device, dtype=cur.dtype).contiguous())
+            loaded += 1
+        bytes_read = reader.bytes_read
+    left = [t for t in targets if isinstance(graph_tensor(gm, t), torch.Tensor) and is_placeholder(graph_tensor(gm, t))]
+    if left:
+        raise ModelLoadError(f"weights still unloaded after reading the checkpoint: {', '.join(left[:5])}")
+    return {"checkpoint": str(info.checkpoint), "tensors": loaded, "bytes_read": bytes_read,
+            "full_model_bytes": full_bytes, "buffers_kept": kept}

@@ -1,0 +1,89 @@
+"""What one rank saw: build a model with the shard pass on, generate, and return everything a test
+or a benchmark wants to compare across ranks and against a single process.
+
+`probe_rank` is the function the CPU/GPU tensor-parallel tests spawn (`spawn(probe_rank, 2, jobs)`).
+Everything it returns is plain Python / CPU tensors, so it pickles back to the parent.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+import torch
+
+from .collectives import count_all_reduces
+from .env import MULTICAST_OFF_ENV, env_info
+from .loading import graph_tensor, is_placeholder, is_skeleton
+
+
+@dataclass
+class ProbeJob:
+    name: str
+    model: Union[str, Callable[[], torch.nn.Module], None]  # family / checkpoint dir, or a module-level factory
+    overrides: Sequence[str] = ()
+    prompts: Sequence[Sequence[int]] = ()
+    max_new_tokens: int = 4
+    logits_prompt: Optional[Sequence[int]] = None
+    #: Instead of the above: run `autodeploy <cli_argv>` in this rank (the CLI's in-rank path:
+    #: process group already up, shard pass on, rank 0 prints/verifies/writes the report).
+    cli_argv: Optional[Sequence[str]] = None
+    #: Also generate with these sampling parameters (e.g. temperature, top_k; no seed: the global RNG,
+    #: which the launcher seeds identically on every rank) -> result["sampled"].
+    sampling: Optional[dict[str, Any]] = None
+
+
+def rank_overrides() -> list[str]:
+    """Overrides every rank needs: the shard pass on, and on CUDA the rank's own GPU."""
+    sets = ["transforms.shard.enabled=true"]
+    if torch.cuda.is_available() and env_info().world_size > 1:
+        sets.append(f"model.device=cuda:{env_info().local_rank}")
+    return sets
+
+
+def probe_rank(rank: int, jobs: Sequence[ProbeJob]) -> dict[str, dict[str, Any]]:
+    from ..api import optimize
+
+    out: dict[str, dict[str, Any]] = {}
+    for job in jobs:
+        if job.cli_argv is not None:
+            from ..cli import _parser, build
+
+            out[job.name] = {"rank": rank, "rc": build(_parser().parse_args(list(job.cli_argv)))}
+            continue
+        model = job.model() if callable(job.model) else job.model
+        if isinstance(model, torch.nn.Module) and torch.cuda.is_available() and env_info().world_size > 1:
+            model = model.to(f"cuda:{env_info().local_rank}")
+        om = optimize(model, overrides=[*job.overrides, *rank_overrides()])
+        tokens = om.generate([list(p) for p in job.prompts], max_new_tokens=job.max_new_tokens) if job.prompts else []
+        sampled = (om.generate([list(p) for p in job.prompts], max_new_tokens=job.max_new_tokens, **job.sampling)
+                   if job.sampling else None)
+        logits = om.prefill_logits(list(job.logits_prompt)).float().cpu() if job.logits_prompt else None
+        rec = next((r for r in om.history if r.name == "shard"), None)
+        weights = {}
+        for n in om.gm.graph.nodes:
+            if n.op == "get_attr":
+                t = graph_tensor(om.gm, n.target)
+                if isinstance(t, torch.Tensor):
+                    weights[n.target] = (tuple(t.shape), is_placeholder(t))
+        rep = om.report()
+        out[job.name] = {
+            "rank": rank,
+            "world_size": env_info().world_size,
+            "tokens": tokens,
+            "sampled": sampled,
+            "logits": logits,
+            "shard_summary": rec.summary if rec else None,
+            "shard_details": rec.details if rec else None,
+            "layers": rep["layers"],
+            "all_reduces": count_all_reduces(om.gm),
+            "weights": weights,
+            "skeleton": is_skeleton(om.eager_model),
+            "env": {k: os.environ.get(k) for k in MULTICAST_OFF_ENV},
+            "device": str(om.device),
+            "dtype": str(om.dtype),
+        }
+        del om
+    return out

@@ -1,0 +1,638 @@
+"""`shard`: tensor-parallel MLA over `world_size` ranks (runs after match_mla, before cache insertion).
+
+Every rank runs the same pass on its own copy of the graph and keeps its own slice of the weights:
+
+- MLA attention, split by heads (N -> N/W per rank):
+  the query projection feeding `torch_mla` (q_proj, or q_b_proj after the q-LoRA path) is
+  column-parallel by head blocks of Dn+Dr rows; the `kv_b_proj_weight` input of `torch_mla` keeps
+  the rank's head blocks of Dn+Dv rows; o_proj is row-parallel (the rank's N/W*Dv input columns)
+  and its output is summed over ranks. The latent path (kv_a_proj_with_mqa, kv_a_layernorm, the
+  rope key) and the q-LoRA down projection stay replicated: each rank keeps the full latent cache
+  [pages, page_size, R+Dr] and serves its heads from it. View/reshape nodes between the query
+  projection and `torch_mla`, and between `torch_mla` and o_proj, are rewritten where they spell N
+  (or N*width) out; `node.meta["mla_dims"]` gets N/W, so backend resolution sees the rank's heads.
+- Gated MLPs (dense and shared experts): gate/up column-parallel, down row-parallel.
+- MoE routed experts: tensor-parallel inside every expert (each rank keeps all E experts with
+  I/W of the intermediate size; the router stays replicated). No all-to-all, no token-count
+  imbalance between ranks, and the exported static `grouped_mm` graph stays as it is.
+- Embedding, norms, router, lm_head: replicated.
+
+Partial sums (outputs of the row-parallel matmuls) are followed through ops that are linear in
+them (views, casts, gathers, routing-weight products, the sum over top-k experts, the sum of the
+routed and shared experts) and all-reduced once where they meet a replicated value (the residual
+add): one all-reduce per attention block and one per MLP/MoE block. The all-reduce is
+`_c10d_functional.all_reduce` + `wait_tensor` on the default process group.
+
+Weights become slices: of the real tensors (random-weight models, or `load: full`), or read from the
+checkpoint by slices when the model is a weightless skeleton (see distributed/loading.py).
+
+Head counts that world_size does not divide are refused (all layers are checked before anything
+changes). An MLP whose intermediate size world_size does not divide stays replicated (reported).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+import torch
+from pydantic import Field, model_validator
+from torch.fx import GraphModule, Node
+
+from ..custom_ops.mla_dims import MLADims
+from ..distributed.collectives import ALL_REDUCE, COLLECTIVE_OPS, insert_all_reduce
+from ..distributed.env import env_info, world_group_name
+from ..distributed.loading import (
+    ShardSpec,
+    graph_tensor,
+    is_skeleton,
+    load_graph_weights,
+    set_graph_tensor,
+)
+from .context import BuildContext
+from .registry import PassOptions, PassResult, register_pass
+
+aten = torch.ops.aten
+TORCH_MLA = torch.ops.autodeploy.torch_mla.default
+
+
+class ShardError(ValueError):
+    """The graph cannot be sharded as asked; the message names the layer, the reason, what to do."""
+
+
+class ShardOptions(PassOptions):
+    enabled: bool = False
+    world_size: Optional[int] = Field(
+        None, ge=1, description="ranks; null: from torch.distributed or the WORLD_SIZE environment variable"
+    )
+    rank: Optional[int] = Field(None, ge=0, description="this rank; null: from torch.distributed or RANK")
+    mlp: Literal["tensor", "replicate"] = Field("tensor", description="dense and shared-expert MLPs")
+    experts: Literal["tensor", "replicate"] = Field(
+        "tensor", description="MoE routed experts: tensor-parallel inside each expert, or replicated"
+    )
+    load: Literal["slices", "full"] = Field(
+        "slices",
+        description="checkpoints: read only this rank's slices (safetensors), or load the full model and slice it",
+    )
+
+    @model_validator(mode="after")
+    def _rank_in_world(self) -> "ShardOptions":
+        if self.rank is not None and self.world_size is not None and self.rank >= self.world_size:
+            raise ValueError(f"rank={self.rank} must be < world_size={self.world_size}")
+        return self
+
+
+def resolve_world(world_size: Optional[int], rank: Optional[int]) -> tuple[int, int]:
+    """(world_size, rank): explicit options win, else the process group / environment."""
+    info = env_info()
+    w = info.world_size if world_size is None else int(world_size)
+    r = info.rank if rank is None else int(rank)
+    if not 0 <= r < w:
+        raise ShardError(f"shard: rank {r} is outside world_size {w}")
+    return w, r
+
+
+# ----------------------------------------------------------------------------- graph helpers
+_RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+_SHAPE_ARG_OPS = _RESHAPES | {aten.expand.default}
+# Ops that move/cast data without mixing elements of different heads or intermediate units.
+_PASSTHROUGH = {
+    aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.transpose.int,
+    aten.permute.default, aten.contiguous.default, aten.clone.default, aten.unsqueeze.default,
+    aten.squeeze.dim, aten.squeeze.default, aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default,
+    aten.alias.default, aten.detach.default, aten.t.default,
+}
+_CASTS = {aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, aten.contiguous.default,
+          aten.clone.default, aten.alias.default, aten.detach.default}
+_ACTIVATIONS = {aten.silu.default, aten.gelu.default, aten.relu.default, aten.sigmoid.default,
+                aten.tanh.default}
+_LINEAR = aten.linear.default
+_ASSERT = aten._assert_tensor_metadata.default
+
+
+def _grouped_mm_ops() -> set[Any]:
+    ops: set[Any] = {aten._grouped_mm.default}
+    try:  # transformers' CPU fallback op (fp32 MoE on CPU); registered when transformers loads it
+        ops.add(torch.ops.transformers.grouped_mm_fallback.default)
+    except (AttributeError, RuntimeError):
+        pass
+    return ops
+
+
+def _is(node: Any, targets: Iterable[Any]) -> bool:
+    return isinstance(node, Node) and node.op == "call_function" and node.target in targets
+
+
+def _skip(node: Any, targets: set[Any]) -> Any:
+    while _is(node, targets):
+        node = node.args[0]
+    return node
+
+
+def _shape(node: Node) -> tuple[Any, ...]:
+    val = node.meta.get("val")
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else ()
+
+
+def _layer_of(node: Node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return node.name
+    path = list(stack.values())[-1][0]
+    return path.removeprefix("model.") if path.startswith("model.model.") else path
+
+
+@dataclass
+class _WeightRef:
+    """The get_attr behind a weight argument and how the argument's axes map onto the parameter's."""
+
+    attr: Node
+    axes: list[int]  # argument axis -> parameter axis
+
+
+def _trace_weight(arg: Any) -> Optional[_WeightRef]:
+    chain: list[Node] = []
+    node = arg
+    while isinstance(node, Node) and node.op == "call_function":
+        if node.target in _CASTS or node.target in (aten.transpose.int, aten.permute.default, aten.t.default):
+            chain.append(node)
+            node = node.args[0]
+        else:
+            return None
+    if not (isinstance(node, Node) and node.op == "get_attr"):
+        return None
+    ndim = len(_shape(node)) or len(_shape(arg))
+    axes = list(range(ndim))  # parameter-axis order as seen through the chain (outermost op last)
+    for op in reversed(chain):
+        if op.target is aten.transpose.int:
+            a, b = (int(x) % ndim for x in op.args[1:3])
+            axes[a], axes[b] = axes[b], axes[a]
+        elif op.target is aten.permute.default:
+            axes = [axes[int(i) % ndim] for i in op.args[1]]
+        elif op.target is aten.t.default:
+            axes = axes[::-1]
+    return _WeightRef(node, axes)
+
+
+@dataclass
+class _Matmul:
+    """A linear or grouped_mm node: which argument axis of its weight is 'out' and which is 'in'."""
+
+    node: Node
+    weight: _WeightRef
+    out_axis: int  # parameter axis of the output features
+    in_axis: int  # parameter axis of the input features
+    out_size: int
+    in_size: int
+    bias: Optional[Node]
+
+    @classmethod
+    def of(cls, node: Node, grouped: set[Any]) -> Optional["_Matmul"]:
+        if not (_is(node, {_LINEAR}) or _is(node, grouped)) or len(node.args) < 2:
+            return None
+        ref = _trace_weight(node.args[1])
+        if ref is None:
+            return None
+        shp = _shape(node.args[1])
+        if node.target is _LINEAR:  # weight [out, in]
+            out_arg, in_arg = len(shp) - 2, len(shp) - 1
+            bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+        else:  # grouped mm: weight [E, in, out]
+            out_arg, in_arg = len(shp) - 1, len(shp) - 2
+            bias = node.kwargs.get("bias")
+            if bias is None and node.target is aten._grouped_mm.default and len(node.args) > 3:
+                bias = node.args[3]
+        if bias is not None and not (isinstance(bias, Node) and bias.op == "get_attr"):
+            return None
+        return cls(node, ref, ref.axes[out_arg], ref.axes[in_arg], int(shp[out_arg]), int(shp[in_arg]), bias)
+
+
+# ----------------------------------------------------------------------------- planning
+@dataclass
+class _Plan:
+    world: int
+    rank: int
+    specs: dict[str, ShardSpec] = field(default_factory=dict)  # get_attr target -> spec
+    partial: list[Node] = field(default_factory=list)  # row-parallel outputs (partial sums)
+    head_views: list[tuple[Node, int, int]] = field(default_factory=list)  # (node, arg index in shape list, new value)
+    mla_nodes: list[tuple[Node, MLADims]] = field(default_factory=list)
+    owners: dict[str, Node] = field(default_factory=dict)  # target -> the matmul it was planned for
+    report: dict[str, list[dict[str, Any]]] = field(
+        default_factory=lambda: {"attention": [], "mlp": [], "replicated": []}
+    )
+
+    def rng(self, size: int, offset: int = 0) -> tuple[int, int]:
+        part = size // self.world
+        return (offset + self.rank * part, offset + (self.rank + 1) * part)
+
+    def add(self, target: str, spec: ShardSpec, user: Node) -> None:
+        for attr in user.graph.find_nodes(op="get_attr", target=target):
+            other = _other_consumer(attr, user)
+            if other is not None:
+                raise ShardError(
+                    f"shard: weight {target} feeds {user.name} (sharded: {spec.rule}) and also {other.name}; "
+                    "a shared (tied) weight cannot be split for one consumer only. Untie it or set "
+                    "transforms.shard.mlp/experts=replicate for that block."
+                )
+        prev = self.specs.get(target)
+        if prev is not None and (prev.dim, prev.ranges, prev.zero) != (spec.dim, spec.ranges, spec.zero):
+            raise ShardError(
+                f"shard: weight {target} is used by {self.owners[target].name} and {user.name} with different "
+                "sharding; untie the weights or set transforms.shard.enabled=false"
+            )
+        self.specs[target] = spec
+        self.owners[target] = user
+
+
+def _other_consumer(attr: Node, owner: Node) -> Optional[Node]:
+    """A node other than `owner` that consumes `attr` (through casts/transposes), if any."""
+    stack = list(attr.users)
+    seen: set[Node] = set()
+    while stack:
+        u = stack.pop()
+        if u in seen or u is owner or _is(u, {_ASSERT}):
+            continue
+        seen.add(u)
+        if _is(u, _CASTS | {aten.transpose.int, aten.permute.default, aten.t.default}):
+            stack.extend(u.users)
+            continue
+        return u
+    return None
+
+
+def _walk_back_to_matmuls(starts: list[Node], grouped: set[Any]) -> tuple[set[Node], set[Node]]:
+    """Nodes reachable backwards from `starts`, stopping at matmuls (returned separately)."""
+    seen: set[Node] = set()
+    found: set[Node] = set()
+    stack = list(starts)
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if _is(n, {_LINEAR}) or _is(n, grouped):
+            found.add(n)
+            continue
+        if n.op in ("get_attr", "placeholder"):
+            continue
+        stack.extend(n.all_input_nodes)
+    return seen - found, found
+
+
+def _descendants_within(src: Node, allowed: set[Node]) -> set[Node]:
+    out: set[Node] = set()
+    stack = [u for u in src.users if u in allowed]
+    while stack:
+        n = stack.pop()
+        if n in out:
+            continue
+        out.add(n)
+        stack.extend(u for u in n.users if u in allowed)
+    return out
+
+
+def _head_view_edits(nodes: Iterable[Node], n_heads: int, widths: set[int], world: int) -> list[tuple[Node, int, int]]:
+    """Shape literals that carry the head count in reshape/expand nodes on a head path.
+
+    The head axis is the outermost static axis whose size is N or N*w for a per-head width w (batch
+    and sequence are symbolic after export, so they are never literals)."""
+    edits = []
+    for n in nodes:
+        if not _is(n, _SHAPE_ARG_OPS):
+            continue
+        shape_arg = n.args[1]
+        out = _shape(n)
+        if not isinstance(shape_arg, (list, tuple)) or len(shape_arg) != len(out):
+            continue
+        carried = {n_heads} | {n_heads * w for w in widths}
+        axis = next((i for i, size in enumerate(out) if isinstance(size, int) and size in carried), None)
+        if axis is None:
+            continue
+        lit = shape_arg[axis]
+        if isinstance(lit, int) and lit == out[axis]:  # -1 or a symbol: follows the new input by itself
+            edits.append((n, axis, lit // world))
+    return edits
+
+
+def _plan_attention(gm: GraphModule, plan: _Plan, grouped: set[Any]) -> None:
+    mla = [n for n in gm.graph.nodes if _is(n, {TORCH_MLA})]
+    world = plan.world
+    bad = []
+    for m in mla:
+        dims: MLADims = m.meta["mla_dims"]
+        if dims.num_heads % world:
+            bad.append(f"{m.meta.get('mla_layer', m.name)} (N={dims.num_heads})")
+    if bad:
+        n0 = mla[0].meta["mla_dims"].num_heads
+        ok = [w for w in range(1, n0 + 1) if all(m.meta["mla_dims"].num_heads % w == 0 for m in mla)]
+        raise ShardError(
+            f"shard: world_size={world} does not divide the attention head count of {', '.join(bad)}. "
+            f"Tensor parallelism splits MLA by heads, so world_size must divide N; valid world sizes for "
+            f"this model: {', '.join(map(str, ok))}."
+        )
+    for m in mla:
+        layer = m.meta.get("mla_layer", m.name)
+        dims = m.meta["mla_dims"]
+        n, dn, dr, dv = dims.num_heads, dims.qk_nope_head_dim, dims.qk_rope_head_dim, dims.v_head_dim
+        local = n // world
+        if len(m.args) > 7 and m.args[7] != "bsnd" or m.kwargs.get("layout", "bsnd") != "bsnd":
+            raise ShardError(f"shard: {layer}: only bsnd torch_mla nodes are supported")
+
+        # query projection: the one matmul behind q_nope and q_pe
+        between, q_mms = _walk_back_to_matmuls([m.args[0], m.args[1]], grouped)
+        if len(q_mms) != 1:
+            raise ShardError(
+                f"shard: {layer}: expected one query projection feeding q_nope/q_pe, found "
+                f"{len(q_mms)} ({', '.join(x.name for x in q_mms) or 'none'}); cannot split the heads"
+            )
+        q = _Matmul.of(next(iter(q_mms)), grouped)
+        if q is None or q.node.target is not _LINEAR or q.out_size != n * (dn + dr):
+            raise ShardError(
+                f"shard: {layer}: the query projection {next(iter(q_mms)).name} should be a linear with "
+                f"N*(Dn+Dr)={n * (dn + dr)} outputs"
+            )
+        q_range = plan.rng(n * (dn + dr))
+        plan.add(q.weight.attr.target, ShardSpec(q.out_axis, (q_range,), "heads: query rows"), q.node)
+        if q.bias is not None:
+            plan.add(q.bias.target, ShardSpec(0, (q_range,), "heads: query bias"), q.node)
+        q_path = _descendants_within(q.node, between)
+
+        # kv_b_proj weight: rows per head [Dn | Dv]
+        w = _trace_weight(m.args[4])
+        if w is None:
+            raise ShardError(f"shard: {layer}: kv_b_proj_weight of torch_mla is not a model weight")
+        plan.add(w.attr.target, ShardSpec(w.axes[0], (plan.rng(n * (dn + dv)),), "heads: kv_b_proj rows"), m)
+
+        # o_proj: the one linear reached forward from the attention output
+        o_path: set[Node] = set()
+        o_mm: list[Node] = []
+        stack = list(m.users)
+        while stack:
+            u = stack.pop()
+            if u in o_path or u in o_mm:
+                continue
+            if _is(u, {_LINEAR}):
+                o_mm.append(u)
+            elif _is(u, _PASSTHROUGH) or _is(u, {_ASSERT}):
+                o_path.add(u)
+                stack.extend(u.users)
+            else:
+                raise ShardError(
+                    f"shard: {layer}: unsupported op {u.target} between the attention output and o_proj"
+                )
+        o = _Matmul.of(o_mm[0], grouped) if len(o_mm) == 1 else None
+        if o is None or o.in_size != n * dv:
+            raise ShardError(f"shard: {layer}: expected one o_proj linear with N*Dv={n * dv} inputs after torch_mla")
+        plan.add(o.weight.attr.target, ShardSpec(o.in_axis, (plan.rng(n * dv),), "heads: o_proj columns"), o.node)
+        if o.bias is not None:
+            plan.add(o.bias.target, ShardSpec(0, ((0, int(_shape(o.bias)[0])),), "o_proj bias (rank 0)",
+                                              zero=plan.rank != 0), o.node)
+        plan.partial.append(o.node)
+
+        widths = {dn + dr, dn, dr, dv, dn + dv} - {0}
+        plan.head_views += _head_view_edits(q_path | o_path, n, widths, world)
+        plan.mla_nodes.append((m, dataclasses.replace(dims, num_heads=local)))
+        plan.report["attention"].append(
+            {"layer": layer, "heads": f"{n} -> {local}", "q": q.weight.attr.target, "kv_b": w.attr.target,
+             "o": o.weight.attr.target}
+        )
+
+
+def _gated_inputs(down: Node, grouped: set[Any]) -> Optional[tuple[str, list[Node]]]:
+    """The up-projection side of an MLP down projection: ('separate', [gate, up]),
+    ('fused', [gate_up]) or ('plain', [up]); None when `down` is not an MLP down projection."""
+    x = _skip(down.args[0], _CASTS)
+    if _is(x, {aten.mul.Tensor}) and all(isinstance(a, Node) for a in x.args[:2]):
+        a, b = (_skip(v, _CASTS) for v in x.args[:2])
+        if not _is(a, _ACTIVATIONS):
+            a, b = b, a
+        if not _is(a, _ACTIVATIONS):
+            return None
+        g = _skip(a.args[0], _CASTS)
+        if (_is(g, {_LINEAR}) or _is(g, grouped)) and (_is(b, {_LINEAR}) or _is(b, grouped)):
+            if _skip(g.args[0], _CASTS) is _skip(b.args[0], _CASTS) and g.target == b.target == down.target:
+                return "separate", [g, b]
+            return None
+        if _is(g, {operator.getitem}) and _is(b, {operator.getitem}) and g.args[0] is b.args[0]:
+            ch = g.args[0]
+            if {g.args[1], b.args[1]} != {0, 1}:
+                return None
+            if _is(ch, {aten.chunk.default}) and ch.args[1] == 2 and ch.args[2] in (-1, len(_shape(ch.args[0])) - 1):
+                z = ch.args[0]
+            elif _is(ch, {aten.split_with_sizes.default}) and len(ch.args[1]) == 2 and ch.args[1][0] == ch.args[1][1] \
+                    and (ch.args[2] if len(ch.args) > 2 else 0) in (-1, len(_shape(ch.args[0])) - 1):
+                z = ch.args[0]
+            else:
+                return None
+            z = _skip(z, _CASTS)
+            if (_is(z, {_LINEAR}) or _is(z, grouped)) and z.target == down.target:
+                return "fused", [z]
+        return None
+    if _is(x, _ACTIVATIONS):
+        u = _skip(x.args[0], _CASTS)
+        if _is(u, {_LINEAR}) and down.target is _LINEAR:
+            return "plain", [u]
+    return None
+
+
+def _plan_mlps(gm: GraphModule, plan: _Plan, opts: "ShardOptions", grouped: set[Any], taken: set[Node]) -> None:
+    for node in list(gm.graph.nodes):
+        if node in taken or not (_is(node, {_LINEAR}) or _is(node, grouped)):
+            continue
+        found = _gated_inputs(node, grouped)
+        if found is None:
+            continue
+        kind, ups = found
+        down = _Matmul.of(node, grouped)
+        up_mms = [_Matmul.of(u, grouped) for u in ups]
+        if down is None or any(u is None for u in up_mms):
+            continue
+        experts = node.target is not _LINEAR
+        layer = _layer_of(node)
+        inter = down.in_size
+        mode = opts.experts if experts else opts.mlp
+        what = "experts" if experts else "mlp"
+        sizes = [u.out_size for u in up_mms]  # type: ignore[union-attr]
+        if (kind == "fused" and sizes != [2 * inter]) or (kind != "fused" and any(s != inter for s in sizes)):
+            plan.report["replicated"].append({"layer": layer, "what": what, "why": "projection sizes do not match"})
+            continue
+        if mode == "replicate" or inter % plan.world:
+            why = "configured" if mode == "replicate" else f"intermediate size {inter} not divisible by {plan.world}"
+            plan.report["replicated"].append({"layer": layer, "what": what, "why": why})
+            taken.update([node, *ups])
+            continue
+        r = plan.rng(inter)
+        for u in up_mms:
+            assert u is not None
+            ranges = (r, plan.rng(inter, inter)) if kind == "fused" else (r,)
+            plan.add(u.weight.attr.target, ShardSpec(u.out_axis, ranges, f"{what}: column-parallel"), u.node)
+            if u.bias is not None:
+                plan.add(u.bias.target, ShardSpec(0, ranges, f"{what}: column bias"), u.node)
+        plan.add(down.weight.attr.target, ShardSpec(down.in_axis, (r,), f"{what}: row-parallel"), node)
+        if down.bias is not None:
+            plan.add(down.bias.target, ShardSpec(0, ((0, int(_shape(down.bias)[0])),), f"{what}: row bias (rank 0)",
+                                                 zero=plan.rank != 0), node)
+        plan.partial.append(node)
+        taken.update([node, *ups])
+        plan.report["mlp"].append(
+            {"layer": layer, "what": what, "kind": kind, "intermediate": f"{inter} -> {inter // plan.world}",
+             "down": down.weight.attr.target}
+        )
+
+
+# ----------------------------------------------------------------------------- rewriting
+def _linear_in(user: Node, partial: set[Node]) -> bool:
+    """Is `user` linear in its partial-sum inputs (so its output is a partial sum too)?"""
+    if user.op != "call_function":
+        return False
+    t = user.target
+    tensor_args = [a for a in user.args if isinstance(a, Node)]
+    flat = [a for a in user.args if isinstance(a, (list, tuple))]
+    if any(isinstance(x, Node) and x in partial for lst in flat for x in lst):
+        return False  # a partial sum inside a list argument (indices, cat): reduce it first
+    p_args = [a for a in tensor_args if a in partial]
+    if t in _PASSTHROUGH or t in (aten.sum.dim_IntList, aten.sum.default, aten.neg.default, aten.index.Tensor,
+                                   aten.index_select.default, aten.gather.default):
+        return bool(user.args) and user.args[0] in partial and len(p_args) == 1
+    if t in (aten.mul.Tensor, aten.mul_.Tensor):
+        return len(p_args) == 1
+    if t in (aten.div.Tensor, aten.div_.Tensor):
+        return len(p_args) == 1 and user.args[0] in partial
+    if t in (aten.add.Tensor, aten.sub.Tensor, aten.add_.Tensor, aten.sub_.Tensor):
+        others = [a for a in user.args[:2] if not (isinstance(a, Node) and a in partial)]
+        return not others
+    return False
+
+
+def _insert_all_reduces(gm: GraphModule, sources: list[Node], group: str) -> int:
+    partial: set[Node] = set(sources)
+    reduced: dict[Node, Node] = {}
+    count = 0
+    for node in list(gm.graph.nodes):
+        if node.op == "output":
+            needs = [a for a in node.all_input_nodes if a in partial]
+        elif node in partial or not any(a in partial for a in node.all_input_nodes):
+            continue
+        elif _is(node, {_ASSERT}):
+            continue
+        elif _linear_in(node, partial):
+            partial.add(node)
+            continue
+        else:
+            needs = [a for a in node.all_input_nodes if a in partial]
+        for p in needs:
+            if p not in reduced:
+                reduced[p] = insert_all_reduce(gm.graph, p, group)
+                count += 1
+            node.replace_input_with(p, reduced[p])
+    return count
+
+
+def _refresh_meta(gm: GraphModule) -> None:
+    """Re-run fake-tensor propagation over the whole graph (new shapes after sharding)."""
+    from torch._guards import detect_fake_mode
+
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    vals = [n.meta.get("val") for n in placeholders]
+    mode = detect_fake_mode(vals)
+    if mode is None:
+        raise ShardError("shard: the graph has no fake values on its inputs (was it exported?)")
+
+    class _Prop(torch.fx.Interpreter):
+        def run_node(self, n: Node) -> Any:
+            if n.op == "placeholder":
+                return n.meta.get("val")
+            if n.op == "get_attr":
+                t = self.fetch_attr(n.target)
+                out = mode.from_tensor(t, static_shapes=True) if isinstance(t, torch.Tensor) else t
+            elif n.op == "call_module":
+                out = None  # export's input guards: nothing to propagate
+            else:
+                with mode:
+                    out = super().run_node(n)
+            if out is not None and n.op != "output":
+                n.meta["val"] = out
+            return out
+
+    with torch.no_grad():
+        _Prop(gm).run(*vals)
+
+
+def _apply_weights(gm: GraphModule, plan: _Plan, ctx: BuildContext) -> dict[str, Any]:
+    if is_skeleton(ctx.model):
+        return {"source": "checkpoint slices", **load_graph_weights(gm, ctx.model, plan.specs, ctx.device)}
+    full = kept = 0
+    for target, spec in plan.specs.items():
+        t = graph_tensor(gm, target)
+        full += t.numel() * t.element_size()
+        s = spec.slice(t.detach())
+        kept += s.numel() * s.element_size()
+        set_graph_tensor(gm, target, s)
+    return {"source": "sliced from the full model", "sharded_bytes_before": full, "sharded_bytes_after": kept}
+
+
+@register_pass("shard", ShardOptions)
+def shard(ctx: BuildContext, opts: ShardOptions) -> PassResult:
+    gm = ctx.gm
+    assert gm is not None
+    world, rank = resolve_world(opts.world_size, opts.rank)
+    if world == 1:
+        weights = _apply_weights(gm, _Plan(1, 0), ctx) if is_skeleton(ctx.model) else {}
+        return PassResult("world_size 1: nothing to shard", {"world_size": 1, "weights": weights})
+    if not any(_is(n, {TORCH_MLA}) for n in gm.graph.nodes):
+        raise ShardError("shard: the graph has no torch_mla node; run match_mla first (shard goes between "
+                         "match_mla and insert_cached_mla_attention)")
+    grouped = _grouped_mm_ops()
+    plan = _Plan(world, rank)
+    _plan_attention(gm, plan, grouped)  # raises before any change on a bad world size
+    info = env_info()
+    if info.backend is None or info.world_size != world:
+        raise ShardError(
+            f"shard: world_size={world} needs an initialised torch.distributed process group of {world} "
+            f"ranks (found {'none' if info.backend is None else info.world_size}). Launch with "
+            f"`autodeploy build --world-size {world}` or torchrun --nproc-per-node {world}."
+        )
+    if info.rank != rank:
+        raise ShardError(f"shard: rank={rank} in the config but this process is rank {info.rank}")
+    taken = {x for x in plan.owners.values()}
+    _plan_mlps(gm, plan, opts, grouped, taken)
+
+    # 1. weights -> this rank's slices
+    weights = _apply_weights(gm, plan, ctx)
+    # 2. head-count literals
+    for node, idx, value in plan.head_views:
+        shape = list(node.args[1])
+        shape[idx] = value
+        node.args = (node.args[0], shape, *node.args[2:])
+    # 3. all-reduce where partial sums meet replicated values
+    n_ar = _insert_all_reduces(gm, plan.partial, world_group_name())
+    # 4. shapes and per-node dims
+    try:
+        _refresh_meta(gm)
+    except Exception as exc:
+        raise ShardError(f"shard: the sharded graph does not type-check ({type(exc).__name__}: {exc}); a "
+                         "shape literal that carries the head count or intermediate size was not rewritten") from exc
+    for m, dims in plan.mla_nodes:
+        m.meta["mla_dims"] = dims
+        got = _shape(m)
+        if got and got[2] != dims.num_heads:
+            raise ShardError(f"shard: {m.meta.get('mla_layer')}: attention output has {got[2]} heads after "
+                             f"sharding, expected {dims.num_heads}")
+    gm.meta["tensor_parallel"] = {"world_size": world, "rank": rank}
+    ctx.state["tensor_parallel"] = {"world_size": world, "rank": rank, "group": world_group_name(),
+                                    "all_reduces": n_ar}
+    rep = plan.report
+    n_att, n_mlp = len(rep["attention"]), len(rep["mlp"])
+    heads = rep["attention"][0]["heads"] if rep["attention"] else "-"
+    summary = (f"world {world} rank {rank}: {n_att} MLA layers (heads {heads}), {n_mlp} MLP/expert blocks "
+               f"split, {len(rep['replicated'])} replicated, {n_ar} all-reduces; weights: {weights['source']}")
+    details = {"world_size": world, "rank": rank, "all_reduces": n_ar, "weights": weights, **rep,
+               "rules": {t: {"dim": s.dim, "ranges": s.ranges, "rule": s.rule, "zero": s.zero}
+                         for t, s in plan.specs.items()}}
+    return PassResult(summary, details)
+
+
+__all__ = ["ShardError", "ShardOptions", "resolve_world", "shard", "ALL_REDUCE", "COLLECTIVE_OPS"]

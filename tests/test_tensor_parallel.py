@@ -1,0 +1,372 @@
+"""Tensor-parallel MLA (the `shard` pass) on CPU: 2 ranks over gloo, spawned with torch.multiprocessing.
+
+Two spawned runs for the whole file (process start-up and export dominate the time):
+- `autodeploy build --world-size 2` on a tiny DeepSeek-V3 (MoE) checkpoint the test saves itself,
+  so each rank reads only its slices with safetensors `get_slice`; rank 0 verifies against HF eager;
+- `spawn(probe_rank, 2, ...)` on a GLM-4.7-Flash-shaped model (random weights: full model sliced)
+  and on a model that calls torch_mla natively with the head count spelled out in its reshapes.
+Each is compared with the single-process optimized model and (HF families) with HF eager.
+The GPU part (NCCL, bf16, 2 x H200) is at the end, marked `gpu`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from autodeploy_mla import optimize
+from autodeploy_mla.cli import main
+from autodeploy_mla.config import load_config
+from autodeploy_mla.distributed import MULTICAST_OFF_ENV, RankFailed, spawn
+from autodeploy_mla.distributed.launch import cli_launch, cli_setup, is_rank0
+from autodeploy_mla.distributed.loading import CheckpointReader, ShardSpec, read_source, source_for
+from autodeploy_mla.distributed.probe import ProbeJob, probe_rank
+from autodeploy_mla.models.factory import build_model, model_config_path
+from autodeploy_mla.testing import hf_greedy_generate
+from autodeploy_mla.transforms.context import BuildContext
+from autodeploy_mla.transforms.registry import get_pass
+from autodeploy_mla.transforms.shard import ShardError
+
+RUNTIME = ["runtime.max_num_tokens=8", "runtime.page_size=4", "runtime.max_seq_len=64", "runtime.max_batch_size=4",
+           "model.device=cpu", "model.dtype=float32"]
+# Lengths: chunked prefill (> max_num_tokens), several pages, a 1-token prompt; decode mixes with prefill.
+PROMPTS = [[5, 9, 200, 17], [3, 3, 8, 1, 90, 2, 7, 7, 7, 100, 11], [42], [7, 1, 250, 9, 9, 30, 31, 32, 33]]
+NEW = 6
+LOGITS_PROMPT = [11, 12, 13, 250, 14, 15, 16, 17, 18, 19]
+NATIVE_PROMPTS = [[42], [1, 2, 3, 4, 5], [3, 3, 8, 1, 9, 2, 7, 7, 7, 10, 11]]
+
+
+# ----------------------------------------------------------------------------- a native-op model
+class NativeMLALM(nn.Module):
+    """A causal LM that calls torch_mla itself and spells N and N*Dv out in its reshapes, which the
+    shard pass must rewrite (HF models use -1 there). One gated MLP."""
+
+    N, DN, DR, DV, R, H, V = 4, 8, 4, 6, 12, 32, 64
+
+    def __init__(self) -> None:
+        super().__init__()
+        n, dn, dr, dv, r, h = self.N, self.DN, self.DR, self.DV, self.R, self.H
+        self.config = types.SimpleNamespace(vocab_size=self.V)
+        self.emb = nn.Embedding(self.V, h)
+        self.q_proj = nn.Linear(h, n * (dn + dr), bias=True)  # bias: sharded by head with the weight
+        self.kv_a = nn.Linear(h, r + dr, bias=False)
+        self.kv_b = nn.Parameter(torch.randn(n * (dn + dv), r) * r**-0.5)
+        self.o_proj = nn.Linear(n * dv, h, bias=True)  # bias: added once (rank 0) around the all-reduce
+        self.gate, self.up = nn.Linear(h, 48, bias=False), nn.Linear(h, 48, bias=False)
+        self.down = nn.Linear(48, h, bias=False)
+        self.head = nn.Linear(h, self.V, bias=False)
+
+    def forward(self, input_ids, position_ids=None, use_cache=False):
+        b, s = input_ids.shape
+        x = self.emb(input_ids)
+        q = self.q_proj(x).view(b, s, 4, 12)  # literal N and Dn+Dr
+        q_nope, q_pe = q.split([self.DN, self.DR], -1)
+        ckv, kpe = self.kv_a(x).split([self.R, self.DR], -1)
+        kpe = kpe.view(b, s, 1, self.DR)
+        out = torch.ops.autodeploy.torch_mla(q_nope, q_pe, ckv, kpe, self.kv_b, True, None, "bsnd")
+        x = x + self.o_proj(out.reshape(b, s, 24))  # literal N*Dv
+        x = x + self.down(F.silu(self.gate(x)) * self.up(x))
+        return self.head(x)
+
+
+def make_native() -> nn.Module:
+    torch.manual_seed(3)
+    return NativeMLALM().eval()
+
+
+# ----------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def ds3_ckpt(tmp_path_factory):
+    """A tiny DeepSeek-V3 (MoE on) saved with save_pretrained: per-expert safetensors tensors."""
+    cfg = load_config(model_config_path("deepseek_v3"), overrides=RUNTIME)
+    model = build_model(cfg.model, torch.device("cpu"), torch.float32)
+    path = tmp_path_factory.mktemp("tp") / "ds3"
+    model.save_pretrained(path)
+    return path, model
+
+
+def _cli_argv(ckpt, report) -> list[str]:
+    argv = ["build", "--model", str(ckpt), "--world-size", "2", "--max-new-tokens", str(NEW), "--report", str(report)]
+    for p in PROMPTS:
+        argv += ["--prompt-ids", ",".join(map(str, p))]
+    for s in RUNTIME:
+        argv += ["--set", s]
+    return argv
+
+
+def _jobs() -> list[ProbeJob]:
+    return [
+        ProbeJob("glm", "glm_4_7_flash", RUNTIME, PROMPTS, NEW, LOGITS_PROMPT,
+                 sampling={"temperature": 1.0, "top_k": 50}),
+        ProbeJob("native", make_native, RUNTIME, NATIVE_PROMPTS, NEW, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]),
+    ]
+
+
+@pytest.fixture(scope="module")
+def tp_runs(ds3_ckpt, tmp_path_factory):
+    """The one spawned 2-rank run: `autodeploy build` on the DeepSeek-V3 checkpoint (the CLI's in-rank
+    path), then probes of the GLM and native models. Returns (per-rank results, the CLI's report)."""
+    report = tmp_path_factory.mktemp("tp_report") / "report.json"
+    jobs = [ProbeJob("cli_ds3", None, cli_argv=_cli_argv(ds3_ckpt[0], report)), *_jobs()]
+    ranks = spawn(probe_rank, 2, jobs, all_results=True)
+    return ranks, json.loads(report.read_text())
+
+
+@pytest.fixture(scope="module")
+def single_runs():
+    """The same jobs in this process, without sharding."""
+    out = {}
+    for job in _jobs():
+        om = optimize(job.model() if callable(job.model) else job.model, overrides=list(job.overrides))
+        out[job.name] = {
+            "om": om,
+            "tokens": om.generate([list(p) for p in job.prompts], max_new_tokens=job.max_new_tokens),
+            "logits": om.prefill_logits(list(job.logits_prompt)),
+        }
+    return out
+
+
+# ----------------------------------------------------------------------------- CPU tests
+def test_cli_checkpoint_slices_match_single_process_and_hf(tp_runs, ds3_ckpt):
+    """`autodeploy build` in 2 ranks on a DeepSeek-V3 (MoE) checkpoint: each rank reads its slices;
+    rank 0 writes the report and verifies against HF eager; tokens == single-process optimized."""
+    ranks, rep = tp_runs
+    assert [r["cli_ds3"]["rc"] for r in ranks] == [0, 0]
+    path, hf_model = ds3_ckpt
+    shard = next(p for p in rep["passes"] if p["name"] == "shard")
+    assert shard["enabled"] and "world 2 rank 0" in shard["summary"] and "checkpoint slices" in shard["summary"]
+    assert "4 all-reduces" in shard["summary"]  # 2 attention + dense MLP + (routed + shared experts)
+    assert all(lay["dims"]["num_heads"] == 2 for lay in rep["layers"])  # backend resolution saw N/2
+    assert rep["verification"]["ok"] and all(v["identical"] for v in rep["verification"]["prompts"])
+    tp_tokens = [v["ours"] for v in rep["verification"]["prompts"]]
+
+    single = optimize(str(path), overrides=RUNTIME)
+    assert single.generate(PROMPTS, max_new_tokens=NEW) == tp_tokens
+    assert tp_tokens == [hf_greedy_generate(hf_model, p, NEW) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("job", ["glm", "native"])
+def test_two_ranks_match_single_process(tp_runs, single_runs, job):
+    r0, r1 = tp_runs[0][0][job], tp_runs[0][1][job]
+    ref = single_runs[job]
+    assert (r0["rank"], r1["rank"], r0["world_size"]) == (0, 1, 2)
+    assert r0["tokens"] == r1["tokens"] == ref["tokens"]  # ranks agree, and agree with one process
+    assert torch.allclose(r0["logits"], ref["logits"], atol=1e-4, rtol=1e-4)
+    assert torch.equal(r0["logits"], r1["logits"])  # all-reduce results are identical on every rank
+    full_n = ref["om"].report()["layers"][0]["dims"]["num_heads"]
+    assert all(lay["dims"]["num_heads"] == full_n // 2 for lay in r0["layers"])
+    assert not r0["skeleton"]  # random weights: full model built from the seed, then sliced
+    assert r0["env"] == MULTICAST_OFF_ENV  # set by the launcher in every rank
+    assert r0["sampled"] == r1["sampled"]  # random sampling agrees too (same RNG state on every rank)
+
+
+def test_glm_tokens_match_hf(tp_runs, single_runs):
+    eager = single_runs["glm"]["om"].eager_model
+    assert tp_runs[0][0]["glm"]["tokens"] == [hf_greedy_generate(eager, p, NEW) for p in PROMPTS]
+
+
+def test_sharded_weight_shapes_and_collectives(tp_runs, single_runs):
+    ranks = tp_runs[0]
+    for job in ("glm", "native"):
+        full = {t: tuple(getattr_path(single_runs[job]["om"].gm, t).shape) for t in ranks[0][job]["weights"]}
+        rules = ranks[0][job]["shard_details"]["rules"]
+        for target, (shape, placeholder) in ranks[0][job]["weights"].items():
+            assert not placeholder, target
+            if target in rules and not rules[target]["rule"].endswith("(rank 0)"):
+                d = rules[target]["dim"]
+                assert shape[d] * 2 == full[target][d], target
+                assert shape[:d] + shape[d + 1:] == full[target][:d] + full[target][d + 1:], target
+            else:
+                assert shape == full[target], target  # replicated (or a bias added by rank 0 only)
+    glm = ranks[0]["glm"]
+    # per layer: q_b_proj rows, kv_b_proj rows, o_proj columns by head; dense MLP + shared + routed experts
+    kinds = {r["rule"] for r in glm["shard_details"]["rules"].values()}
+    assert {"heads: query rows", "heads: kv_b_proj rows", "heads: o_proj columns", "mlp: column-parallel",
+            "mlp: row-parallel", "experts: column-parallel", "experts: row-parallel"} <= kinds
+    assert glm["all_reduces"] == 4  # one per attention block, one per MLP/MoE block
+    native = ranks[0]["native"]
+    assert native["all_reduces"] == 2
+    assert native["shard_details"]["rules"]["model.o_proj.bias"]["zero"] is False  # rank 0 adds the bias
+    assert ranks[1]["native"]["shard_details"]["rules"]["model.o_proj.bias"]["zero"] is True
+
+
+def getattr_path(obj, target):
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+@pytest.fixture(scope="module")
+def matched_ds3(ds3_ckpt):
+    """A tiny DeepSeek-V3 graph after export + match_mla (N=4), for the single-process checks."""
+    cfg = load_config(model_config_path("deepseek_v3"), overrides=RUNTIME)
+    ctx = BuildContext(cfg, ds3_ckpt[1], torch.device("cpu"), torch.float32)
+    for name in ("export", "match_mla"):
+        info = get_pass(name)
+        info.fn(ctx, info.options.model_validate(dict(cfg.transforms[name] or {})))
+    return ctx
+
+
+def _run_shard(ctx, **opts):
+    info = get_pass("shard")
+    return info.fn(ctx, info.options.model_validate({"enabled": True, **opts}))
+
+
+def test_world_size_not_dividing_heads_is_refused(matched_ds3):
+    before = matched_ds3.gm.code
+    expected = (r"world_size=3 does not divide the attention head count of model\.layers\.0\.self_attn \(N=4\)"
+                r".*valid world sizes for this model: 1, 2, 4")
+    with pytest.raises(ShardError, match=expected):
+        _run_shard(matched_ds3, world_size=3, rank=0)
+    assert matched_ds3.gm.code == before  # refused before touching the graph
+
+
+def test_sharding_without_process_group_is_refused(matched_ds3):
+    with pytest.raises(ShardError, match="needs an initialised torch.distributed process group of 2 ranks.*"
+                                         "--world-size 2"):
+        _run_shard(matched_ds3, world_size=2, rank=1)
+
+
+def test_world_size_one_is_a_no_op(matched_ds3):
+    before = matched_ds3.gm.code
+    res = _run_shard(matched_ds3)
+    assert "nothing to shard" in res.summary and matched_ds3.gm.code == before
+
+
+def test_shard_options_are_validated():
+    with pytest.raises(ValueError, match="rank=2 must be < world_size=2"):
+        load_config(overrides=["transforms.shard.world_size=2", "transforms.shard.rank=2"])
+    with pytest.raises(ValueError, match="transforms.shard.experts"):
+        load_config(overrides=["transforms.shard.experts=sideways"])
+
+
+def test_checkpoint_slices_equal_slices_of_the_full_weights(ds3_ckpt):
+    """Virtual fused-expert tensors and head slices read from safetensors == slicing the loaded model."""
+    path, model = ds3_ckpt
+    sd = model.state_dict()
+    E, two_i, H = sd["model.layers.1.mlp.experts.gate_up_proj"].shape
+    i = two_i // 2
+    cases = {
+        "model.layers.1.mlp.experts.gate_up_proj": ShardSpec(1, ((i // 2, i), (i + i // 2, 2 * i)), "experts col"),
+        "model.layers.1.mlp.experts.down_proj": ShardSpec(2, ((0, i // 2),), "experts row"),
+        "model.layers.0.self_attn.kv_b_proj.weight": ShardSpec(0, ((88, 176),), "heads"),
+        "model.layers.0.self_attn.o_proj.weight": ShardSpec(1, ((40, 80),), "heads"),
+        "model.layers.0.mlp.down_proj.weight": ShardSpec(1, ((0, 48),), "mlp row"),
+    }
+    with CheckpointReader(path) as reader:
+        for name, spec in cases.items():
+            full = sd[name]
+            got = read_source(reader, source_for(reader, name, tuple(full.shape)), spec.selection(full.dim()))
+            assert torch.equal(got, spec.slice(full)), name
+        whole = reader.bytes_read
+        assert whole < sum(sd[n].numel() * 4 for n in cases)  # only the slices were read
+        with pytest.raises(Exception, match="not in the checkpoint"):
+            source_for(reader, "model.layers.0.self_attn.q_proj.weight", (160, 64))
+
+
+def test_spawn_reports_the_failing_rank_and_stops_the_others():
+    """Rank 1 fails while rank 0 waits in a collective: rank 0 is stopped, rank 1's error is raised."""
+    with pytest.raises(RankFailed, match="rank 1: ValueError: boom on rank 1"):
+        spawn(_fail_on_rank1, 2)
+
+
+def _fail_on_rank1(rank: int) -> int:
+    if rank == 1:
+        raise ValueError("boom on rank 1")
+    torch.distributed.barrier()  # never completes: rank 1 is gone
+    return rank
+
+
+def test_cli_launch_spawns_ranks_that_turn_sharding_on():
+    """`autodeploy build --world-size 2` from a plain process spawns 2 ranks running build(args); in
+    each, cli_setup turns the shard pass on and silences ranks > 0; rank 0's exit code comes back.
+    The ranks also check the collective helpers the shard pass and the engine use."""
+    assert cli_launch(argparse.Namespace(world_size=2, device="cpu", seed=0), _fake_build) == 10
+    assert cli_launch(argparse.Namespace(world_size=1, device=None, seed=0), _fake_build) is None
+
+
+class _Double(nn.Module):
+    def forward(self, x):
+        return x * 2
+
+
+def _fake_build(args) -> int:
+    from autodeploy_mla import cli
+    from autodeploy_mla.distributed.collectives import agree_on_rows, count_all_reduces, insert_all_reduce
+    from autodeploy_mla.distributed.env import env_info, world_group_name
+
+    sets = cli_setup(args, cli.console)
+    assert sets == ["transforms.shard.enabled=true", "transforms.shard.world_size=2"], sets
+    assert cli.console.quiet == (not is_rank0())
+    rank = env_info().rank
+    gm = torch.fx.symbolic_trace(_Double())
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    out.args = (insert_all_reduce(gm.graph, out.args[0], world_group_name()),)
+    gm.recompile()
+    assert count_all_reduces(gm) == 1
+    assert gm(torch.full((2,), float(rank + 1))).tolist() == [6.0, 6.0]  # 2*1 + 2*2 on both ranks
+    logits = torch.full((1, 3, 4), float(rank))
+    agree_on_rows(logits, torch.tensor([0, 2]))  # rows 0 and 2 become rank 0's, row 1 stays
+    assert logits[0, 0].tolist() == [0.0] * 4 and logits[0, 2].tolist() == [0.0] * 4
+    assert logits[0, 1].tolist() == [float(rank)] * 4
+    return 10 if is_rank0() else 0
+
+
+# ----------------------------------------------------------------------------- GPU (2 x H200, NCCL, bf16)
+GPU_RUNTIME = ["runtime.max_num_tokens=64", "runtime.page_size=64", "runtime.max_seq_len=256",
+               "runtime.max_batch_size=8", "model.dtype=bfloat16"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_gpu_two_ranks_nccl_bf16():
+    """2 ranks over NCCL in bf16 (default backends, piecewise CUDA graphs on): ranks agree exactly;
+    the first greedy token of every prompt equals the single-GPU optimized model's (16-bit rounding
+    may make later tokens diverge; the agreeing prefix is printed)."""
+    jobs = [
+        ProbeJob("ds3", "deepseek_v3", GPU_RUNTIME, PROMPTS, NEW, LOGITS_PROMPT),
+        ProbeJob("glm", "glm_4_7_flash", GPU_RUNTIME, PROMPTS, NEW, LOGITS_PROMPT),
+    ]
+    ranks = spawn(probe_rank, 2, jobs, backend="nccl", all_results=True)
+    for job in jobs:
+        r0, r1 = ranks[0][job.name], ranks[1][job.name]
+        assert r0["device"] == "cuda:0" and r1["device"] == "cuda:1"
+        assert r0["env"] == MULTICAST_OFF_ENV
+        assert r0["tokens"] == r1["tokens"]
+        assert torch.equal(r0["logits"], r1["logits"])
+        single = optimize(job.model, overrides=[*job.overrides, "model.device=cuda:0"])
+        ref = single.generate(PROMPTS, max_new_tokens=NEW)
+        ref_logits = single.prefill_logits(LOGITS_PROMPT).float().cpu()
+        rel = (r0["logits"] - ref_logits).abs().max() / ref_logits.abs().max()
+        prefix = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), NEW) for x, y in zip(r0["tokens"], ref)]
+        print(f"{job.name}: backends {[lay['backend'] for lay in r0['layers']]}, logits rel err {rel:.2e}, "
+              f"agreeing prefix {prefix}")
+        assert rel < 3e-2
+        assert all(p >= 1 for p in prefix)
+        assert all(lay["dims"]["num_heads"] == 2 for lay in r0["layers"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_gpu_cli_world_size_2(tmp_path):
+    report = tmp_path / "r.json"
+    rc = main(["build", "--world-size", "2", "--max-new-tokens", "4", "--report", str(report),
+               "--set", "runtime.max_num_tokens=64", "--set", "runtime.max_seq_len=256"])
+    assert rc == 0
+    rep = json.loads(report.read_text())
+    assert rep["device"].startswith("cuda") and rep["verification"]["ok"]
+
+
+def test_multicast_off_variables_are_forced():
+    """The launcher's multicast-off variables are forced, not defaulted (a user's =1 is overridden)."""
+    from autodeploy_mla.distributed.env import disable_multicast_env
+
+    env = {"NCCL_NVLS_ENABLE": "1"}
+    disable_multicast_env(env)
+    assert env == MULTICAST_OFF_ENV
