@@ -17,6 +17,7 @@ from torch import nn
 from .config.loader import ConfigLayer, load_config
 from .config.schema import AppConfig
 from .custom_ops.backend_registry import MLABackend, get_backend
+from .distributed.collectives import rank0_logits_step
 from .distributed.loading import build_eager_model
 from .models.factory import resolve_device, resolve_dtype, resolve_model_arg
 from .runtime.engine import GenerationEngine, Request
@@ -71,7 +72,10 @@ class OptimizedModel:
 
     # ------------------------------------------------------------------ generation
     def engine(self) -> GenerationEngine:
-        return GenerationEngine(self.forward_step, self.seq_info, self.allocator)
+        step = self.forward_step
+        if self.ctx.state.get("tensor_parallel"):  # every rank samples from rank 0's logits rows
+            step = rank0_logits_step(step)
+        return GenerationEngine(step, self.seq_info, self.allocator)
 
     def generate_requests(
         self,
@@ -150,6 +154,7 @@ class OptimizedModel:
             },
             "runtime": self.config.runtime.model_dump(),
             "pieces": self.ctx.state.get("piecewise_report"),
+            "tensor_parallel": self.ctx.state.get("tensor_parallel"),
             "generation": self.last_generation,
         }
 
