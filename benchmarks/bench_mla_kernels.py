@@ -378,7 +378,7 @@ def tune(dtype, dev, rep_ms: float, dims_names) -> dict:
         case = Case(d, [(0, TUNE_PREFILL[0])], dtype, dev, seed=3)
         orig = top.expand_config
         for bm, bn, w, st in EXPAND_CANDIDATES:
-            top.expand_config = lambda dd, dt, c=top.ExpandConfig(bm, bn, w, st): c
+            top.expand_config = lambda dd, dt, *a, c=top.ExpandConfig(bm, bn, w, st): c
             try:
                 t, _ = time_us(case.op("triton", prefill_mode="expand"), graph=False, rep_ms=rep_ms)
             except Exception as e:

@@ -179,11 +179,16 @@ def absorb_prefill_config(dims: MLADims, dtype: torch.dtype) -> AbsorbedConfig:
     return AbsorbedConfig(block_h, 64 // block_h, 32, 8, 2)
 
 
-def expand_config(dims: MLADims, dtype: torch.dtype) -> ExpandConfig:
+def expand_config(dims: MLADims, dtype: torch.dtype, programs_at_128: Optional[int] = None,
+                  num_sms: int = 132) -> ExpandConfig:
+    """FlashAttention tiles for the expanded prefill (H200 sweep, T=2048). `programs_at_128`: the
+    grid size with 128-query blocks; below one wave (short prefills of few heads, e.g. GLM T=128:
+    20 programs) use 64-query blocks, which double the programs."""
     dmax = max(_pow2(dims.qk_nope_head_dim), _pow2(dims.v_head_dim))
+    small = programs_at_128 is not None and programs_at_128 < num_sms
     if dmax <= 128:
-        return ExpandConfig(128, 64, 8, 2)
-    return ExpandConfig(128, 32, 8, 3)
+        return ExpandConfig(64, 64, 4, 2) if small else ExpandConfig(128, 64, 8, 2)
+    return ExpandConfig(64, 32, 4, 3) if small else ExpandConfig(128, 32, 8, 3)
 
 
 #: Tests set this to fill every intermediate/output buffer with NaN before the kernels run, so an
@@ -314,7 +319,8 @@ def _prefill_expanded(q_nope, q_pe, mla_cache, kv_b_proj_weight, page_table, cu_
         W=w, PAGE_SIZE=mla_cache.shape[1], BLOCK_T=block_t, BLOCK_W=min(256, _pow2(w)), num_warps=4,
     )
     kv = torch.matmul(lat[:, :r], kv_b_proj_weight.t())  # [total_kv, N*(Dn+Dv)]: K_nope | V per head
-    cfg = expand_config(dims, q_nope.dtype)
+    sms = _num_sms(dev.index if dev.index is not None else torch.cuda.current_device()) if dev.type == "cuda" else 132
+    cfg = expand_config(dims, q_nope.dtype, triton.cdiv(max_q, 128) * n * n_pre, sms)
     bm, bn = cfg.block_m, cfg.block_n
     K.expanded_prefill_kernel[(triton.cdiv(max_q, bm), n, n_pre)](
         q_nope, q_pe, kv, lat, cu_seqlen, input_pos, kv_cu, out, qk_scale,
