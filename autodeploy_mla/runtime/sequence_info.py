@@ -34,6 +34,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .errors import CapacityError
@@ -106,6 +107,7 @@ class SequenceInfo:
             nb = math.prod(shape) * dt.itemsize
             self.host[name] = self._host_buf[o : o + nb].view(dt).view(shape)
             self.dev[name] = self._dev_buf[o : o + nb].view(dt).view(shape)
+        self._host_np = {name: t.numpy() for name, t in self.host.items()}
         self._copy_done: torch.cuda.Event | None = None
         #: CUDA-graph token buckets (set by the piecewise runner): prepare_step pads each step up to
         #: the next bucket when no explicit pad_to is given. Empty: no automatic padding.
@@ -230,56 +232,46 @@ class SequenceInfo:
         decode_only = n_pre == 0 and n_dec > 0
         dummy_seqs = pad_tok if (decode_only and n_seq + pad_tok <= self.max_batch_size) else 0
 
-        cu = [0]
-        for n in lens:
-            cu.append(cu[-1] + n)
-        cu += [cu[-1] + i + 1 for i in range(dummy_seqs)]
-        cu += [cu[-1]] * (self.max_batch_size + 1 - len(cu))
-        input_pos = [s.num_cached for s in ordered] + [0] * dummy_seqs
-        seq_len = [s.num_cached + n for s, n in zip(ordered, lens)] + [1] * dummy_seqs
-        h["cu_seqlen"].copy_(torch.tensor(cu, dtype=torch.int32))
-        for name, vals in (("input_pos", input_pos), ("seq_len_with_cache", seq_len)):
-            h[name].zero_()
-            if vals:
-                h[name][: len(vals)] = torch.tensor(vals, dtype=torch.int32)
-        h["page_table"].fill_(SCRATCH_PAGE)
-        if page_rows:  # one tensor for all rows: per-row tensors dominated host time at large batch
-            width = max(len(p) for p in page_rows)
-            rows = [list(p) + [SCRATCH_PAGE] * (width - len(p)) for p in page_rows]
-            h["page_table"][: len(rows), :width] = torch.tensor(rows, dtype=torch.int32)
+        # Everything below writes through NumPy views of the staging buffer: per-element torch
+        # tensors from Python lists dominated host time at large batches (0.8 ms at 128 seqs).
+        h_np = self._host_np
+        lens_np = np.asarray(lens, dtype=np.int64)
+        cached_np = np.fromiter((s.num_cached for s in ordered), dtype=np.int64, count=n_seq)
+        cu = h_np["cu_seqlen"]
+        cu[0] = 0
+        np.cumsum(np.concatenate([lens_np, np.ones(dummy_seqs, np.int64)]), out=cu[1 : 1 + n_seq + dummy_seqs])
+        cu[1 + n_seq + dummy_seqs :] = cu[n_seq + dummy_seqs]
+        n_act = n_seq + dummy_seqs
+        for name, vals, dummy in (("input_pos", cached_np, 0), ("seq_len_with_cache", cached_np + lens_np, 1)):
+            h_np[name][:n_seq] = vals
+            h_np[name][n_seq:n_act] = dummy
+            h_np[name][n_act:] = 0
+        pt = h_np["page_table"]
+        pt.fill(SCRATCH_PAGE)
+        for b, pages in enumerate(page_rows):
+            pt[b, : len(pages)] = pages
 
-        batch_idx: list[int] = []
-        cache_loc: list[int] = []
-        ids: list[int] = []
-        pos: list[int] = []
-        for b, (s, pages) in enumerate(zip(ordered, page_rows)):
-            for i, tok in enumerate(s.token_ids):
-                p = s.num_cached + i
-                batch_idx.append(b)
-                cache_loc.append(pages[p // ps] * ps + p % ps)
-                ids.append(int(tok))
-                pos.append(p)
-        for i in range(pad_tok):
-            batch_idx.append(n_seq + i if i < dummy_seqs else 0)
-            cache_loc.append(SCRATCH_PAGE * ps)
-            ids.append(0)
-            pos.append(0)
+        tok_seq = np.repeat(np.arange(n_seq), lens_np)
+        tok_pos = np.arange(num_tokens) - np.repeat(cu[:n_seq], lens_np) + np.repeat(cached_np, lens_np)
         for name in ("batch_idx", "cache_loc", "input_ids", "position_ids"):
-            h[name].zero_()
-        if t_pad:
-            h["batch_idx"][:t_pad] = torch.tensor(batch_idx, dtype=torch.int32)
-            h["cache_loc"][:t_pad] = torch.tensor(cache_loc, dtype=torch.int32)
-            h["input_ids"][:t_pad] = torch.tensor(ids, dtype=torch.int64)
-            h["position_ids"][:t_pad] = torch.tensor(pos, dtype=torch.int64)
-        last = [cu[b + 1] - 1 for b in range(n_seq)]
-        h["last_token"].zero_()
-        if last:
-            h["last_token"][:n_seq] = torch.tensor(last, dtype=torch.int64)
-        n_dec_total = n_dec + dummy_seqs
-        h["batch_info"].copy_(torch.tensor([n_pre, sum(lens[:n_pre]), n_dec_total], dtype=torch.int32))
-        h["max_seq_info"].copy_(
-            torch.tensor([max(lens + [1] * bool(dummy_seqs), default=0), max(seq_len, default=0)], dtype=torch.int32)
+            h_np[name][:] = 0
+        h_np["batch_idx"][:num_tokens] = tok_seq
+        h_np["cache_loc"][:num_tokens] = pt[tok_seq, tok_pos // ps].astype(np.int64) * ps + tok_pos % ps
+        h_np["input_ids"][:num_tokens] = np.fromiter(
+            (t for s in ordered for t in s.token_ids), dtype=np.int64, count=num_tokens
         )
+        h_np["position_ids"][:num_tokens] = tok_pos
+        # Padded tokens: dummy decode sequences (decode-only steps), else ignored tokens of sequence 0;
+        # both write to the scratch page (cache_loc 0) at position 0.
+        h_np["batch_idx"][num_tokens : num_tokens + dummy_seqs] = np.arange(n_seq, n_act)
+        h_np["cache_loc"][num_tokens:t_pad] = SCRATCH_PAGE * ps
+        h_np["last_token"][:] = 0
+        h_np["last_token"][:n_seq] = cu[1 : n_seq + 1] - 1
+        n_dec_total = n_dec + dummy_seqs
+        h_np["batch_info"][:] = (n_pre, int(lens_np[:n_pre].sum()), n_dec_total)
+        max_kv = int((cached_np + lens_np).max()) if n_seq else 0
+        max_new = max(int(lens_np.max()) if n_seq else 0, 1 if dummy_seqs else 0)
+        h_np["max_seq_info"][:] = (max_new, max(max_kv, 1 if dummy_seqs else 0))
 
         if self._dev_buf is not self._host_buf:
             self._dev_buf.copy_(self._host_buf, non_blocking=True)
