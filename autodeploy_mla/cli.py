@@ -150,6 +150,8 @@ def build(args: argparse.Namespace) -> int:
     layers, sets = _layers(args)
     sets += cli_setup(args, console)  # in a rank: process group, shard pass on, own GPU; ranks > 0 quiet
     cfg = load_config(*layers, overrides=sets)
+    if args.prompt and cfg.model.path is None:  # fail before a long build, not after it
+        raise ValueError("--prompt (text) needs a checkpoint with a tokenizer; use --prompt-ids for random-weight models")
     console.print(f"[bold]autodeploy build[/] model={args.model or 'default'} device={cfg.model.device} dtype={cfg.model.dtype}")
     with console.status("building...") as status:
         def on_pass(rec):
