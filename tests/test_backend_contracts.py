@@ -1,0 +1,28 @@
+"""Contracts every registered backend keeps (fails when a new backend forgets one)."""
+
+import pytest
+
+from autodeploy_mla.custom_ops import all_backends, cached_ops
+
+SHARED_PREFIX = ["q_nope", "q_pe", "compressed_kv", "kpe", "kv_b_proj_weight"]
+
+
+@pytest.mark.parametrize("name", sorted(all_backends()))
+def test_cached_op_schema(name):
+    be = all_backends()[name]
+    schema = be.cached_op.default._schema
+    args = [a.name for a in schema.arguments]
+    assert args[:5] == SHARED_PREFIX, "cached ops share one positional signature (DESIGN §6)"
+    assert args[5 : 5 + len(be.metadata)] == list(be.metadata), "metadata in the declared order"
+    assert args[5 + len(be.metadata)] == "mla_cache"
+    cache_arg = schema.arguments[5 + len(be.metadata)]
+    assert cache_arg.alias_info is not None and cache_arg.alias_info.is_write, "the cache write must be declared"
+    assert args[6 + len(be.metadata)] == "scale"
+    written = [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+    assert written == ["mla_cache"], f"undeclared or unexpected mutation: {written}"
+
+
+@pytest.mark.parametrize("name", sorted(all_backends()))
+def test_dynamic_ops_are_split_points(name):
+    be = all_backends()[name]
+    assert be.is_dynamic and be.cached_op.default in cached_ops()
