@@ -38,36 +38,10 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+from deepseek_shape import deepseek_v3_shaped  # benchmarks/ is sys.path[0] when run as a script
 
 DEFAULT_BATCHES = (1, 8, 32, 64)
 DEFAULT_CONTEXTS = (1024, 4096)
-
-
-def model_config(args) -> dict[str, Any]:
-    return {
-        "model_type": "deepseek_v3",
-        "vocab_size": args.vocab,
-        "hidden_size": args.hidden,
-        "intermediate_size": args.intermediate,
-        "moe_intermediate_size": args.moe_intermediate,
-        "num_hidden_layers": args.layers,
-        "num_attention_heads": args.heads,
-        "num_key_value_heads": args.heads,
-        "q_lora_rank": 1536,
-        "kv_lora_rank": 512,
-        "qk_nope_head_dim": 128,
-        "qk_rope_head_dim": 64,
-        "v_head_dim": 128,
-        "n_routed_experts": args.experts,
-        "num_experts_per_tok": args.topk,
-        "n_shared_experts": 1,
-        "n_group": 1,
-        "topk_group": 1,
-        "first_k_dense_replace": 1,
-        "rope_interleave": True,
-        "max_position_embeddings": 16384,
-        "tie_word_embeddings": False,
-    }
 
 
 def build_hf(cfg: dict, device: torch.device, dtype: torch.dtype):
@@ -330,7 +304,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    cfg = model_config(args)
+    cfg = deepseek_v3_shaped(args)
     result: dict[str, Any] = {
         "command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
         "environment": environment(device),

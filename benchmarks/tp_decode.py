@@ -30,43 +30,17 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+from deepseek_shape import deepseek_v3_shaped  # benchmarks/ is sys.path[0] when run as a script
 
 DEFAULT_BATCHES = (1, 8, 32, 64)
 DEFAULT_CONTEXTS = (1024, 4096)
-
-
-def model_config(args: argparse.Namespace) -> dict[str, Any]:
-    return {
-        "model_type": "deepseek_v3",
-        "vocab_size": args.vocab,
-        "hidden_size": args.hidden,
-        "intermediate_size": args.intermediate,
-        "moe_intermediate_size": args.moe_intermediate,
-        "num_hidden_layers": args.layers,
-        "num_attention_heads": args.heads,
-        "num_key_value_heads": args.heads,
-        "q_lora_rank": args.q_lora,
-        "kv_lora_rank": args.kv_lora,
-        "qk_nope_head_dim": args.dn,
-        "qk_rope_head_dim": args.dr,
-        "v_head_dim": args.dv,
-        "n_routed_experts": args.experts,
-        "num_experts_per_tok": args.topk,
-        "n_shared_experts": 1,
-        "n_group": 1,
-        "topk_group": 1,
-        "first_k_dense_replace": 1,
-        "rope_interleave": True,
-        "max_position_embeddings": 16384,
-        "tie_word_embeddings": False,
-    }
 
 
 def build_config(args: argparse.Namespace, device: str) -> dict[str, Any]:
     max_len = max(args.contexts) + args.warmup + args.steps + 8
     pages = 1 + max(args.batches) * -(-max_len // args.page_size)
     return {
-        "model": {"hf_config": model_config(args), "dtype": "bfloat16" if device == "cuda" else "float32",
+        "model": {"hf_config": deepseek_v3_shaped(args), "dtype": "bfloat16" if device == "cuda" else "float32",
                   "device": device, "seed": 0},
         "runtime": {
             "max_batch_size": max(args.batches),
@@ -274,7 +248,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     result: dict[str, Any] = {
         "command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
         "environment": environment(device_type),
-        "model": model_config(args),
+        "model": deepseek_v3_shaped(args),
         "dtype": "bfloat16" if device_type == "cuda" else "float32",
         "rows": [],
         "worlds": [],
