@@ -58,6 +58,8 @@ class OptimizedModel:
         #: Replaced by the piecewise runner when that pass is enabled.
         self.runner: Callable[..., Any] = ctx.state.get("runner_factory", lambda gm, info: gm)(self.gm, self.seq_info)
         self.last_generation: dict[str, Any] = {}
+        #: gather_logits applied: the graph returns [1, max_batch_size, V] rows, not [1, T, V].
+        self.logits_gathered: bool = bool(ctx.state.get("logits_gathered"))
 
     # ------------------------------------------------------------------ one step
     def forward_step(self, info: SequenceInfo) -> torch.Tensor:
@@ -70,9 +72,17 @@ class OptimizedModel:
             out = self.runner(*args)
         return out[0] if isinstance(out, (tuple, list)) else out
 
+    def next_token_logits(self, info: SequenceInfo) -> torch.Tensor:
+        """One step; the logits each sequence samples from, [num_seqs, V] in flat-batch order."""
+        logits = self.forward_step(info)
+        nb = len(info.seq_ids)
+        if self.logits_gathered:  # the graph already returns one row per sequence
+            return logits[0, :nb]
+        return logits[0].index_select(0, info.dev["last_token"][:nb])
+
     # ------------------------------------------------------------------ generation
     def engine(self) -> GenerationEngine:
-        step = self.forward_step
+        step = self.next_token_logits
         if self.ctx.state.get("tensor_parallel"):  # every rank samples from rank 0's logits rows
             step = rank0_logits_step(step)
         return GenerationEngine(step, self.seq_info, self.allocator)
@@ -115,15 +125,22 @@ class OptimizedModel:
         return [r.generated for r in reqs]
 
     def prefill_logits(self, prompt: Sequence[int]) -> torch.Tensor:
-        """Logits [S, V] of every prompt position, prefilled in chunks of max_num_tokens (then freed)."""
+        """Logits [S, V] of every prompt position, prefilled in chunks (then freed).
+
+        Chunks are max_num_tokens long, or max_batch_size when gather_logits is on (the graph then
+        returns at most that many rows, here one per token of the chunk).
+        """
         rid = -1
         chunk = self.seq_info.max_num_tokens
+        if self.logits_gathered:
+            chunk = min(chunk, self.seq_info.max_batch_size)
         self.allocator.ensure(rid, len(prompt))
         outs = []
         try:
             for start in range(0, len(prompt), chunk):
                 toks = list(prompt[start : start + chunk])
-                self.seq_info.prepare_step([StepSequence(rid, toks, start)], self.allocator.pages_of)
+                self.seq_info.prepare_step([StepSequence(rid, toks, start)], self.allocator.pages_of,
+                                           logits_for="all" if self.logits_gathered else "last")
                 outs.append(self.forward_step(self.seq_info)[0, : len(toks)].float())
         finally:
             self.allocator.free(rid)

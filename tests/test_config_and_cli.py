@@ -41,7 +41,7 @@ def test_deep_merge_and_set_parsing():
     [
         ("runtime.page_sise=4", "unknown key; valid keys: max_batch_size, max_seq_len"),
         ("bogus=1", "unknown key; valid keys: model, runtime, transforms"),
-        ("transforms.fuse_everything.enabled=true", "valid transforms: export, insert_cached_mla_attention, match_mla"),
+        ("transforms.fuse_everything.enabled=true", "valid transforms: export, gather_logits, insert_cached_mla_attention, match_mla"),
         ("transforms.insert_cached_mla_attention.backend=flashmla", "unknown backend 'flashmla'; valid: auto"),
         ("transforms.insert_cached_mla_attention.colour=red", "valid options: enabled, backend"),
         ("runtime.max_batch_size=0", "greater than or equal to 1"),

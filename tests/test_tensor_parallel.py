@@ -298,7 +298,7 @@ class _Double(nn.Module):
 
 def _fake_build(args) -> int:
     from autodeploy_mla import cli
-    from autodeploy_mla.distributed.collectives import agree_on_rows, count_all_reduces, insert_all_reduce
+    from autodeploy_mla.distributed.collectives import count_all_reduces, insert_all_reduce, rank0_logits_step
     from autodeploy_mla.distributed.env import env_info, world_group_name
 
     sets = cli_setup(args, cli.console)
@@ -311,10 +311,8 @@ def _fake_build(args) -> int:
     gm.recompile()
     assert count_all_reduces(gm) == 1
     assert gm(torch.full((2,), float(rank + 1))).tolist() == [6.0, 6.0]  # 2*1 + 2*2 on both ranks
-    logits = torch.full((1, 3, 4), float(rank))
-    agree_on_rows(logits, torch.tensor([0, 2]))  # rows 0 and 2 become rank 0's, row 1 stays
-    assert logits[0, 0].tolist() == [0.0] * 4 and logits[0, 2].tolist() == [0.0] * 4
-    assert logits[0, 1].tolist() == [float(rank)] * 4
+    rows = rank0_logits_step(lambda info: torch.full((3, 4), float(rank)))(None)
+    assert rows.tolist() == [[0.0] * 4] * 3  # every rank samples from rank 0's rows
     return 10 if is_rank0() else 0
 
 

@@ -6,7 +6,7 @@ kernels, so the FX graph keeps shape propagation, prints and recompiles like any
 gloo on CPU and NCCL on GPU, and NCCL's version can be captured in a CUDA graph. The group is
 referred to by name (the default group's is "0"), so the graph holds no Python object.
 
-At runtime: `agree_on_rows` is the optional safety net that makes every rank sample from rank 0's
+At runtime: `rank0_logits_step` is the safety net that makes every rank sample from rank 0's
 logits rows (see docs/tensor_parallel.md, "sampling").
 """
 
@@ -44,29 +44,15 @@ def count_all_reduces(gm: torch.fx.GraphModule) -> int:
     return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target is ALL_REDUCE)
 
 
-def agree_on_rows(logits: torch.Tensor, rows: torch.Tensor, src: int = 0) -> None:
-    """Overwrite `logits[0, rows]` on every rank with rank `src`'s values (in place).
-
-    Only the rows that are sampled travel (one per sequence, not one per token), so the cost is
-    batch x vocab per step. No-op without a process group of more than one rank.
-    """
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return
-    picked = logits[0].index_select(0, rows).contiguous()
-    dist.broadcast(picked, src=src)
-    logits[0].index_copy_(0, rows, picked)
-
-
 def rank0_logits_step(step_fn: Callable[[Any], torch.Tensor]) -> Callable[[Any], torch.Tensor]:
-    """Wrap an engine step function (SequenceInfo -> logits [1, T, V]) so that the rows the engine
-    samples from (`last_token` of each sequence) are rank 0's on every rank."""
+    """Wrap an engine step function (SequenceInfo -> next-token logits [num_seqs, V]) so that
+    every rank samples from rank 0's rows."""
 
     def step(info: Any) -> torch.Tensor:
-        logits = step_fn(info)
-        nb = len(info.seq_ids)  # real sequences, in flat-batch order (padding excluded)
-        rows = info.dev["last_token"][:nb]
-        with torch.inference_mode():
-            agree_on_rows(logits, rows)
-        return logits
+        rows = step_fn(info).contiguous()
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            with torch.inference_mode():
+                dist.broadcast(rows, src=0)
+        return rows
 
     return step

@@ -23,7 +23,8 @@ from .page_allocator import PageAllocator
 from .sampling import SamplingParams, sample
 from .sequence_info import SequenceInfo, StepSequence
 
-StepFn = Callable[[SequenceInfo], torch.Tensor]  # metadata -> logits [1, T, V]
+# metadata -> next-token logits [num_seqs, V], one row per sequence in the step's flat-batch order
+StepFn = Callable[[SequenceInfo], torch.Tensor]
 
 
 @dataclass
@@ -136,9 +137,8 @@ class GenerationEngine:
         seqs = [StepSequence(r.id, toks, r.num_cached) for r, toks in batch]
         try:
             order = self.seq_info.prepare_step(seqs, self.allocator.pages_of)
-            logits = self.step_fn(self.seq_info)
             nb = len(order)
-            last = logits[0].index_select(0, self.seq_info.dev["last_token"][:nb]).float().cpu()
+            last = self.step_fn(self.seq_info).float().cpu()
         except Exception as exc:
             for r, _ in batch:  # their cache content is now unknown: fail them, keep the rest
                 self._finish(r, "error", error=f"{type(exc).__name__}: {exc}")

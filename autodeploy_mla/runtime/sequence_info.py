@@ -19,7 +19,10 @@ Fields (device tensors; `<name>_host` is the host mirror of the same bytes):
     cache_loc         int32[T]    flat cache slot (page * page_size + offset) of each token
     input_ids         int64[T]    token ids (graph input, viewed as [1, T])
     position_ids      int64[T]    absolute positions (graph input, viewed as [1, T])
-    last_token        int64[B]    flat index of each sequence's last token (for logits)
+    last_token        int64[B]    flat index of each sequence's last token
+    logits_index      int64[B]    flat tokens whose logits the graph returns when the gather_logits
+                                  pass is on: each sequence's last token (default), or every token
+                                  of the step (`logits_for="all"`, at most B tokens)
 B = max_batch_size, T = max_num_tokens, P = ceil(max_seq_len / page_size).
 
 Padding (`pad_to`, for CUDA-graph buckets): a decode-only step is padded with dummy decode
@@ -89,6 +92,7 @@ class SequenceInfo:
             ("input_ids", torch.int64, (T,)),
             ("position_ids", torch.int64, (T,)),
             ("last_token", torch.int64, (B,)),
+            ("logits_index", torch.int64, (B,)),
         ]
         offsets, off = [], 0
         for _, dt, shape in layout:
@@ -142,7 +146,7 @@ class SequenceInfo:
     # ------------------------------------------------------------------ building a step
     def clear(self) -> None:
         """An empty step (all capacity padded)."""
-        self._write([], [], None)
+        self._write([], [], None, "last")
 
     def bucket_for(self, num_tokens: int, decode_only: bool) -> int | None:
         """The token count a step of `num_tokens` is padded to: the smallest bucket that holds it (a
@@ -160,13 +164,15 @@ class SequenceInfo:
         seqs: Sequence[StepSequence],
         pages_of: Callable[[int], Sequence[int]],
         pad_to: int | None = None,
+        logits_for: str = "last",
     ) -> list[int]:
         """Build this step's metadata; returns the sequence ids in flat-batch order.
 
         `pages_of(seq_id)` gives the pages that already hold (or will hold) the sequence's tokens:
         allocate them before calling this. Validates every limit first, so a rejected step leaves
         the previous metadata untouched. Without `pad_to`, pads to `bucket_for(...)` when
-        `token_buckets` is set.
+        `token_buckets` is set. `logits_for`: "last" (each sequence's last token) or "all" (every
+        token of the step, at most max_batch_size) fills `logits_index`.
         """
         ordered = sorted(seqs, key=lambda s: s.is_decode)  # stable: prefill first, decode last
         if len(ordered) > self.max_batch_size:
@@ -178,6 +184,13 @@ class SequenceInfo:
             raise CapacityError(
                 f"step has {num_tokens} tokens, over max_num_tokens={self.max_num_tokens}; "
                 "split prefill into chunks of at most max_num_tokens."
+            )
+        if logits_for not in ("last", "all"):
+            raise ValueError(f"logits_for={logits_for!r}: expected 'last' or 'all'")
+        if logits_for == "all" and num_tokens > self.max_batch_size:
+            raise CapacityError(
+                f"logits_for='all' returns one row per token, at most max_batch_size={self.max_batch_size}; "
+                f"the step has {num_tokens} tokens."
             )
         if pad_to is None and self.token_buckets and ordered:
             pad_to = self.bucket_for(num_tokens, decode_only=all(s.is_decode for s in ordered))
@@ -214,10 +227,12 @@ class SequenceInfo:
                     f"{self.max_pages_per_seq}."
                 )
             page_rows.append(pages)
-        self._write(ordered, page_rows, pad_to)
+        self._write(ordered, page_rows, pad_to, logits_for)
         return list(self.seq_ids)
 
-    def _write(self, ordered: Sequence[StepSequence], page_rows: Sequence[Sequence[int]], pad_to: int | None) -> None:
+    def _write(
+        self, ordered: Sequence[StepSequence], page_rows: Sequence[Sequence[int]], pad_to: int | None, logits_for: str
+    ) -> None:
         if self._copy_done is not None:  # the previous async copy still reads the staging buffer
             self._copy_done.synchronize()
         h = self.host
@@ -267,6 +282,11 @@ class SequenceInfo:
         h_np["cache_loc"][num_tokens:t_pad] = SCRATCH_PAGE * ps
         h_np["last_token"][:] = 0
         h_np["last_token"][:n_seq] = cu[1 : n_seq + 1] - 1
+        h_np["logits_index"][:] = 0
+        if logits_for == "all":
+            h_np["logits_index"][:num_tokens] = np.arange(num_tokens)
+        else:
+            h_np["logits_index"][:n_seq] = h_np["last_token"][:n_seq]
         n_dec_total = n_dec + dummy_seqs
         h_np["batch_info"][:] = (n_pre, int(lens_np[:n_pre].sum()), n_dec_total)
         max_kv = int((cached_np + lens_np).max()) if n_seq else 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
+from . import gather_logits  # noqa: F401  (registers gather_logits)
 from . import insert_cached_attention  # noqa: F401  (registers insert_cached_mla_attention)
 from . import piecewise  # noqa: F401  (registers piecewise)
 from . import shard  # noqa: F401  (registers shard)
