@@ -34,3 +34,18 @@ def check_cached_inputs(
             "allocate the cache in the model dtype."
         )
     return dims
+
+
+def cached_op_fake(op: str, metadata: tuple[str, ...]):
+    """The fake (meta) implementation every cached op shares: validate, return [1, T, N, Dv].
+
+    The cache sits right after the op's metadata arguments (the shared positional signature), so
+    its position follows from the backend's metadata tuple instead of a hand-counted index.
+    """
+
+    def fake(q_nope, q_pe, compressed_kv, kpe, kv_b_proj_weight, *rest, **kwargs):
+        mla_cache = rest[len(metadata)]
+        dims = check_cached_inputs(op, q_nope, q_pe, compressed_kv, kpe, kv_b_proj_weight, mla_cache)
+        return q_nope.new_empty(1, q_nope.shape[1], dims.num_heads, dims.v_head_dim)
+
+    return fake

@@ -53,7 +53,7 @@ from .backend_registry import (
     library_versions,
     register_backend,
 )
-from .cached_op_checks import check_cached_inputs
+from .cached_op_checks import cached_op_fake, check_cached_inputs
 from .capabilities import FA_MAX_WORK_ITEMS, check_against_facts, fa_kernel_for, fa_prefill_safe
 from .flashinfer_metadata import MLACsr, StepCounts, fa_plan_work_bound, fa_plan_work_count, mla_csr
 from .mla_dims import MLADims, resolve_scale
@@ -426,11 +426,7 @@ def flashinfer_mla_with_cache(
     return out
 
 
-@flashinfer_mla_with_cache.register_fake
-def _fake(q_nope, q_pe, compressed_kv, kpe, kv_b_proj_weight, *rest):
-    mla_cache = rest[len(METADATA)]
-    dims = check_cached_inputs(OP, q_nope, q_pe, compressed_kv, kpe, kv_b_proj_weight, mla_cache)
-    return q_nope.new_empty(1, q_nope.shape[1], dims.num_heads, dims.v_head_dim)
+flashinfer_mla_with_cache.register_fake(cached_op_fake(OP, METADATA))
 
 
 # ------------------------------------------------------------------ descriptor

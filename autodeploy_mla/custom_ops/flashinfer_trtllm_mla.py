@@ -25,7 +25,7 @@ from typing import Any, Optional
 import torch
 
 from .backend_registry import CheckResult, DeviceInfo, MLABackend, register_backend
-from .cached_op_checks import check_cached_inputs
+from .cached_op_checks import cached_op_fake, check_cached_inputs
 from .capabilities import check_against_facts
 from .flashinfer_metadata import StepCounts, fill_trtllm_block_table, trtllm_block_table_width
 from .flashinfer_mla import (
@@ -173,11 +173,7 @@ def flashinfer_trtllm_mla_with_cache(
     return out
 
 
-@flashinfer_trtllm_mla_with_cache.register_fake
-def _fake(q_nope, q_pe, compressed_kv, kpe, kv_b_proj_weight, *rest):
-    mla_cache = rest[len(METADATA)]
-    dims = check_cached_inputs(OP, q_nope, q_pe, compressed_kv, kpe, kv_b_proj_weight, mla_cache)
-    return q_nope.new_empty(1, q_nope.shape[1], dims.num_heads, dims.v_head_dim)
+flashinfer_trtllm_mla_with_cache.register_fake(cached_op_fake(OP, METADATA))
 
 
 @register_backend

@@ -15,10 +15,20 @@ from typing import Optional
 import torch
 
 from .backend_registry import CheckResult, DeviceInfo, MLABackend, register_backend
-from .cached_op_checks import check_cached_inputs
+from .cached_op_checks import cached_op_fake, check_cached_inputs
 from .mla_dims import MLADims, resolve_scale
 
 OP = "torch_mla_with_cache"
+METADATA: tuple[str, ...] = (
+    "batch_info_host",
+    "max_seq_info_host",
+    "cu_seqlen",
+    "input_pos",
+    "seq_len_with_cache",
+    "page_table",
+    "batch_idx",
+    "cache_loc",
+)
 
 
 def append_to_paged_cache(
@@ -97,27 +107,14 @@ def torch_mla_with_cache(
     return out
 
 
-@torch_mla_with_cache.register_fake
-def _fake(q_nope, q_pe, compressed_kv, kpe, kv_b_proj_weight, *rest):
-    mla_cache = rest[8]
-    dims = check_cached_inputs(OP, q_nope, q_pe, compressed_kv, kpe, kv_b_proj_weight, mla_cache)
-    return q_nope.new_empty(1, q_nope.shape[1], dims.num_heads, dims.v_head_dim)
+torch_mla_with_cache.register_fake(cached_op_fake(OP, METADATA))
 
 
 @register_backend
 class TorchMLABackend(MLABackend):
     name = "torch"
     cached_op = torch.ops.autodeploy.torch_mla_with_cache
-    metadata = (
-        "batch_info_host",
-        "max_seq_info_host",
-        "cu_seqlen",
-        "input_pos",
-        "seq_len_with_cache",
-        "page_table",
-        "batch_idx",
-        "cache_loc",
-    )
+    metadata = METADATA
     source = "autodeploy_mla reference implementation (vectorised torch)"
     decode_graph_safe = False  # sizes are read from host metadata at call time
 

@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 
 from ..backend_registry import CheckResult, DeviceInfo, MLABackend, parse_version, register_backend
-from ..cached_op_checks import check_cached_inputs
+from ..cached_op_checks import cached_op_fake, check_cached_inputs
 from ..mla_dims import MLADims, MLAShapeError, resolve_scale
 
 try:  # Triton is optional: without it the op is registered but check() refuses every node.
@@ -44,6 +44,17 @@ except ImportError as e:  # pragma: no cover - exercised only without triton
     _TRITON_IMPORT_ERROR = str(e)
 
 OP = "triton_mla_with_cache"
+METADATA: tuple[str, ...] = (
+    "batch_info_host",
+    "max_seq_info_host",
+    "cu_seqlen_host",
+    "input_pos_host",
+    "cu_seqlen",
+    "input_pos",
+    "seq_len_with_cache",
+    "page_table",
+    "cache_loc",
+)
 LOG2E = 1.4426950408889634
 
 # ----------------------------------------------------------------------------- limits (check())
@@ -439,11 +450,7 @@ def triton_mla_with_cache(
     return out
 
 
-@triton_mla_with_cache.register_fake
-def _fake(q_nope, q_pe, compressed_kv, kpe, kv_b_proj_weight, *rest, **kwargs):
-    mla_cache = rest[9]
-    dims = check_cached_inputs(OP, q_nope, q_pe, compressed_kv, kpe, kv_b_proj_weight, mla_cache)
-    return q_nope.new_empty(1, q_nope.shape[1], dims.num_heads, dims.v_head_dim)
+triton_mla_with_cache.register_fake(cached_op_fake(OP, METADATA))
 
 
 # ----------------------------------------------------------------------------- descriptor
@@ -451,17 +458,7 @@ def _fake(q_nope, q_pe, compressed_kv, kpe, kv_b_proj_weight, *rest, **kwargs):
 class TritonMLABackend(MLABackend):
     name = "triton"
     cached_op = torch.ops.autodeploy.triton_mla_with_cache
-    metadata = (
-        "batch_info_host",
-        "max_seq_info_host",
-        "cu_seqlen_host",
-        "input_pos_host",
-        "cu_seqlen",
-        "input_pos",
-        "seq_len_with_cache",
-        "page_table",
-        "cache_loc",
-    )
+    metadata = METADATA
     source = "autodeploy_mla Triton kernels (docs/triton_backend.md; H200 numbers in docs/benchmarks/mla_kernels.md)"
     # Decode grids come from host batch_info (fixed per captured batch size) and a split count from
     # the static page-table width under capture; kernels read lengths from device metadata.
