@@ -142,13 +142,28 @@ def _verify(om: Any, prompts: list[list[int]], outs: list[list[int]], max_new: i
 
 
 def build(args: argparse.Namespace) -> int:
-    from .api import optimize
-    from .distributed.launch import cli_launch, cli_setup, is_rank0
+    from .distributed.launch import cli_launch, cli_setup
 
     if (rc := cli_launch(args, build)) is not None:  # --world-size N: N ranks run build(); rank 0's code
         return rc
+    from .distributed.env import env_info, shutdown_distributed
+
+    # Under torchrun this process starts the group itself, so it also tears it down (spawned ranks
+    # find it started and leave that to the launcher).
+    owns_group = env_info().world_size > 1 and not (torch.distributed.is_available() and torch.distributed.is_initialized())
+    try:
+        return _build(args, cli_setup(args, console))  # in a rank: process group, shard pass on, own GPU
+    finally:
+        if owns_group:
+            shutdown_distributed()
+
+
+def _build(args: argparse.Namespace, rank_sets: list[str]) -> int:
+    from .api import optimize
+    from .distributed.launch import is_rank0
+
     layers, sets = _layers(args)
-    sets += cli_setup(args, console)  # in a rank: process group, shard pass on, own GPU; ranks > 0 quiet
+    sets += rank_sets
     cfg = load_config(*layers, overrides=sets)
     if args.prompt and cfg.model.path is None:  # fail before a long build, not after it
         raise ValueError("--prompt (text) needs a checkpoint with a tokenizer; use --prompt-ids for random-weight models")

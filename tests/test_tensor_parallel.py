@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import types
 
 import pytest
@@ -149,6 +150,58 @@ def test_cli_checkpoint_slices_match_single_process_and_hf(tp_runs, ds3_ckpt):
     single = optimize(str(path), overrides=RUNTIME)
     assert single.generate(PROMPTS, max_new_tokens=NEW) == tp_tokens
     assert tp_tokens == [hf_greedy_generate(hf_model, p, NEW) for p in PROMPTS]
+
+
+def test_plain_torchrun_builds_and_exits(ds3_ckpt, tmp_path):
+    """`torchrun --nproc-per-node 2 -m autodeploy_mla.cli build`: each process starts the group from
+    the torchrun environment, builds its shard, rank 0 verifies against HF eager and writes the
+    report, and both processes tear the group down and exit 0."""
+    import subprocess
+    import sys
+
+    from autodeploy_mla.distributed.launch import free_port
+
+    report = tmp_path / "report.json"
+    argv = _cli_argv(ds3_ckpt[0], report)
+    argv.remove("--world-size")
+    argv.remove("2")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           "-m", "autodeploy_mla.cli", *argv]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rep = json.loads(report.read_text())
+    assert all(lay["dims"]["num_heads"] == 2 for lay in rep["layers"])
+    assert rep["verification"]["ok"]
+    assert proc.stdout.count("verification passed") == 1  # rank 1 is quiet
+
+
+def test_teardown_frees_cuda_graphs_first_and_cannot_hang(monkeypatch):
+    """A captured graph holding an NCCL collective makes destroy_process_group block forever
+    (pytorch#115388): shutdown resets every tracked graph first, and abandons a teardown that hangs."""
+    import threading
+
+    from autodeploy_mla.distributed import env
+    from autodeploy_mla.runtime import cuda_graphs
+
+    calls = []
+
+    class FakeGraph:
+        def reset(self):
+            calls.append("reset")
+
+    graph = FakeGraph()
+    cuda_graphs.track_graph(graph)
+    monkeypatch.setattr(env.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(env.dist, "destroy_process_group", lambda: calls.append("destroy"))
+    assert env.shutdown_distributed() is True
+    assert calls == ["reset", "destroy"]
+    assert cuda_graphs.release_cuda_graphs() == 0  # released graphs are forgotten
+
+    stuck = threading.Event()
+    monkeypatch.setattr(env.dist, "destroy_process_group", lambda: stuck.wait(10))
+    with pytest.warns(UserWarning, match="did not finish within"):
+        assert env.shutdown_distributed(timeout_s=0.2) is False
+    stuck.set()
 
 
 @pytest.mark.parametrize("job", ["glm", "native"])
@@ -305,6 +358,8 @@ def _fake_build(args) -> int:
     assert sets == ["transforms.shard.enabled=true", "transforms.shard.world_size=2"], sets
     assert cli.console.quiet == (not is_rank0())
     rank = env_info().rank
+    if not os.environ.get("OMP_NUM_THREADS"):  # each rank gets its share of the host's cores
+        assert torch.get_num_threads() == max(1, (os.cpu_count() or 1) // 2)
     gm = torch.fx.symbolic_trace(_Double())
     out = next(n for n in gm.graph.nodes if n.op == "output")
     out.args = (insert_all_reduce(gm.graph, out.args[0], world_group_name()),)
@@ -325,29 +380,44 @@ GPU_RUNTIME = ["runtime.max_num_tokens=64", "runtime.page_size=64", "runtime.max
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 def test_gpu_two_ranks_nccl_bf16():
     """2 ranks over NCCL in bf16 (default backends, piecewise CUDA graphs on): ranks agree exactly;
-    the first greedy token of every prompt equals the single-GPU optimized model's (16-bit rounding
-    may make later tokens diverge; the agreeing prefix is printed)."""
+    logits match the single-GPU optimized model within bf16 tolerance; the first greedy token of every
+    prompt equals the single GPU's unless the two candidates are a near-tie in the single GPU's own
+    logits (random tiny models have them; 16-bit rounding may flip those and later tokens)."""
     jobs = [
         ProbeJob("ds3", "deepseek_v3", GPU_RUNTIME, PROMPTS, NEW, LOGITS_PROMPT),
         ProbeJob("glm", "glm_4_7_flash", GPU_RUNTIME, PROMPTS, NEW, LOGITS_PROMPT),
     ]
     ranks = spawn(probe_rank, 2, jobs, backend="nccl", all_results=True)
+    failures = []
     for job in jobs:
         r0, r1 = ranks[0][job.name], ranks[1][job.name]
         assert r0["device"] == "cuda:0" and r1["device"] == "cuda:1"
         assert r0["env"] == MULTICAST_OFF_ENV
         assert r0["tokens"] == r1["tokens"]
         assert torch.equal(r0["logits"], r1["logits"])
+        assert all(lay["dims"]["num_heads"] == 2 for lay in r0["layers"])
         single = optimize(job.model, overrides=[*job.overrides, "model.device=cuda:0"])
         ref = single.generate(PROMPTS, max_new_tokens=NEW)
         ref_logits = single.prefill_logits(LOGITS_PROMPT).float().cpu()
         rel = (r0["logits"] - ref_logits).abs().max() / ref_logits.abs().max()
         prefix = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), NEW) for x, y in zip(r0["tokens"], ref)]
+        gaps, errs = [], []  # per prompt, relative to max |logit|: single-GPU logit of its own first
+        # token minus that of the 2-rank first token; the 2-rank row's error against the single GPU's
+        for p, ours, theirs, tp_row in zip(PROMPTS, r0["tokens"], ref, r0["first_logits"]):
+            row = single.prefill_logits(p)[-1].float().cpu()
+            scale = float(row.abs().max())
+            errs.append(float((tp_row - row).abs().max()) / scale)
+            gaps.append(float(row[theirs[0]] - row[ours[0]]) / scale)
         print(f"{job.name}: backends {[lay['backend'] for lay in r0['layers']]}, logits rel err {rel:.2e}, "
-              f"agreeing prefix {prefix}")
-        assert rel < 3e-2
-        assert all(p >= 1 for p in prefix)
-        assert all(lay["dims"]["num_heads"] == 2 for lay in r0["layers"])
+              f"agreeing prefix {prefix}, first-token gaps {[f'{g:.1e}' for g in gaps]} / row errors "
+              f"{[f'{e:.1e}' for e in errs]} (of max |logit|)")
+        if rel >= 3e-2 or max(errs) >= 3e-2:
+            failures.append(f"{job.name}: logits rel err {rel:.2e}, first-token rows {errs}")
+        # A flip is a near-tie only if the measured error of that row (x2: both logits move) covers the gap.
+        failures += [f"{job.name} prompt {i}: first token {r0['tokens'][i][0]} vs {ref[i][0]}, gap {g:.2e}"
+                     for i, (g, e) in enumerate(zip(gaps, errs)) if g > max(1e-2, 2 * e)]
+        del single
+    assert not failures, failures
 
 
 @pytest.mark.gpu

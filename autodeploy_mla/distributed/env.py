@@ -10,6 +10,8 @@ fails at the first all-reduce instead of at setup.
 from __future__ import annotations
 
 import os
+import threading
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -109,9 +111,30 @@ def init_distributed(backend: Optional[str] = None, device_type: Optional[str] =
     return env_info()
 
 
-def shutdown_distributed() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+def shutdown_distributed(timeout_s: float = 60.0) -> bool:
+    """Destroy the process group, first freeing every captured CUDA graph (a live graph holding an
+    NCCL collective makes the teardown block forever: pytorch/pytorch#115388). The teardown runs in a
+    daemon thread; if it has not finished after `timeout_s` it is abandoned with a warning and False
+    is returned, so a finished run still exits (the caller should then leave with `os._exit`)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return True
+    from ..runtime.cuda_graphs import release_cuda_graphs
+
+    release_cuda_graphs()
+    done = threading.Event()
+
+    def destroy() -> None:
+        try:
+            dist.destroy_process_group()
+        finally:
+            done.set()
+
+    threading.Thread(target=destroy, name="destroy_process_group", daemon=True).start()
+    if done.wait(timeout_s):
+        return True
+    warnings.warn(f"torch.distributed teardown did not finish within {timeout_s:.0f}s; abandoning it "
+                  "(the results are complete; the process exits without a clean NCCL shutdown)", stacklevel=2)
+    return False
 
 
 def is_rank0() -> bool:

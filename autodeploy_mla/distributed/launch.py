@@ -47,6 +47,7 @@ def _worker(rank: int, fn: Callable[..., Any], args: tuple, world_size: int, por
         LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
     )
     disable_multicast_env()
+    share_cpu_threads(world_size)
     result: Any = None
     error: Optional[str] = None
     try:
@@ -55,11 +56,7 @@ def _worker(rank: int, fn: Callable[..., Any], args: tuple, world_size: int, por
         result = fn(rank, *args)
     except BaseException as exc:  # noqa: BLE001 - reported to the parent with the traceback
         error = f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"
-    finally:
-        try:
-            shutdown_distributed()
-        except Exception:  # noqa: BLE001
-            pass
+    # The result is written before the teardown, so a teardown that hangs cannot lose it.
     with open(Path(out_dir) / f"rank{rank}.pkl", "wb") as f:
         try:
             pickle.dump((result, error), f)
@@ -68,11 +65,26 @@ def _worker(rank: int, fn: Callable[..., Any], args: tuple, world_size: int, por
             f.truncate()
             error = error or f"rank {rank}: result not picklable: {exc}"
             pickle.dump((None, error), f)
+    sys.stdout.flush()
+    sys.stderr.flush()
     if error is not None:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        # A non-zero exit makes the parent stop the other ranks, which may be waiting in a collective.
+        # No teardown (the other ranks may be waiting in a collective and would never join it); a
+        # non-zero exit makes the parent stop them.
         os._exit(1)
+    if not shutdown_distributed():
+        os._exit(0)  # the teardown hung: leave without the interpreter's shutdown, which would wait on NCCL
+
+
+def share_cpu_threads(ranks_on_host: int) -> int:
+    """Give each of the host's ranks its share of the CPU cores for torch's intra-op threads (what
+    torchrun does with OMP_NUM_THREADS). Otherwise every rank starts one thread per core, and the
+    ranks' thread pools fight over the same cores during host-side step preparation. A user's
+    OMP_NUM_THREADS wins. Returns the thread count set."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        return torch.get_num_threads()
+    n = max(1, (os.cpu_count() or 1) // max(1, ranks_on_host))
+    torch.set_num_threads(n)
+    return n
 
 
 class RankFailed(RuntimeError):

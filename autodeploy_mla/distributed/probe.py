@@ -61,6 +61,9 @@ def probe_rank(rank: int, jobs: Sequence[ProbeJob]) -> dict[str, dict[str, Any]]
         sampled = (om.generate([list(p) for p in job.prompts], max_new_tokens=job.max_new_tokens, **job.sampling)
                    if job.sampling else None)
         logits = om.prefill_logits(list(job.logits_prompt)).float().cpu() if job.logits_prompt else None
+        # The distribution each prompt's first generated token was drawn from (to tell a real
+        # disagreement from a near-tie that 16-bit rounding may flip).
+        first_logits = [om.prefill_logits(list(p))[-1].float().cpu() for p in job.prompts]
         rec = next((r for r in om.history if r.name == "shard"), None)
         weights = {}
         for n in om.gm.graph.nodes:
@@ -75,6 +78,7 @@ def probe_rank(rank: int, jobs: Sequence[ProbeJob]) -> dict[str, dict[str, Any]]
             "tokens": tokens,
             "sampled": sampled,
             "logits": logits,
+            "first_logits": first_logits,
             "shard_summary": rec.summary if rec else None,
             "shard_details": rec.details if rec else None,
             "layers": rep["layers"],

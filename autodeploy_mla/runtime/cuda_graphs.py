@@ -15,10 +15,16 @@ by every replay) plus captured non-tensor values.
 
 All graphs share one memory pool. That is safe because they replay in a fixed order on one stream and
 every graph's outputs stay referenced (so no later capture can reuse their memory).
+
+Every captured graph is also tracked weakly, so `release_cuda_graphs()` can free them all before the
+NCCL process group is destroyed: a graph that captured an NCCL collective and is still alive makes
+`destroy_process_group()` block forever in ncclCommDestroy (pytorch/pytorch#115388; seen here as
+2-rank runs that finished their work and then never exited).
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
@@ -38,6 +44,26 @@ def tensor_key(t: torch.Tensor) -> tuple:
 
 class CaptureError(RuntimeError):
     pass
+
+
+_LIVE_GRAPHS: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def track_graph(graph: Any) -> None:
+    """Remember a captured graph (weakly) for `release_cuda_graphs`."""
+    _LIVE_GRAPHS.add(graph)
+
+
+def release_cuda_graphs() -> int:
+    """Free every captured CUDA graph still alive in this process (`CUDAGraph.reset()`); returns how
+    many. Call before tearing down NCCL; a model whose graphs were released cannot replay them."""
+    graphs = list(_LIVE_GRAPHS)
+    if graphs and torch.cuda.is_available():
+        torch.cuda.synchronize()
+    for g in graphs:
+        g.reset()
+    _LIVE_GRAPHS.clear()
+    return len(graphs)
 
 
 class CapturedGraph:
@@ -144,6 +170,7 @@ class GraphCapturer:
         except Exception as exc:  # noqa: BLE001 - any failure means: not capturable, run eagerly
             torch.cuda.synchronize(self.device)
             raise CaptureError(f"{label}: CUDA-graph capture failed: {type(exc).__name__}: {exc}") from exc
+        track_graph(graph)
         leaves, spec = tree_flatten(out)
         return CapturedGraph(graph, slots, scalars, spec, leaves, label)
 
