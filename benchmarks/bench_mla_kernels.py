@@ -45,6 +45,7 @@ BF16_TFLOPS = 790.0  # measured bf16 dense matmul, TFLOP/s
 
 DIMS = {
     "deepseek_v3_n128": MLADims(128, 128, 64, 128, 512),
+    "deepseek_v3_tp2_n64": MLADims(64, 128, 64, 128, 512),
     "deepseek_v3_tp8_n16": MLADims(16, 128, 64, 128, 512),
     "mistral_small_4_n32": MLADims(32, 64, 64, 128, 256),
     "glm_4_7_flash_n20": MLADims(20, 192, 64, 256, 512),

@@ -26,6 +26,7 @@ import platform
 import statistics
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any, Optional
 
@@ -86,7 +87,7 @@ def bench_rank(rank: int, args: argparse.Namespace, device_type: str) -> dict[st
     heads = om.report()["layers"][0]["dims"]["num_heads"]
     mem_gb = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
     rows = []
-    extra = args.warmup + args.steps + 8
+    extra = args.warmup + args.steps + PROFILE_STEPS + 8
     for context in args.contexts:
         for batch in args.batches:
             om.allocator.ensure_many({sid: context + extra for sid in range(batch)})
@@ -95,22 +96,35 @@ def bench_rank(rank: int, args: argparse.Namespace, device_type: str) -> dict[st
                 c.normal_(generator=g)
             tok, ts = [1] * batch, []
             pos0 = context - args.warmup
-            err = None
+            err, paths = None, {}
+            paths0 = Counter(getattr(om.runner, "stats", {}))
+
+            def step(i: int) -> None:
+                nonlocal tok
+                om.seq_info.prepare_step([StepSequence(s, [tok[s]], pos0 + i) for s in range(batch)],
+                                         om.allocator.pages_of)
+                logits = om.forward_step(om.seq_info)
+                tok = logits[0, :batch].argmax(-1).tolist()  # the sampling sync
+
             try:
                 for i in range(args.warmup + args.steps):
                     _sync(dev)
                     t1 = time.perf_counter()
-                    om.seq_info.prepare_step([StepSequence(s, [tok[s]], pos0 + i) for s in range(batch)],
-                                             om.allocator.pages_of)
-                    logits = om.forward_step(om.seq_info)
-                    tok = logits[0, :batch].argmax(-1).tolist()  # the sampling sync
+                    step(i)
+                    if i == args.warmup - 1:
+                        paths0 = Counter(getattr(om.runner, "stats", {}))
                     if i >= args.warmup:
                         ts.append((time.perf_counter() - t1) * 1e3)
+                paths = dict(Counter(getattr(om.runner, "stats", {})) - paths0)
+                if args.profile == [context, batch]:
+                    profile_steps(step, args.warmup + args.steps, Path(args.out) / f"profile_w{world}_r{rank}.txt")
             except Exception as exc:  # noqa: BLE001 - recorded; every rank fails the same way
                 err = f"{type(exc).__name__}: {exc}"[:400]
             for sid in range(batch):
                 om.allocator.free(sid)
-            row: dict[str, Any] = {"world_size": world, "batch": batch, "context": context}
+            row: dict[str, Any] = {"world_size": world, "batch": batch, "context": context,
+                                   # how the timed steps ran: decode_graph (one CUDA graph), piecewise, eager
+                                   "paths": paths}
             if err:
                 row["error"] = err
             else:
@@ -127,6 +141,24 @@ def bench_rank(rank: int, args: argparse.Namespace, device_type: str) -> dict[st
                 print(json.dumps(row), flush=True)
     return {"world_size": world, "rows": rows, "build_s": build_s, "shard": shard, "backends": backends,
             "heads_per_rank": heads, "max_memory_gb": mem_gb}
+
+
+PROFILE_STEPS = 3
+
+
+def profile_steps(step: Any, first: int, path: Path) -> None:
+    """Run PROFILE_STEPS more steps under torch.profiler; write the kernels by device time to `path`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        for i in range(first, first + PROFILE_STEPS):
+            step(i)
+    key = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    avg = prof.key_averages()
+    path.write_text(f"{PROFILE_STEPS} decode steps, torch threads {torch.get_num_threads()}\n"
+                    + avg.table(sort_by=key, row_limit=25) + "\nby host time\n"
+                    + avg.table(sort_by="self_cpu_time_total", row_limit=25))
 
 
 def environment(device_type: str) -> dict[str, Any]:
@@ -153,8 +185,8 @@ def render(path: Path) -> None:
              f"Model: DeepSeek-V3-shaped, {m['num_hidden_layers']} layers, N {m['num_attention_heads']}, "
              f"R {m['kv_lora_rank']}, dtype {data['dtype']}. Step = host metadata + graph + argmax sync; "
              "median ms (2 ranks: the slower rank).", "",
-             "| context | batch | " + " | ".join(f"{w} GPU ms" for w in worlds) + " | speed-up |",
-             "|---|---|" + "---|" * len(worlds) + "---|"]
+             "| context | batch | " + " | ".join(f"{w} GPU ms" for w in worlds) + " | speed-up | timed steps ran as |",
+             "|---|---|" + "---|" * len(worlds) + "---|---|"]
     for context in sorted({r["context"] for r in rows}):
         for batch in sorted({r["batch"] for r in rows}):
             cells, ms = [], {}
@@ -166,12 +198,16 @@ def render(path: Path) -> None:
                 else:
                     cells.append(r.get("error", "-")[:40])
             sp = f"{ms[1] / ms[max(worlds)]:.2f}x" if 1 in ms and max(worlds) in ms and max(worlds) > 1 else "-"
-            lines.append(f"| {context} | {batch} | " + " | ".join(cells) + f" | {sp} |")
+            paths = "; ".join(f"{w}: " + ", ".join(f"{k} {v}" for k, v in sorted(by[(w, context, batch)]["paths"].items()))
+                              for w in worlds if by.get((w, context, batch), {}).get("paths"))
+            lines.append(f"| {context} | {batch} | " + " | ".join(cells) + f" | {sp} | {paths or '-'} |")
     lines.append("")
     for w in data["worlds"]:
         mem = "-" if w["max_memory_gb"] is None else f"{w['max_memory_gb']:.1f} GiB"
         lines.append(f"- {w['world_size']} rank(s): backends {w['backends']}, heads/rank {w['heads_per_rank']}, "
                      f"build {w['build_s']:.1f}s, peak memory {mem}; {w['shard'] or 'no sharding'}")
+    if data.get("notes"):  # added by hand after the run: what was measured around it
+        lines += ["", "Notes:", *[f"- {n}" for n in data["notes"]]]
     md = path.with_suffix(".md")
     md.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -226,6 +262,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--no-cuda-graphs", action="store_true", help="piecewise pieces run eagerly")
+    ap.add_argument("--profile", type=lambda s: [int(x) for x in s.split(",")], metavar="CONTEXT,BATCH",
+                    help="also profile 3 steps of this (context, batch) in every rank -> <out>/profile_w*_r*.txt")
     ap.add_argument("--quick", action="store_true", help="tiny dims for a CPU dry run (gloo)")
     args = ap.parse_args(argv)
     if args.render:
