@@ -1,4 +1,4 @@
-"""The DeepSeek-V3-shaped benchmark model shared by e2e_decode.py and tp_decode.py.
+"""The DeepSeek-V3-shaped benchmark model and decode runtime shared by e2e_decode.py and tp_decode.py.
 
 Real per-layer MLA dims by default (N 128, q_lora 1536, R 512, Dr 64, Dn 128, Dv 128), fewer
 layers and smaller/fewer routed experts than the real model so it fits and builds quickly.
@@ -35,4 +35,24 @@ def deepseek_v3_shaped(args: argparse.Namespace) -> dict[str, Any]:
         "rope_interleave": True,
         "max_position_embeddings": 16384,
         "tie_word_embeddings": False,
+    }
+
+
+def extra_tokens(args: argparse.Namespace, profiled_steps: int = 0) -> int:
+    """Tokens each sequence grows past its context during a run: warm-up, timed (and profiled)
+    decode steps, plus slack."""
+    return args.warmup + args.steps + profiled_steps + 8
+
+
+def decode_runtime(args: argparse.Namespace, extra: int) -> dict[str, Any]:
+    """`runtime` config for decode benchmarks: up to max(batches) sequences of up to
+    max(contexts) + extra tokens each (the pages the scripts reserve per sequence), one
+    token per sequence per step."""
+    max_len = max(args.contexts) + extra
+    return {
+        "max_batch_size": max(args.batches),
+        "max_seq_len": max_len,
+        "max_num_tokens": max(args.batches),
+        "page_size": args.page_size,
+        "num_pages": 1 + max(args.batches) * -(-max_len // args.page_size),  # + the scratch page
     }

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from deepseek_shape import deepseek_v3_shaped  # benchmarks/ is sys.path[0] when run as a script
+from deepseek_shape import decode_runtime, deepseek_v3_shaped, extra_tokens  # benchmarks/ is sys.path[0] when run as a script
 
 DEFAULT_BATCHES = (1, 8, 32, 64)
 DEFAULT_CONTEXTS = (1024, 4096)
@@ -74,16 +74,8 @@ def _stats(ts: list[float]) -> dict[str, float]:
 def build_ours(model, backend: str, args, device):
     from autodeploy_mla.api import optimize
 
-    max_len = max(args.contexts) + args.warmup + args.steps + 8
-    pages = 1 + max(args.batches) * -(-max_len // args.page_size)
     cfg = {
-        "runtime": {
-            "max_batch_size": max(args.batches),
-            "max_seq_len": max_len,
-            "max_num_tokens": max(args.batches),
-            "page_size": args.page_size,
-            "num_pages": pages,
-        },
+        "runtime": decode_runtime(args, extra_tokens(args)),
         "transforms": {
             "insert_cached_mla_attention": {"backend": backend},
             "piecewise": {"enabled": True, "on_cpu": True, "buckets": sorted(set(args.batches)),
@@ -324,7 +316,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     n_params = sum(p.numel() for p in model.parameters())
     result["model_params"] = n_params
     print(f"model: {n_params / 1e9:.2f} B params, built in {time.perf_counter() - t_start:.1f}s", flush=True)
-    extra = args.warmup + args.steps + 8
+    extra = extra_tokens(args)
 
     def run_backend(backend: str, why: str) -> None:
         t0 = time.perf_counter()

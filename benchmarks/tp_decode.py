@@ -31,25 +31,18 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from deepseek_shape import deepseek_v3_shaped  # benchmarks/ is sys.path[0] when run as a script
+from deepseek_shape import decode_runtime, deepseek_v3_shaped, extra_tokens  # benchmarks/ is sys.path[0] when run as a script
 
 DEFAULT_BATCHES = (1, 8, 32, 64)
 DEFAULT_CONTEXTS = (1024, 4096)
+PROFILE_STEPS = 3  # steps run under torch.profiler with --profile
 
 
 def build_config(args: argparse.Namespace, device: str) -> dict[str, Any]:
-    max_len = max(args.contexts) + args.warmup + args.steps + 8
-    pages = 1 + max(args.batches) * -(-max_len // args.page_size)
     return {
         "model": {"hf_config": deepseek_v3_shaped(args), "dtype": "bfloat16" if device == "cuda" else "float32",
                   "device": device, "seed": 0},
-        "runtime": {
-            "max_batch_size": max(args.batches),
-            "max_seq_len": max_len,
-            "max_num_tokens": max(args.batches),
-            "page_size": args.page_size,
-            "num_pages": pages,
-        },
+        "runtime": decode_runtime(args, extra_tokens(args, PROFILE_STEPS)),
         "transforms": {
             "insert_cached_mla_attention": {"backend": args.backend},
             "piecewise": {"enabled": True, "on_cpu": args.quick, "buckets": sorted(set(args.batches)),
@@ -87,7 +80,7 @@ def bench_rank(rank: int, args: argparse.Namespace, device_type: str) -> dict[st
     heads = om.report()["layers"][0]["dims"]["num_heads"]
     mem_gb = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
     rows = []
-    extra = args.warmup + args.steps + PROFILE_STEPS + 8
+    extra = extra_tokens(args, PROFILE_STEPS)
     for context in args.contexts:
         for batch in args.batches:
             om.allocator.ensure_many({sid: context + extra for sid in range(batch)})
@@ -143,11 +136,8 @@ def bench_rank(rank: int, args: argparse.Namespace, device_type: str) -> dict[st
             "heads_per_rank": heads, "max_memory_gb": mem_gb}
 
 
-PROFILE_STEPS = 3
-
-
 def profile_steps(step: Any, first: int, path: Path) -> None:
-    """Run PROFILE_STEPS more steps under torch.profiler; write the kernels by device time to `path`."""
+    """Run PROFILE_STEPS more steps under torch.profiler; write the ops by device time and by host time to `path`."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
