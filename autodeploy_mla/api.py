@@ -1,91 +1,173 @@
 """`optimize(model, config)`: the Python entry point (DESIGN §10).
 
-model -> export -> match_mla -> insert_cached_mla_attention -> (piecewise) -> caches + metadata ->
-an OptimizedModel that generates with continuous batching over the paged cache.
+    config layers -> validated config + pipeline -> checks that need no model -> world size ->
+    eager model (or weightless skeleton) -> passes -> CompiledModel -> ModelRunner -> OptimizedModel
+
+Everything a user can get wrong without a model — unknown keys and passes, options, pass
+requirements, runtime capacities the host cannot hold, the tensor-parallel world — is checked
+before any model is built or exported. `OptimizedModel` is a thin facade over the `ModelRunner`
+(runtime/model_runner.py) and the generation engine.
 """
 
 from __future__ import annotations
 
+import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
 from torch import nn
 
-from .config.loader import ConfigLayer, load_config
-from .config.schema import AppConfig
-from .custom_ops.backend_registry import MLABackend, get_backend
-from .distributed.collectives import rank0_logits_step
-from .distributed.loading import build_eager_model
-from .models.factory import resolve_device, resolve_dtype, resolve_model_arg
+from .config.loader import ConfigError, ConfigLayer, config_layers, load_config
+from .config.schema import AppConfig, RuntimeConfig
+from .custom_ops.backend_registry import Target
+from .distributed.env import require_group, resolve_world
+from .models.factory import build_model, resolve_device, resolve_dtype
+from .models.skeleton import build_skeleton
+from .runtime.artifacts import TensorParallel
 from .runtime.engine import GenerationEngine, Request
-from .runtime.kv_cache import CacheLayout, MLACacheManager, plan_num_pages
-from .runtime.page_allocator import PageAllocator
+from .runtime.errors import CapacityError, RequestError
+from .runtime.model_runner import ModelRunner
 from .runtime.sampling import SamplingParams
-from .runtime.sequence_info import SequenceInfo, StepSequence
+from .runtime.sequence_info import metadata_nbytes
 from .transforms.context import BuildContext, PassRecord
-from .transforms.pass_manager import run_passes
+from .transforms.pass_manager import Pipeline, parse_pipeline, run_pipeline
+from .transforms.shard import ShardOptions
 
 ModelArg = Union[nn.Module, str, Path, None]
+ConfigArg = Union[ConfigLayer, AppConfig, Sequence[ConfigLayer], None]
+
+
+def build_config(model: ModelArg = None, config: ConfigArg = None, overrides: Sequence[str] = ()
+                 ) -> tuple[AppConfig, Pipeline]:
+    """The layered, validated config and pass pipeline for `model` + `config` + `overrides`.
+
+    The one layering rule for the API and the CLI (config/loader.config_layers): a family name or
+    YAML given as the model comes first, then the config layers (YAML paths, family names, dicts),
+    then a checkpoint directory given as the model (it wins over a family's random-weight config),
+    then `overrides` (`a.b=c`). An `AppConfig` is taken as it is (overrides still apply)."""
+    if isinstance(config, AppConfig):
+        cfg = load_config(config.model_dump(), overrides=overrides) if overrides else config
+    else:
+        configs: list[ConfigLayer] = []
+        if config is not None:
+            configs = list(config) if isinstance(config, (list, tuple)) else [config]  # type: ignore[list-item]
+        named = model if isinstance(model, (str, Path)) else None
+        cfg = load_config(*config_layers(named, configs), overrides=overrides)
+    return cfg, parse_pipeline(cfg.transforms)
+
+
+def _available_host_bytes() -> Optional[int]:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_runtime_capacity(rt: RuntimeConfig) -> None:
+    """Refuse capacities whose fixed-size buffers this host cannot hold, before any build work.
+
+    The step metadata is sized by max_batch_size x max_pages_per_seq (the page table) and
+    max_num_tokens; it lives in a pinned host buffer (and, on CUDA, a device copy)."""
+    need = metadata_nbytes(rt.max_batch_size, rt.max_num_tokens, rt.max_seq_len, rt.page_size)
+    have = _available_host_bytes()
+    if have is not None and need > have // 2:
+        pages = -(-rt.max_seq_len // rt.page_size)
+        raise CapacityError(
+            f"runtime.max_batch_size={rt.max_batch_size}, max_num_tokens={rt.max_num_tokens}, max_seq_len="
+            f"{rt.max_seq_len}, page_size={rt.page_size}: the step metadata alone needs {need / 2**30:.2f} GiB "
+            f"(a {rt.max_batch_size} x {pages} page table, {rt.max_num_tokens}-token buffers), more than half "
+            f"of this host's {have / 2**30:.2f} GiB available memory. Lower max_batch_size / max_seq_len / "
+            "max_num_tokens, or raise page_size."
+        )
+
+
+def _world(pipeline: Pipeline) -> Optional[TensorParallel]:
+    """The tensor-parallel group of this build, resolved once (None: a single process)."""
+    if not pipeline.enabled("shard"):
+        return None
+    opts = pipeline.options("shard")
+    assert isinstance(opts, ShardOptions)
+    world, rank = resolve_world(opts.world_size, opts.rank)
+    if world == 1:
+        return None
+    return TensorParallel(world, rank, require_group(world, rank))
+
+
+def _eager_model(cfg: AppConfig, pipeline: Pipeline, world: Optional[TensorParallel], device: torch.device,
+                 dtype: torch.dtype) -> nn.Module:
+    """The full HF model, or a weightless skeleton when the shard pass reads checkpoint slices."""
+    if world is not None and cfg.model.path is not None:
+        opts = pipeline.options("shard")
+        if isinstance(opts, ShardOptions) and opts.load == "slices" and pipeline.enabled("load_weights"):
+            return build_skeleton(cfg.model, device, dtype)
+    return build_model(cfg.model, device, dtype)
 
 
 class OptimizedModel:
-    """The compiled, cached model: generate(), the build report, and the graph."""
+    """The compiled, cached model: generate(), the build report, and the graph (a thin facade over
+    the `ModelRunner` and the generation engine)."""
 
-    def __init__(self, ctx: BuildContext, eager_model: Optional[nn.Module]) -> None:
+    def __init__(self, ctx: BuildContext, runner: ModelRunner, eager_model: Optional[nn.Module]) -> None:
         self.ctx = ctx
-        self.config: AppConfig = ctx.config
+        self.runner = runner
         self.eager_model = eager_model
-        self.gm: torch.fx.GraphModule = ctx.gm  # type: ignore[assignment]
-        self.device, self.dtype = ctx.device, ctx.dtype
-        rt = self.config.runtime
-        self.seq_info = SequenceInfo(rt.max_batch_size, rt.max_num_tokens, rt.max_seq_len, rt.page_size, self.device)
-        layouts = [CacheLayout(c["name"], c["layer"], c["spec"]) for c in ctx.state["cache_inputs"]]
-        num_pages = plan_num_pages(layouts, rt.page_size, rt.max_batch_size, rt.max_seq_len, self.device,
-                                   rt.num_pages, rt.free_memory_fraction)
-        self.caches = MLACacheManager(layouts, num_pages, rt.page_size, self.device)
-        self.allocator = PageAllocator(num_pages, rt.page_size, self.seq_info.max_pages_per_seq)
-        self.metadata_inputs: list[str] = ctx.state["metadata_inputs"]
-        self.cache_names = [lay.name for lay in layouts]
-        self.backends: list[MLABackend] = []
-        for name in sorted({c["backend"] for c in ctx.state["cache_inputs"]}):
-            be = get_backend(name)
-            dims = [c["dims"] for c in ctx.state["cache_inputs"] if c["backend"] == name]
-            be.setup(dims, self.dtype, self.seq_info)
-            self.backends.append(be)
-        #: Replaced by the piecewise runner when that pass is enabled.
-        self.runner: Callable[..., Any] = ctx.state.get("runner_factory", lambda gm, info: gm)(self.gm, self.seq_info)
         self.last_generation: dict[str, Any] = {}
-        #: gather_logits applied: the graph returns [1, max_batch_size, V] rows, not [1, T, V].
-        self.logits_gathered: bool = bool(ctx.state.get("logits_gathered"))
 
-    # ------------------------------------------------------------------ one step
-    def forward_step(self, info: SequenceInfo) -> torch.Tensor:
-        """Run the graph on the step `info` describes; returns logits [1, T, V]."""
-        for be in self.backends:
-            be.prepare(info)
-        ids, pos = info.graph_inputs()
-        args = [ids, pos, *(info.get(m) for m in self.metadata_inputs), *(self.caches.caches[c] for c in self.cache_names)]
-        with torch.inference_mode():
-            out = self.runner(*args)
-        return out[0] if isinstance(out, (tuple, list)) else out
+    # ------------------------------------------------------------------ views
+    @property
+    def config(self) -> AppConfig:
+        return self.ctx.config
 
-    def next_token_logits(self, info: SequenceInfo) -> torch.Tensor:
-        """One step; the logits each sequence samples from, [num_seqs, V] in flat-batch order."""
-        logits = self.forward_step(info)
-        nb = len(info.seq_ids)
-        if self.logits_gathered:  # the graph already returns one row per sequence
-            return logits[0, :nb]
-        return logits[0].index_select(0, info.dev["last_token"][:nb])
+    @property
+    def gm(self) -> torch.fx.GraphModule:
+        return self.runner.gm
+
+    @property
+    def device(self) -> torch.device:
+        return self.runner.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.runner.dtype
+
+    @property
+    def allocator(self):  # noqa: ANN201 - runtime.PageAllocator
+        return self.runner.allocator
+
+    @property
+    def seq_info(self):  # noqa: ANN201 - runtime.SequenceInfo
+        return self.runner.seq_info
+
+    @property
+    def vocab_size(self) -> int:
+        return self.runner.compiled.vocab_size
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.runner.compiled.eos_token_ids
+
+    @property
+    def history(self) -> list[PassRecord]:
+        return self.ctx.history
 
     # ------------------------------------------------------------------ generation
     def engine(self) -> GenerationEngine:
-        step = self.next_token_logits
-        if self.ctx.state.get("tensor_parallel"):  # every rank samples from rank 0's logits rows
-            step = rank0_logits_step(step)
-        return GenerationEngine(step, self.seq_info, self.allocator)
+        return GenerationEngine(self.runner, self.runner.allocator, vocab_size=self.vocab_size,
+                                eos_token_ids=self.eos_token_ids)
+
+    def warmup(self) -> dict[str, Any]:
+        """Capture the CUDA graphs of every token bucket now (no-op without CUDA graphs)."""
+        return self.runner.warmup()
 
     def generate_requests(
         self,
@@ -93,20 +175,24 @@ class OptimizedModel:
         params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
         on_tokens: Optional[Callable[[list[tuple[int, int]]], None]] = None,
     ) -> list[Request]:
+        """Per-request results (finish_reason, error). Timed after warm-up (graph capture excluded)."""
+        warm = self.warmup()
         eng = self.engine()
         t0 = time.perf_counter()
         reqs = eng.run(prompts, params, on_tokens)
         if self.device.type == "cuda":
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(self.device)
         dt = time.perf_counter() - t0
         new = sum(len(r.generated) for r in reqs)
         self.last_generation = {
             "requests": len(reqs),
+            "failed": sum(r.finish_reason == "error" for r in reqs),
             "prompt_tokens": sum(len(r.prompt) for r in reqs),
             "generated_tokens": new,
             "steps": len(eng.steps),
             "seconds": dt,
             "tokens_per_s": new / dt if dt > 0 else float("nan"),
+            "warmup_seconds": warm["seconds"],
         }
         return reqs
 
@@ -117,43 +203,25 @@ class OptimizedModel:
         on_tokens: Optional[Callable[[list[tuple[int, int]]], None]] = None,
         **sampling: Any,
     ) -> list[list[int]]:
-        """Generated token ids per prompt (continuous batching). `sampling`: SamplingParams fields."""
+        """Generated token ids per prompt (continuous batching). `sampling`: SamplingParams fields
+        (temperature, top_k, top_p, seed, eos_token_id, stop_token_ids, ignore_eos). Stops at the
+        model's end-of-sequence token unless ignore_eos=True. Raises if any request failed (after
+        the others finished)."""
         reqs = self.generate_requests(prompts, SamplingParams(max_new_tokens=max_new_tokens, **sampling), on_tokens)
         failed = [r for r in reqs if r.finish_reason == "error"]
         if failed:
-            raise RuntimeError(f"{len(failed)} request(s) failed: {failed[0].error}")
+            raise RequestError(f"{len(failed)} request(s) failed: {failed[0].error}")
         return [r.generated for r in reqs]
 
     def prefill_logits(self, prompt: Sequence[int]) -> torch.Tensor:
-        """Logits [S, V] of every prompt position, prefilled in chunks (then freed).
-
-        Chunks are max_num_tokens long, or max_batch_size when gather_logits is on (the graph then
-        returns at most that many rows, here one per token of the chunk).
-        """
-        rid = -1
-        chunk = self.seq_info.max_num_tokens
-        if self.logits_gathered:
-            chunk = min(chunk, self.seq_info.max_batch_size)
-        self.allocator.ensure(rid, len(prompt))
-        outs = []
-        try:
-            for start in range(0, len(prompt), chunk):
-                toks = list(prompt[start : start + chunk])
-                self.seq_info.prepare_step([StepSequence(rid, toks, start)], self.allocator.pages_of,
-                                           logits_for="all" if self.logits_gathered else "last")
-                outs.append(self.forward_step(self.seq_info)[0, : len(toks)].float())
-        finally:
-            self.allocator.free(rid)
-        return torch.cat(outs)
+        """Logits [S, V] of every prompt position, prefilled in chunks (then freed)."""
+        self.engine().validate(prompt, SamplingParams(max_new_tokens=1))
+        return self.runner.prefill_logits(prompt)
 
     # ------------------------------------------------------------------ report
-    @property
-    def history(self) -> list[PassRecord]:
-        return self.ctx.history
-
     def report(self) -> dict[str, Any]:
-        decisions = self.ctx.state.get("backend_decisions", [])
-        caches = self.caches
+        run = self.runner.report()
+        tp = self.runner.compiled.tp
         return {
             "device": str(self.device),
             "dtype": str(self.dtype).replace("torch.", ""),
@@ -161,42 +229,38 @@ class OptimizedModel:
                 {"name": r.name, "enabled": r.enabled, "seconds": round(r.seconds, 4), "summary": r.summary}
                 for r in self.history
             ],
-            "layers": [d.to_dict() for d in decisions],
-            "cache": {
-                "num_pages": caches.num_pages,
-                "page_size": caches.page_size,
-                "layers": len(caches.caches),
-                "bytes_per_layer": {n: t.numel() * t.element_size() for n, t in caches.caches.items()},
-                "total_bytes": caches.total_bytes,
-            },
+            "layers": [d.to_dict() for d in self.ctx.artifacts.decisions],
+            "cache": run["cache"],
             "runtime": self.config.runtime.model_dump(),
-            "pieces": self.ctx.state.get("piecewise_report"),
-            "tensor_parallel": self.ctx.state.get("tensor_parallel"),
+            "graph_inputs": run["graph_inputs"],
+            "backend_sessions": run["sessions"],
+            "pieces": run["pieces"],
+            "piecewise_runner": run["piecewise_runner"],
+            "warmup": run["warmup"],
+            "tensor_parallel": None if tp is None else {"world_size": tp.world_size, "rank": tp.rank,
+                                                        "group": tp.group, "all_reduces": tp.all_reduces},
             "generation": self.last_generation,
         }
 
 
 def optimize(
     model: ModelArg = None,
-    config: ConfigLayer | AppConfig | Sequence[ConfigLayer] | None = None,
+    config: ConfigArg = None,
     overrides: Sequence[str] = (),
     on_pass: Optional[Callable[[PassRecord], None]] = None,
+    *,
+    backend_policies: Optional[Mapping[str, Any]] = None,
 ) -> OptimizedModel:
     """Compile `model` (nn.Module, family name, checkpoint dir, or None = the config's model).
 
-    `config`: a YAML path, a dict, a list of them (layered in order over the packaged default), or
-    an AppConfig. `overrides`: `a.b=c` strings applied last. The config objects are never mutated.
+    `config`: a YAML path, a family name, a dict, a list of them (layered in order over the packaged
+    default), or an AppConfig. `overrides`: `a.b=c` strings applied last. `backend_policies`:
+    backend name -> that backend's policy object for this model (e.g. FlashInferPolicy). The
+    config objects are never mutated.
     """
-    if isinstance(config, AppConfig):
-        cfg = config
-    else:
-        layers: list[ConfigLayer] = []
-        if isinstance(model, (str, Path)):
-            layers.append(resolve_model_arg(str(model)))
-        if config is not None:
-            layers += list(config) if isinstance(config, (list, tuple)) else [config]
-        cfg = load_config(*layers, overrides=overrides)
-
+    cfg, pipeline = build_config(model, config, overrides)
+    check_runtime_capacity(cfg.runtime)
+    world = _world(pipeline)
     if isinstance(model, nn.Module):
         p = next(iter(model.parameters()), None)
         device = p.device if p is not None else resolve_device(cfg.model.device)
@@ -205,7 +269,13 @@ def optimize(
     else:
         device = resolve_device(cfg.model.device)
         dtype = resolve_dtype(cfg.model.dtype, device)
-        eager = build_eager_model(cfg, device, dtype)  # weightless when `shard` reads checkpoint slices
-    ctx = BuildContext(cfg, eager, device, dtype)
-    run_passes(ctx, on_pass)
-    return OptimizedModel(ctx, eager)
+        eager = _eager_model(cfg, pipeline, world, device, dtype)
+    target = Target.detect(device, cfg.runtime.page_size)
+    ctx = BuildContext(cfg, eager, device, dtype, target, world)
+    run_pipeline(ctx, pipeline, on_pass)
+    assert ctx.gm is not None
+    runner = ModelRunner(ctx.artifacts.compiled(ctx.gm), cfg.runtime, device, dtype, target, backend_policies)
+    return OptimizedModel(ctx, runner, eager)
+
+
+__all__ = ["ConfigError", "OptimizedModel", "build_config", "check_runtime_capacity", "optimize"]

@@ -20,10 +20,10 @@ class _Fake(br.MLABackend):
     cached_op = torch.ops.autodeploy.torch_mla_with_cache
     metadata = ()
 
-    def check(self, dims, dtype, device, versions, page_size):
-        if device.type != "cuda":
+    def check(self, dims, dtype, target):
+        if target.device.type != "cuda":
             return br.CheckResult(False, "needs CUDA")
-        v = br.parse_version(versions.get("fakelib"))
+        v = br.parse_version(target.versions.get("fakelib"))
         if v is None:
             return br.CheckResult(False, "fakelib not installed")
         if dims.kv_lora_rank != 512:
@@ -39,6 +39,10 @@ def fake_backend(monkeypatch):
 PREF = {"sm90": ["fake_fast", "torch"], "cpu": ["torch"]}
 
 
+def T(device, versions):
+    return br.Target(device, versions, 64)
+
+
 def test_arch_keys():
     assert arch_key(CPU) == "cpu"
     assert arch_key(br.DeviceInfo("cuda", (8, 0))) == "sm80"
@@ -49,42 +53,42 @@ def test_arch_keys():
 
 
 def test_auto_takes_first_accepted_and_records_rejections():
-    d = resolve_backend("L0", DS, torch.bfloat16, SM90, {"fakelib": "1.2"}, 64, "auto", PREF)
-    assert d.backend == "fake_fast" and d.rejected == []
-    d = resolve_backend("L1", SMALL_R, torch.bfloat16, SM90, {"fakelib": "1.2"}, 64, "auto", PREF)
+    d = resolve_backend("L0", DS, torch.bfloat16, T(SM90, {"fakelib": "1.2"}), "auto", PREF)
+    assert d.backend == "fake_fast" and d.rejected == ()
+    d = resolve_backend("L1", SMALL_R, torch.bfloat16, T(SM90, {"fakelib": "1.2"}), "auto", PREF)
     assert d.backend == "torch"
-    assert d.rejected == [("fake_fast", "R=256 unsupported (512 only)")]
-    d = resolve_backend("L2", DS, torch.bfloat16, SM90, {"fakelib": None}, 64, "auto", PREF)
+    assert d.rejected == (("fake_fast", "R=256 unsupported (512 only)"),)
+    d = resolve_backend("L2", DS, torch.bfloat16, T(SM90, {"fakelib": None}), "auto", PREF)
     assert d.backend == "torch" and d.rejected[0][1] == "fakelib not installed"
-    d = resolve_backend("L3", DS, torch.float32, CPU, {}, 64, "auto", PREF)
+    d = resolve_backend("L3", DS, torch.float32, T(CPU, {}), "auto", PREF)
     assert d.backend == "torch" and "cpu order" in d.reason
 
 
 def test_explicit_backend_error_and_fallback():
     with pytest.raises(BackendResolutionError, match="L0: backend 'fake_fast' cannot serve.*R=256 unsupported"):
-        resolve_backend("L0", SMALL_R, torch.bfloat16, SM90, {"fakelib": "1.0"}, 64, "fake_fast", PREF)
-    d = resolve_backend("L0", SMALL_R, torch.bfloat16, SM90, {"fakelib": "1.0"}, 64, "fake_fast", PREF,
+        resolve_backend("L0", SMALL_R, torch.bfloat16, T(SM90, {"fakelib": "1.0"}), "fake_fast", PREF)
+    d = resolve_backend("L0", SMALL_R, torch.bfloat16, T(SM90, {"fakelib": "1.0"}), "fake_fast", PREF,
                         allow_fallback=True)
     assert d.backend == "torch" and d.requested == "fake_fast" and "fallback" in d.reason
-    assert d.rejected == [("fake_fast", "R=256 unsupported (512 only)")]
-    d = resolve_backend("L0", DS, torch.bfloat16, SM90, {"fakelib": "1.0"}, 64, "fake_fast", PREF)
+    assert d.rejected == (("fake_fast", "R=256 unsupported (512 only)"),)
+    d = resolve_backend("L0", DS, torch.bfloat16, T(SM90, {"fakelib": "1.0"}), "fake_fast", PREF)
     assert d.backend == "fake_fast" and "requested explicitly" in d.reason
 
 
 def test_missing_preference_and_no_backend():
     with pytest.raises(BackendResolutionError, match="no backend preference for device class 'sm100'"):
-        resolve_backend("L0", DS, torch.bfloat16, br.DeviceInfo("cuda", (10, 0)), {}, 64, "auto", PREF)
+        resolve_backend("L0", DS, torch.bfloat16, T(br.DeviceInfo("cuda", (10, 0)), {}), "auto", PREF)
     with pytest.raises(BackendResolutionError, match="no backend can serve"):
-        resolve_backend("L0", DS, torch.bfloat16, CPU, {}, 64, "auto", {"cpu": ["fake_fast"]})
+        resolve_backend("L0", DS, torch.bfloat16, T(CPU, {}), "auto", {"cpu": ["fake_fast"]})
     with pytest.raises(KeyError, match="valid"):
-        resolve_backend("L0", DS, torch.bfloat16, CPU, {}, 64, "nope", PREF)
+        resolve_backend("L0", DS, torch.bfloat16, T(CPU, {}), "nope", PREF)
 
 
 def test_per_layer_override_in_the_pass(monkeypatch):
     """Layer globs/indices pick backends per node; the user's config object is not mutated."""
     from autodeploy_mla import optimize
     from autodeploy_mla.config import load_config
-    from autodeploy_mla.models.factory import model_config_path
+    from autodeploy_mla.config import model_config_path
 
     monkeypatch.setattr(_Fake, "check", lambda self, *a: br.CheckResult(True, "fake accepts"))
     cfg = load_config(model_config_path("default"), overrides=[

@@ -8,9 +8,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from autodeploy_mla import optimize
+from autodeploy_mla.api import build_config
 from autodeploy_mla.cli import main
 from autodeploy_mla.config import ConfigError, deep_merge, load_config, parse_set_overrides
-from autodeploy_mla.models.factory import ModelLoadError, build_model, model_config_path
+from autodeploy_mla.config import model_config_path
+from autodeploy_mla.models.factory import build_model
 from autodeploy_mla.testing import hf_greedy_generate
 
 SMALL = ["runtime.max_num_tokens=8", "runtime.page_size=4", "runtime.max_seq_len=48", "model.device=cpu",
@@ -41,7 +43,8 @@ def test_deep_merge_and_set_parsing():
     [
         ("runtime.page_sise=4", "unknown key; valid keys: max_batch_size, max_seq_len"),
         ("bogus=1", "unknown key; valid keys: model, runtime, transforms"),
-        ("transforms.fuse_everything.enabled=true", "valid transforms: export, gather_logits, insert_cached_mla_attention, match_mla"),
+        ("transforms.fuse_everything.enabled=true",
+         "valid transforms: export, gather_logits, insert_cached_mla_attention, load_weights, match_mla"),
         ("transforms.insert_cached_mla_attention.backend=flashmla", "unknown backend 'flashmla'; valid: auto"),
         ("transforms.insert_cached_mla_attention.colour=red", "valid options: enabled, backend"),
         ("runtime.max_batch_size=0", "greater than or equal to 1"),
@@ -50,7 +53,7 @@ def test_deep_merge_and_set_parsing():
 )
 def test_config_errors_list_valid_choices(override, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
-        load_config(overrides=[override])
+        build_config(overrides=[override])  # the schema, then every pass's options
 
 
 def test_explicit_backend_that_cannot_serve_is_an_error(monkeypatch):
@@ -71,7 +74,7 @@ def test_checkpoint_directory_round_trip(tmp_path):
     assert om.config.model.path is not None
     prompt = [5, 9, 200, 17, 3, 3, 8, 1, 90, 2]
     assert om.generate([prompt], max_new_tokens=5)[0] == hf_greedy_generate(model, prompt, 5)
-    with pytest.raises(ModelLoadError, match="config.json"):
+    with pytest.raises(ConfigError, match="config.json"):
         optimize(str(tmp_path), overrides=SMALL)
 
 
@@ -113,4 +116,4 @@ def test_cli_reports_config_errors(capsys):
     assert main(["build", "--set", "runtime.nope=1"]) == 2
     assert "unknown key" in capsys.readouterr().out
     assert main(["build", "--model", "llama"]) == 2
-    assert "known model configs" in capsys.readouterr().out
+    assert "neither a checkpoint directory nor a model family" in capsys.readouterr().out

@@ -41,13 +41,16 @@ def test_request_too_big_for_the_cache_fails_alone(om):
     assert big.allocator.num_free == big.allocator.num_usable
 
 
-def test_limits_are_checked_before_anything_is_queued(om):
+def test_invalid_requests_fail_alone_before_reaching_the_model(om):
     eng = om.engine()
     with pytest.raises(CapacityError, match="over max_seq_len=40"):
-        eng.run([[1, 2], list(range(35))], SamplingParams(max_new_tokens=8))
-    assert not eng.has_work()
-    with pytest.raises(ValueError, match="empty prompt"):
-        eng.run([[]])
+        eng.add_request(list(range(35)), SamplingParams(max_new_tokens=8))
+    assert not eng.has_work()  # nothing queued
+    reqs = eng.run([[1, 2], list(range(35)), []], SamplingParams(max_new_tokens=8))
+    assert reqs[0].finish_reason == "length" and reqs[0].generated == hf_greedy_generate(om.eager_model, [1, 2], 8)
+    assert reqs[1].finish_reason == "error" and "over max_seq_len=40" in reqs[1].error and not reqs[1].generated
+    assert reqs[2].finish_reason == "error" and "empty prompt" in reqs[2].error
+    assert om.allocator.num_free == om.allocator.num_usable
 
 
 def test_stop_tokens_and_streaming(om):

@@ -20,10 +20,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autodeploy_mla.custom_ops import DeviceInfo, MLADims, get_backend
+from autodeploy_mla.custom_ops import DeviceInfo, MLADims, SessionSpec, Target, get_backend, library_versions
 from autodeploy_mla.custom_ops import capabilities as caps
-from autodeploy_mla.custom_ops import flashinfer_mla as fm
 from autodeploy_mla.custom_ops import flashinfer_trtllm_mla as ft
+from autodeploy_mla.custom_ops.fallback import resolve_fallback
+from autodeploy_mla.custom_ops.flashinfer_common import FI_METADATA, PlanKey
+from autodeploy_mla.custom_ops.flashinfer_mla import FlashInferPolicy
+from autodeploy_mla.custom_ops.step_context import using_sessions
 from autodeploy_mla.custom_ops.flashinfer_metadata import (
     StepCounts,
     fa_plan_work_bound,
@@ -34,7 +37,9 @@ from autodeploy_mla.custom_ops.flashinfer_metadata import (
     trtllm_block_table_width,
 )
 from autodeploy_mla.runtime import PageAllocator, SequenceInfo, StepSequence
+from autodeploy_mla.runtime.piecewise import bucket_for
 from autodeploy_mla.testing import STANDARD_SCHEDULES, run_scenario
+from autodeploy_mla.testing.scenarios import step_descriptor
 
 BF16 = torch.bfloat16
 
@@ -44,6 +49,15 @@ SM = {"sm80": DeviceInfo("cuda", (8, 0), "A100"), "sm90": DeviceInfo("cuda", (9,
 VERSIONS = {"absent": None, "0.6.x": "0.6.18.post1", "0.7.x": "0.7.2"}
 RANK_ROPE = [(512, 64), (256, 64), (256, 32), (128, 64), (512, 0)]
 HEADS = [16, 96, 128]
+
+
+def T(device, versions, page_size=64):
+    return Target(device, versions, page_size)
+
+
+def spec_for(dims_list, dtype, target, info, device="cpu"):
+    return SessionSpec(tuple(dims_list), dtype, torch.device(device), target, info.max_batch_size,
+                       info.max_num_tokens, info.max_pages_per_seq)
 
 
 def expected_fa(version: str, dev: str, r: int, dr: int, n: int) -> bool:
@@ -72,7 +86,7 @@ def test_check_table(version, dev, rank_rope, n):
     dims = MLADims(n, 128, dr, 128, r)
     vers = {"torch": "2.13", "triton": "3.6.0", "flashinfer": VERSIONS[version]}
     for name, expect in (("flashinfer_mla", expected_fa), ("flashinfer_trtllm_mla", expected_trtllm)):
-        res = get_backend(name).check(dims, BF16, SM[dev], vers, 64)
+        res = get_backend(name).check(dims, BF16, T(SM[dev], vers))
         want = expect(version, dev, r, dr, n)
         assert res.ok == want, (name, res.reason)
         assert res.reason  # every answer says why
@@ -87,7 +101,7 @@ def test_unknown_versions_are_refused(version):
     d = MLADims(128, 128, 64, 128, 512)
     for name in ("flashinfer_mla", "flashinfer_trtllm_mla"):
         for dev in ("sm90", "sm100"):
-            res = get_backend(name).check(d, BF16, SM[dev], {"flashinfer": version}, 64)
+            res = get_backend(name).check(d, BF16, T(SM[dev], {"flashinfer": version}))
             assert not res.ok
             assert "unparsable" in res.reason or "no " in res.reason
 
@@ -96,26 +110,26 @@ def test_check_dtype_page_and_reasons():
     fa, tr = get_backend("flashinfer_mla"), get_backend("flashinfer_trtllm_mla")
     d = MLADims(128, 128, 64, 128, 512)
     v6 = {"flashinfer": "0.6.18.post1"}
-    assert fa.check(d, torch.float16, SM["sm90"], v6, 64).ok
-    assert "dtype float32" in fa.check(d, torch.float32, SM["sm90"], v6, 64).reason
-    assert not tr.check(d, torch.float16, SM["sm100"], v6, 64).ok  # trtllm-gen: bf16 only
+    assert fa.check(d, torch.float16, T(SM["sm90"], v6, 64)).ok
+    assert "dtype float32" in fa.check(d, torch.float32, T(SM["sm90"], v6, 64)).reason
+    assert not tr.check(d, torch.float16, T(SM["sm100"], v6, 64)).ok  # trtllm-gen: bf16 only
     for ps, ok in ((1, True), (16, True), (32, True), (64, True), (128, False), (4, False)):
-        assert fa.check(d, BF16, SM["sm90"], v6, ps).ok == ok
+        assert fa.check(d, BF16, T(SM["sm90"], v6, ps)).ok == ok
     for ps, ok in ((16, False), (32, True), (64, True), (128, False)):
-        res = tr.check(d, BF16, SM["sm100"], v6, ps)
+        res = tr.check(d, BF16, T(SM["sm100"], v6, ps))
         assert res.ok == ok and (ok or "page_size" in res.reason)
     # The measured 0.6.18 crash is named, not just "unsupported".
-    res = fa.check(MLADims(128, 128, 64, 128, 256), BF16, SM["sm90"], v6, 64)
+    res = fa.check(MLADims(128, 128, 64, 128, 256), BF16, T(SM["sm90"], v6, 64))
     assert not res.ok and "illegal memory access" in res.reason
     # N > 128 and 64 < N < 128 on trtllm-gen
-    assert "limit of 128" in fa.check(MLADims(256, 128, 64, 128, 512), BF16, SM["sm90"], v6, 64).reason
-    assert "64 < N < 128" in tr.check(MLADims(96, 128, 64, 128, 512), BF16, SM["sm100"], v6, 64).reason
+    assert "limit of 128" in fa.check(MLADims(256, 128, 64, 128, 512), BF16, T(SM["sm90"], v6, 64)).reason
+    assert "64 < N < 128" in tr.check(MLADims(96, 128, 64, 128, 512), BF16, T(SM["sm100"], v6, 64)).reason
     # Heads that break FlashInfer's causal tile are served, with prefill on the fallback.
-    res = fa.check(MLADims(40, 64, 64, 64, 256), BF16, SM["sm90"], {"flashinfer": "0.7.2"}, 64)
+    res = fa.check(MLADims(40, 64, 64, 64, 256), BF16, T(SM["sm90"], {"flashinfer": "0.7.2"}, 64))
     assert res.ok and "fallback" in res.reason
     # trtllm (256,64) is only recorded from 0.6.18
-    assert not tr.check(MLADims(32, 64, 64, 128, 256), BF16, SM["sm100"], {"flashinfer": "0.6.5"}, 64).ok
-    assert tr.check(MLADims(32, 64, 64, 128, 256), BF16, SM["sm100"], {"flashinfer": "0.6.18"}, 64).ok
+    assert not tr.check(MLADims(32, 64, 64, 128, 256), BF16, T(SM["sm100"], {"flashinfer": "0.6.5"}, 64)).ok
+    assert tr.check(MLADims(32, 64, 64, 128, 256), BF16, T(SM["sm100"], {"flashinfer": "0.6.18"}, 64)).ok
 
 
 def test_every_fact_cites_known_sources():
@@ -242,10 +256,10 @@ def test_import_and_refusal_without_flashinfer():
     code = (
         "import sys; sys.modules['flashinfer'] = None\n"
         "import torch, autodeploy_mla\n"
-        "from autodeploy_mla.custom_ops import get_backend, library_versions, DeviceInfo, MLADims\n"
+        "from autodeploy_mla.custom_ops import get_backend, library_versions, DeviceInfo, MLADims, Target\n"
         "from autodeploy_mla.custom_ops.flashinfer_mla import import_flashinfer_module, FlashInferUnavailable\n"
         "d = MLADims(128, 128, 64, 128, 512)\n"
-        "r = get_backend('flashinfer_mla').check(d, torch.bfloat16, DeviceInfo('cuda', (9, 0)), {'flashinfer': None}, 64)\n"
+        "r = get_backend('flashinfer_mla').check(d, torch.bfloat16, Target(DeviceInfo('cuda', (9, 0)), {'flashinfer': None}, 64))\n"
         "assert not r.ok and 'not installed' in r.reason, r\n"
         "try:\n    import_flashinfer_module('flashinfer.mla')\nexcept FlashInferUnavailable as e:\n"
         "    assert 'flashinfer-python' in str(e)\nelse:\n    raise SystemExit('no error')\n"
@@ -258,10 +272,10 @@ def test_import_and_refusal_without_flashinfer():
 
 def test_setup_refuses_without_flashinfer(monkeypatch):
     monkeypatch.setitem(sys.modules, "flashinfer", None)
-    monkeypatch.setattr(fm, "installed_versions", lambda: {"flashinfer": None, "triton": None, "torch": "2.13"})
     info = SequenceInfo(2, 8, 16, 16)
+    target = T(SM["sm90"], {"flashinfer": None, "triton": None, "torch": "2.13"}, 16)
     with pytest.raises(ValueError, match="flashinfer not installed"):
-        get_backend("flashinfer_mla").setup([MLADims(16, 128, 64, 128, 512)], BF16, info)
+        get_backend("flashinfer_mla").setup(spec_for([MLADims(16, 128, 64, 128, 512)], BF16, target, info))
 
 
 # ============================================================== a fake FlashInfer (pure torch)
@@ -377,47 +391,52 @@ def _fake_flashinfer(version: str) -> dict[str, types.ModuleType]:
     return {"flashinfer": root, "flashinfer.mla": mla, "flashinfer.decode": dec}
 
 
+def install_fake_flashinfer(monkeypatch, version: str = "0.6.18.post1", sm=(9, 0)) -> None:
+    """Install the fake FlashInfer and make `Target.detect` (what optimize() and run_scenario use)
+    report an SM90 (flashinfer_mla) or SM100 (trtllm) GPU with it, while tensors stay on the CPU."""
+    for k, v in _fake_flashinfer(version).items():
+        monkeypatch.setitem(sys.modules, k, v)
+    vers = {"torch": "2.13", "triton": None, "flashinfer": version}
+    dev = DeviceInfo("cuda", sm, "fake")
+    monkeypatch.setattr(Target, "detect", classmethod(lambda cls, device, page_size: cls(dev, vers, int(page_size))))
+
+
 @pytest.fixture
 def fake_fi(monkeypatch):
-    """Install the fake FlashInfer; the 'device' is an SM90 (flashinfer_mla) or SM100 (trtllm) GPU."""
-    def install(version: str = "0.6.18.post1", sm=(9, 0), fallback=("torch",)):
-        for k, v in _fake_flashinfer(version).items():
-            monkeypatch.setitem(sys.modules, k, v)
-        vers = {"torch": "2.13", "triton": None, "flashinfer": version}
-        dev = DeviceInfo("cuda", sm, "fake")
-        for mod in (fm, ft):
-            monkeypatch.setattr(mod, "installed_versions", lambda: vers)
-            monkeypatch.setattr(mod, "device_info", lambda device: dev)
-        monkeypatch.setattr(fm, "FALLBACK_ORDER", fallback)
-    yield install
-    get_backend("flashinfer_mla").configure(cuda_graph=False, prefill="auto")
-    fm.state().__init__()
-    ft.state().__init__()
+    def install(version: str = "0.6.18.post1", sm=(9, 0)):
+        install_fake_flashinfer(monkeypatch, version, sm)
+    return install
 
 
+#: On the fake, fallback steps go to the torch reference (Triton would run interpreted: slow).
+TORCH_FB = FlashInferPolicy(fallback_order=("torch",))
 DS16 = MLADims(16, 128, 64, 128, 512)  # DeepSeek per-head dims, 16 heads (a TP-8 shard)
+
+
+def fa(dims, schedule, policy=TORCH_FB, **kw):
+    return run_scenario("flashinfer_mla", dims, schedule, policy=policy, **kw)
 
 
 # ============================================================== flashinfer_mla on the fake
 @pytest.mark.parametrize("schedule", list(STANDARD_SCHEDULES))
 def test_fa_scenarios_on_fake(fake_fi, schedule):
     fake_fi()
-    res = run_scenario("flashinfer_mla", DS16, STANDARD_SCHEDULES[schedule], page_size=16, dtype=BF16, seed=3)
+    res = fa(DS16, STANDARD_SCHEDULES[schedule], page_size=16, dtype=BF16, seed=3)
     assert 0 < res.max_rel_error() < 1e-2
-    st_ = fm.state()
+    st_ = res.session
     assert st_.fallback_steps == 0
     assert st_.plans == len(STANDARD_SCHEDULES[schedule])  # one plan per step (one config)
 
 
 def test_fa_scale_fp16_and_padding(fake_fi):
     fake_fi()
-    res = run_scenario("flashinfer_mla", DS16, STANDARD_SCHEDULES["mixed"], page_size=16, dtype=torch.float16,
+    res = fa(DS16, STANDARD_SCHEDULES["mixed"], page_size=16, dtype=torch.float16,
                        scale=0.3, seed=1)
     assert res.max_rel_error() < 5e-3
-    res = run_scenario("flashinfer_mla", DS16, STANDARD_SCHEDULES["mixed"], page_size=16, dtype=BF16,
+    res = fa(DS16, STANDARD_SCHEDULES["mixed"], page_size=16, dtype=BF16,
                        pad_to={1: 12, 4: 7}, max_batch_size=8)
     assert res.max_rel_error() < 1e-2
-    res = run_scenario("flashinfer_mla", DS16, STANDARD_SCHEDULES["long_decode"], page_size=1, dtype=BF16,
+    res = fa(DS16, STANDARD_SCHEDULES["long_decode"], page_size=1, dtype=BF16,
                        pad_to={2: 6, 7: 5}, max_batch_size=8)
     assert res.max_rel_error() < 1e-2
 
@@ -426,9 +445,9 @@ def test_fa_untileable_heads_use_fallback_for_prefill(fake_fi):
     fake_fi("0.7.2")
     d = MLADims(40, 64, 64, 64, 256)  # MiniCPM3-like head count on a 0.7.x rank
     sch = STANDARD_SCHEDULES["prefill_then_decode"]
-    res = run_scenario("flashinfer_mla", d, sch, page_size=16, dtype=BF16)
+    res = fa(d, sch, page_size=16, dtype=BF16)
     assert res.max_rel_error() < 1e-2
-    st_ = fm.state()
+    st_ = res.session
     assert st_.fallback_steps == 1  # the first (prefill) step
     assert st_.plans == len(sch) - 1  # decode steps still planned and run on FlashInfer
 
@@ -440,34 +459,32 @@ def test_fa_untileable_heads_use_fallback_for_prefill(fake_fi):
     ("flashinfer", ("torch",), 1, False),
     ("fallback", (), 10**9, True),
 ])
-def test_fa_prefill_policy(fake_fi, monkeypatch, policy, fast, threshold, routed):
+def test_fa_prefill_policy(fake_fi, policy, fast, threshold, routed):
     fake_fi()
-    monkeypatch.setattr(fm, "FAST_PREFILL_FALLBACKS", fast)
-    monkeypatch.setattr(fm, "ROUTE_PREFILL_MIN_HEAD_TOKENS", threshold)
-    be = get_backend("flashinfer_mla")
-    be.configure(prefill=policy)
-    try:
-        sch = STANDARD_SCHEDULES["prefill_then_decode"]
-        res = run_scenario("flashinfer_mla", DS16, sch, page_size=16, dtype=BF16)
-        assert res.max_rel_error() < 1e-2
-        st_ = fm.state()
-        assert st_.routed_steps == (1 if routed else 0) and st_.fallback_steps == st_.routed_steps
-        assert st_.plans == len(sch) - st_.routed_steps  # routed steps are not planned at all
-    finally:
-        be.configure(prefill="auto")
+    pol = FlashInferPolicy(prefill=policy, fast_prefill_fallbacks=fast, route_prefill_min_head_tokens=threshold,
+                           fallback_order=("torch",))
+    sch = STANDARD_SCHEDULES["prefill_then_decode"]
+    res = fa(DS16, sch, pol, page_size=16, dtype=BF16)
+    assert res.max_rel_error() < 1e-2
+    st_ = res.session
+    assert st_.routed_steps == (1 if routed else 0) and st_.fallback_steps == st_.routed_steps
+    assert st_.plans == len(sch) - st_.routed_steps  # routed steps are not planned at all
     with pytest.raises(ValueError, match="valid: auto, flashinfer, fallback"):
-        be.configure(prefill="sometimes")
+        FlashInferPolicy(prefill="sometimes")
+    with pytest.raises(ValueError, match="max_work_items=20000"):
+        FlashInferPolicy(max_work_items=20000)
 
 
-def test_fa_work_item_capacity_routes_to_fallback(fake_fi, monkeypatch):
+def test_fa_work_item_capacity_routes_to_fallback(fake_fi):
     fake_fi()
-    monkeypatch.setattr(fm, "FA_MAX_WORK_ITEMS", 3)
-    res = run_scenario("flashinfer_mla", DS16, STANDARD_SCHEDULES["ragged_prefill"], page_size=16, dtype=BF16)
-    assert res.max_rel_error() < 1e-2 and fm.state().fallback_steps == 1 and fm.state().plans == 0
+    pol = FlashInferPolicy(fallback_order=("torch",), max_work_items=3)
+    res = fa(DS16, STANDARD_SCHEDULES["ragged_prefill"], pol, page_size=16, dtype=BF16)
+    assert res.max_rel_error() < 1e-2 and res.session.fallback_steps == 1 and res.session.plans == 0
 
 
-def _drive(backend, dims_list, schedule, page_size=16, dtype=BF16, seed=0, scales=None):
-    """Several layers (one cache each) through one backend, steps planned once: returns per-layer max rel err."""
+def _drive(backend, dims_list, schedule, page_size=16, dtype=BF16, seed=0, scales=None, policy=TORCH_FB):
+    """Several layers (one cache each) through one backend, steps planned once: (per-layer max rel
+    err, the session)."""
     be = get_backend(backend)
     gen = torch.Generator().manual_seed(seed)
     lengths: dict[int, int] = {}
@@ -486,15 +503,16 @@ def _drive(backend, dims_list, schedule, page_size=16, dtype=BF16, seed=0, scale
              * d.kv_lora_rank ** -0.5).to(dtype)
         cache = torch.full((alloc.num_pages, page_size, d.latent_dim), float("nan"), dtype=dtype)
         layers.append((d, data, w, cache, (scales or [None] * len(dims_list))[i], {s: [] for s in lengths}))
-    be.setup(list(dims_list), dtype, info)
+    sess = be.setup(spec_for(dims_list, dtype, Target.detect("cpu", page_size), info), policy)
     done = {s: 0 for s in lengths}
     for step in schedule:
         alloc.ensure_many({s: done[s] + n for s, n in step.items()})
         order = info.prepare_step([StepSequence(s, [0] * n, done[s]) for s, n in step.items()], alloc.pages_of)
-        be.prepare(info)
+        sess.prepare(info, step_descriptor(info))
         for d, data, w, cache, scale, outs in layers:
             ins = [torch.cat([data[s][k][:, done[s]: done[s] + step[s]] for s in order], 1) for k in range(4)]
-            out = be.cached_op(*ins, w, *[info.get(m) for m in be.metadata], cache, scale)
+            with using_sessions({backend: sess}):
+                out = be.cached_op(*ins, w, *[info.get(m) for m in be.metadata], cache, scale)
             off = 0
             for s in order:
                 outs[s].append(out[0, off: off + step[s]])
@@ -509,7 +527,7 @@ def _drive(backend, dims_list, schedule, page_size=16, dtype=BF16, seed=0, scale
             got = torch.cat(outs[s]).double()
             num, den = max(num, (got - ref).abs().max().item()), max(den, ref.abs().max().item())
         errs.append(num / den)
-    return errs
+    return errs, sess
 
 
 def test_fa_one_plan_per_config_per_step_shared_by_layers(fake_fi):
@@ -518,9 +536,8 @@ def test_fa_one_plan_per_config_per_step_shared_by_layers(fake_fi):
     d_other = MLADims(32, 64, 64, 128, 256)
     sch = STANDARD_SCHEDULES["mixed"]
     # 4 layers: 3 share (N=16, R=512) with two different scales, one has (N=32, R=256).
-    errs = _drive("flashinfer_mla", [d128, d128, d_other, d128], sch, scales=[None, 0.05, None, 0.2])
+    errs, st_ = _drive("flashinfer_mla", [d128, d128, d_other, d128], sch, scales=[None, 0.05, None, 0.2])
     assert max(errs) < 1e-2, errs
-    st_ = fm.state()
     assert len(st_.configs) == 2 and len(st_.eager) == 2
     assert st_.plans == 2 * len(sch)  # per step: one plan per config, not per layer
     wrappers = list(st_.eager.values())
@@ -529,32 +546,27 @@ def test_fa_one_plan_per_config_per_step_shared_by_layers(fake_fi):
 
 def test_fa_cuda_graph_mode_uses_fixed_buffers(fake_fi):
     fake_fi()
-    be = get_backend("flashinfer_mla")
-    be.configure(cuda_graph=True)
-    assert be.decode_graph_safe
+    assert get_backend("flashinfer_mla").decode_graph_safe
     sch = STANDARD_SCHEDULES["long_decode"]
-    res = run_scenario("flashinfer_mla", DS16, sch, page_size=16, dtype=BF16, pad_to={k: 4 for k in range(1, len(sch))},
-                       max_batch_size=8)
+    pol = FlashInferPolicy(fallback_order=("torch",), cuda_graph=True)
+    res = fa(DS16, sch, pol, page_size=16, dtype=BF16, pad_to={k: 4 for k in range(1, len(sch))}, max_batch_size=8)
     assert res.max_rel_error() < 1e-2
-    st_ = fm.state()
+    st_ = res.session
     # decode steps (batch 3 padded to 4) share one graph wrapper whose buffers never moved
-    assert list(st_.graph) == [(fm.PlanKey.of(DS16, BF16), 4)]
-    w = st_.graph[(fm.PlanKey.of(DS16, BF16), 4)]
+    assert list(st_.graph) == [(PlanKey.of(DS16, BF16), 4)]
+    w = st_.graph[(PlanKey.of(DS16, BF16), 4)]
     assert w.plans == len(sch) - 1 and w._kv_indices_buf is st_.graph_buffers[4].kv_indices
-    be.configure(cuda_graph=False)
-    assert be.decode_graph_safe  # graph wrappers are still used at token-bucket sizes
 
 
-def test_fa_token_buckets_select_graph_wrappers(fake_fi):
-    """With the runner's token buckets set, decode-only steps at a bucket size get fixed-buffer wrappers
-    (one per bucket); other steps the eager wrapper."""
+def test_fa_graph_steps_select_graph_wrappers(fake_fi):
+    """Decode-only steps the runner pads to a CUDA-graph bucket (StepDescriptor.cuda_graph) get
+    fixed-buffer wrappers (one per bucket); other steps the eager wrapper."""
     fake_fi()
     be = get_backend("flashinfer_mla")
     info = SequenceInfo(8, 32, 64, 16)
-    info.token_buckets = (2, 4, 8)
+    buckets = (2, 4, 8)
     alloc = PageAllocator(1 + 8 * info.max_pages_per_seq, 16, info.max_pages_per_seq)
-    be.setup([DS16], BF16, info)
-    st_ = fm.state()
+    st_ = be.setup(spec_for([DS16], BF16, Target.detect("cpu", 16), info), TORCH_FB)
     g = torch.Generator().manual_seed(0)
     cache = torch.full((alloc.num_pages, 16, 576), float("nan"), dtype=BF16)
     w = (torch.randn(16 * 256, 512, generator=g) * 0.04).to(BF16)
@@ -562,15 +574,18 @@ def test_fa_token_buckets_select_graph_wrappers(fake_fi):
     for step in [{0: 5, 1: 3, 2: 2}, {0: 1, 1: 1, 2: 1}, {0: 1, 1: 1, 2: 1, 3: 9}, {0: 1, 1: 1, 2: 1, 3: 1},
                  {0: 1, 1: 1}, {0: 1}]:
         alloc.ensure_many({s: done.get(s, 0) + n for s, n in step.items()})
-        info.prepare_step([StepSequence(s, [0] * n, done.get(s, 0)) for s, n in step.items()], alloc.pages_of)
-        be.prepare(info)
+        seqs = [StepSequence(s, [0] * n, done.get(s, 0)) for s, n in step.items()]
+        pad = bucket_for(buckets, sum(step.values()), all(q.is_decode for q in seqs), 8, 32)
+        info.prepare_step(seqs, alloc.pages_of, pad_to=pad)
+        st_.prepare(info, step_descriptor(info, buckets))
         t = info.num_padded_tokens
         x = [torch.randn(1, t, *shape, generator=g).to(BF16) for shape in ((16, 128), (16, 64), (512,), (1, 64))]
-        out = be.cached_op(*x, w, *[info.get(m) for m in be.metadata], cache, None)
+        with using_sessions({"flashinfer_mla": st_}):
+            out = be.cached_op(*x, w, *[info.get(m) for m in be.metadata], cache, None)
         assert torch.isfinite(out).all()
         for s, n in step.items():
             done[s] = done.get(s, 0) + n
-    key = fm.PlanKey.of(DS16, BF16)
+    key = PlanKey.of(DS16, BF16)
     # decode steps of 3, 4, 2, 1 sequences were padded to buckets 4, 4, 2, 2
     assert sorted(b for _, b in st_.graph) == [2, 4] and list(st_.eager) == [key]
     assert st_.graph[(key, 4)].plans == 2 and st_.graph[(key, 2)].plans == 2
@@ -580,21 +595,26 @@ def test_fa_errors_are_actionable(fake_fi):
     fake_fi()
     be = get_backend("flashinfer_mla")
     info = SequenceInfo(2, 8, 32, 16)
+    target = Target.detect("cpu", 16)
     with pytest.raises(ValueError, match=r"illegal memory access"):
-        be.setup([MLADims(16, 128, 64, 128, 256)], BF16, info)
+        be.setup(spec_for([MLADims(16, 128, 64, 128, 256)], BF16, target, info))
     with pytest.raises(ValueError, match="dtype float32"):
-        be.setup([DS16], torch.float32, info)
-    be.setup([DS16], BF16, info)
+        be.setup(spec_for([DS16], torch.float32, target, info))
+    sess = be.setup(spec_for([DS16], BF16, target, info), TORCH_FB)
     alloc = PageAllocator(8, 16, info.max_pages_per_seq)
     alloc.ensure_many({0: 3})
     info.prepare_step([StepSequence(0, [1, 2, 3], 0)], alloc.pages_of)
     args = _op_args(DS16, info, 3)
-    with pytest.raises(RuntimeError, match="prepare"):
-        be.cached_op(*args, torch.zeros(8, 16, 576, dtype=BF16), None)
-    be.prepare(info)
-    other = _op_args(MLADims(8, 128, 64, 128, 512), info, 3)
-    with pytest.raises(RuntimeError, match="setup"):
-        be.cached_op(*other, torch.zeros(8, 16, 576, dtype=BF16), None)
+    cache = torch.zeros(8, 16, 576, dtype=BF16)
+    with pytest.raises(RuntimeError, match="no active flashinfer_mla session"):
+        be.cached_op(*args, cache, None)
+    with using_sessions({"flashinfer_mla": sess}):
+        with pytest.raises(RuntimeError, match="not prepared"):
+            be.cached_op(*args, cache, None)
+        sess.prepare(info, step_descriptor(info))
+        other = _op_args(MLADims(8, 128, 64, 128, 512), info, 3)
+        with pytest.raises(RuntimeError, match="not set up for"):
+            be.cached_op(*other, cache, None)
 
 
 def _op_args(d, info, t, dtype=BF16, seed=0):
@@ -602,7 +622,7 @@ def _op_args(d, info, t, dtype=BF16, seed=0):
     x = [torch.randn(1, t, d.num_heads, d.qk_nope_head_dim, generator=g), torch.randn(1, t, d.num_heads, d.qk_rope_head_dim, generator=g),
          torch.randn(1, t, d.kv_lora_rank, generator=g), torch.randn(1, t, 1, d.qk_rope_head_dim, generator=g),
          torch.randn(d.num_heads * (d.qk_nope_head_dim + d.v_head_dim), d.kv_lora_rank, generator=g) * 0.05]
-    return [a.to(dtype) for a in x] + [info.get(m) for m in fm.METADATA]
+    return [a.to(dtype) for a in x] + [info.get(m) for m in FI_METADATA]
 
 
 @pytest.mark.parametrize("backend,sm,ps", [("flashinfer_mla", (9, 0), 16), ("flashinfer_trtllm_mla", (10, 0), 32)])
@@ -610,25 +630,29 @@ def test_opcheck(fake_fi, backend, sm, ps):
     fake_fi(sm=sm)
     be = get_backend(backend)
     info = SequenceInfo(4, 8, 64, ps)
-    be.setup([DS16], BF16, info)
+    sess = be.setup(spec_for([DS16], BF16, Target.detect("cpu", ps), info))
     alloc = PageAllocator(8, ps, info.max_pages_per_seq)
     alloc.ensure_many({0: 40, 1: 9})
     info.prepare_step([StepSequence(0, [1], 39), StepSequence(1, [1], 8)], alloc.pages_of)  # decode-only
-    be.prepare(info)
+    sess.prepare(info, step_descriptor(info))
     cache = torch.randn(8, ps, 576).to(BF16)
-    torch.library.opcheck(be.cached_op.default, (*_op_args(DS16, info, 2), cache, 0.1))
+    with using_sessions({backend: sess}):
+        torch.library.opcheck(be.cached_op.default, (*_op_args(DS16, info, 2), cache, 0.1))
 
 
 # ============================================================== trtllm on the fake
+TRT_TORCH_FB = ft.TrtllmPolicy(fallback_order=("torch",))
+
 @pytest.mark.parametrize("schedule", ["prefill_then_decode", "mixed", "long_decode"])
 @pytest.mark.parametrize("dims", [DS16, MLADims(32, 64, 64, 128, 256), MLADims(128, 32, 64, 16, 512)],
                          ids=["ds16", "r256", "n128"])
 def test_trtllm_scenarios_on_fake(fake_fi, schedule, dims):
     fake_fi(sm=(10, 0))
     sch = STANDARD_SCHEDULES[schedule]
-    res = run_scenario("flashinfer_trtllm_mla", dims, sch, page_size=32, dtype=BF16, scale=0.07, seed=2)
+    res = run_scenario("flashinfer_trtllm_mla", dims, sch, page_size=32, dtype=BF16, scale=0.07, seed=2,
+                       policy=TRT_TORCH_FB)
     assert 0 < res.max_rel_error() < 1e-2
-    st_ = ft.state()
+    st_ = res.session
     n_decode = sum(1 for k, s in enumerate(sch) if k > 0 and all(
         sum(p.get(sid, 0) for p in sch[:k]) > 0 and n == 1 for sid, n in s.items()))
     assert st_.decode_steps == n_decode and st_.fallback_steps == len(sch) - n_decode
@@ -639,13 +663,14 @@ def test_trtllm_padded_decode_and_refusals(fake_fi):
     fake_fi(sm=(10, 0))
     sch = STANDARD_SCHEDULES["long_decode"]
     res = run_scenario("flashinfer_trtllm_mla", DS16, sch, page_size=64, dtype=BF16,
-                       pad_to={k: 5 for k in range(1, len(sch))}, max_batch_size=8)
+                       pad_to={k: 5 for k in range(1, len(sch))}, max_batch_size=8, policy=TRT_TORCH_FB)
     assert res.max_rel_error() < 1e-2
     be = get_backend("flashinfer_trtllm_mla")
     for d, ps, match in ((MLADims(96, 128, 64, 128, 512), 64, "64 < N < 128"),
                          (DS16, 16, "page_size=16"), (MLADims(16, 128, 32, 128, 256), 64, r"\(R, Dr\)")):
+        info = SequenceInfo(2, 8, 64, ps)
         with pytest.raises(ValueError, match=match):
-            be.setup([d], BF16, SequenceInfo(2, 8, 64, ps))
+            be.setup(spec_for([d], BF16, Target.detect("cpu", ps), info))
     assert not be.decode_graph_safe
 
 
@@ -655,28 +680,23 @@ GPU_DIMS = {"ds_n128": MLADims(128, 128, 64, 128, 512), "ds_n16": MLADims(16, 12
 
 
 def _need_flashinfer():
-    if caps.flashinfer_version({"flashinfer": fm.installed_versions().get("flashinfer")})[0] is None:
+    if caps.flashinfer_version(library_versions())[0] is None:
         pytest.skip("flashinfer not installed")
-    dev = DeviceInfo.of("cuda")
-    res = get_backend("flashinfer_mla").check(GPU_DIMS["ds_n16"], BF16, dev, fm.installed_versions(), 64)
+    res = get_backend("flashinfer_mla").check(GPU_DIMS["ds_n16"], BF16, Target.detect("cuda", 64))
     if not res.ok:
         pytest.skip(res.reason)
 
 
-@pytest.fixture
-def torch_fallback(monkeypatch):
-    """GPU tests of this backend use the torch reference as fallback, so failures are ours alone."""
-    monkeypatch.setattr(fm, "FALLBACK_ORDER", ("torch",))
+# GPU tests of this backend use the torch reference as fallback where failures must be ours alone.
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dims_name", list(GPU_DIMS))
 @pytest.mark.parametrize("schedule", list(STANDARD_SCHEDULES))
-def test_gpu_fa_scenarios(dims_name, schedule, torch_fallback):
+def test_gpu_fa_scenarios(dims_name, schedule):
     _need_flashinfer()
     for ps in (64, 16):
-        res = run_scenario("flashinfer_mla", GPU_DIMS[dims_name], STANDARD_SCHEDULES[schedule], page_size=ps,
-                           dtype=BF16, device="cuda", seed=7)
+        res = fa(GPU_DIMS[dims_name], STANDARD_SCHEDULES[schedule], page_size=ps, dtype=BF16, device="cuda", seed=7)
         err = res.max_rel_error()
         assert 0 < err < 1e-2, (dims_name, schedule, ps, err)
 
@@ -686,12 +706,13 @@ def test_gpu_fa_untileable_heads_fall_back_to_triton():
     """N=40: prefill steps go to the fallback op, which on a GPU is the Triton backend when it accepts."""
     _need_flashinfer()
     d = GPU_DIMS["n40"]
-    fb = fm.resolve_fallback([d], BF16, DeviceInfo.of("cuda"), fm.installed_versions(), 64)
+    pol = FlashInferPolicy()
+    fb = resolve_fallback([d], BF16, Target.detect("cuda", 64), pol.fallback_order, FI_METADATA)
     if fb.name != "triton":
         pytest.skip(f"Triton backend not available as fallback ({fb.name})")
-    res = run_scenario("flashinfer_mla", d, STANDARD_SCHEDULES["mixed"], page_size=64, dtype=BF16, device="cuda")
+    res = fa(d, STANDARD_SCHEDULES["mixed"], pol, page_size=64, dtype=BF16, device="cuda")
     assert 0 < res.max_rel_error() < 1e-2
-    assert fm.state().configs[fm.PlanKey.of(d, BF16)].name == "triton" and fm.state().fallback_steps > 0
+    assert res.session.configs[PlanKey.of(d, BF16)].name == "triton" and res.session.fallback_steps > 0
 
 
 @pytest.mark.gpu
@@ -699,25 +720,26 @@ def test_gpu_prefill_routed_to_triton_by_default():
     """Default policy (prefill="auto"): large prefill steps run on Triton, the rest on FlashInfer."""
     _need_flashinfer()
     d = GPU_DIMS["ds_n128"]
-    fb = fm.resolve_fallback([d], BF16, DeviceInfo.of("cuda"), fm.installed_versions(), 64)
-    if fb.name not in fm.FAST_PREFILL_FALLBACKS:
+    pol = FlashInferPolicy()  # the default policy
+    fb = resolve_fallback([d], BF16, Target.detect("cuda", 64), pol.fallback_order, FI_METADATA)
+    if fb.name not in pol.fast_prefill_fallbacks:
         pytest.skip(f"fallback is {fb.name}: prefill stays on FlashInfer")
-    big = -(-fm.ROUTE_PREFILL_MIN_HEAD_TOKENS // d.num_heads)  # prefill tokens that reach the threshold
+    big = -(-pol.route_prefill_min_head_tokens // d.num_heads)  # prefill tokens that reach the threshold
     sch = [{0: big, 1: 77}, {0: 1, 1: 1, 2: 130}] + [{0: 1, 1: 1, 2: 1}] * 4
-    res = run_scenario("flashinfer_mla", d, sch, page_size=64, dtype=BF16, device="cuda", scale=0.11, seed=5)
+    res = fa(d, sch, pol, page_size=64, dtype=BF16, device="cuda", scale=0.11, seed=5)
     assert 0 < res.max_rel_error() < 1e-2
-    st_ = fm.state()
+    st_ = res.session
     assert st_.routed_steps == 1 and st_.plans == len(sch) - 1  # the small mixed step stays on FlashInfer
 
 
 @pytest.mark.gpu
-def test_gpu_fa_long_chunked_prefill_and_mixed(torch_fallback):
+def test_gpu_fa_long_chunked_prefill_and_mixed():
     _need_flashinfer()
     d = GPU_DIMS["ds_n128"]
     sch = [{0: 300, 1: 77}, {0: 257, 1: 1, 2: 130}, {0: 1, 1: 1, 2: 200, 3: 3}] + [{0: 1, 1: 1, 2: 1, 3: 1}] * 3
-    res = run_scenario("flashinfer_mla", d, sch, page_size=64, dtype=BF16, device="cuda", scale=0.11, seed=5)
+    res = fa(d, sch, page_size=64, dtype=BF16, device="cuda", scale=0.11, seed=5)
     assert 0 < res.max_rel_error() < 1e-2
-    assert fm.state().fallback_steps == 0
+    assert res.session.fallback_steps == 0
 
 
 @pytest.mark.gpu
@@ -727,69 +749,68 @@ def test_gpu_fa_captured_decode_graph_replays_after_growth():
     _need_flashinfer()
     d, ps, dtype = GPU_DIMS["ds_n128"], 64, BF16
     be = get_backend("flashinfer_mla")
-    be.configure(cuda_graph=True)
-    try:
-        dev = torch.device("cuda")
-        bs, max_len = 4, 700
-        info = SequenceInfo(bs, 512, max_len, ps, dev)
-        alloc = PageAllocator(1 + bs * info.max_pages_per_seq, ps, info.max_pages_per_seq)
-        g = torch.Generator().manual_seed(0)
-        w = (torch.randn(d.num_heads * (d.qk_nope_head_dim + d.v_head_dim), d.kv_lora_rank, generator=g)
-             * d.kv_lora_rank ** -0.5).to(dev, dtype)
-        cache = torch.randn(alloc.num_pages, ps, d.latent_dim, generator=g).to(dev, dtype)
-        ref_cache = cache.clone()
-        be.setup([d], dtype, info)
-        lens = {0: 60, 1: 1, 2: 63, 3: 200}  # prefill these first (eager)
-        alloc.ensure_many(lens)
-        info.prepare_step([StepSequence(s, [0] * n, 0) for s, n in lens.items()], alloc.pages_of)
-        be.prepare(info)
-        t = sum(lens.values())
+    dev = torch.device("cuda")
+    bs, max_len = 4, 700
+    info = SequenceInfo(bs, 512, max_len, ps, dev)
+    alloc = PageAllocator(1 + bs * info.max_pages_per_seq, ps, info.max_pages_per_seq)
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(d.num_heads * (d.qk_nope_head_dim + d.v_head_dim), d.kv_lora_rank, generator=g)
+         * d.kv_lora_rank ** -0.5).to(dev, dtype)
+    cache = torch.randn(alloc.num_pages, ps, d.latent_dim, generator=g).to(dev, dtype)
+    ref_cache = cache.clone()
+    sess = be.setup(spec_for([d], dtype, Target.detect(dev, ps), info, dev),
+                    FlashInferPolicy(fallback_order=("torch",), cuda_graph=True))
+    use = {"flashinfer_mla": sess}
+    lens = {0: 60, 1: 1, 2: 63, 3: 200}  # prefill these first (eager)
+    alloc.ensure_many(lens)
+    info.prepare_step([StepSequence(s, [0] * n, 0) for s, n in lens.items()], alloc.pages_of)
+    sess.prepare(info, step_descriptor(info))
+    t = sum(lens.values())
 
-        def inputs(t_):
-            return [torch.randn(1, t_, d.num_heads, d.qk_nope_head_dim, generator=g).to(dev, dtype),
-                    torch.randn(1, t_, d.num_heads, d.qk_rope_head_dim, generator=g).to(dev, dtype),
-                    torch.randn(1, t_, d.kv_lora_rank, generator=g).to(dev, dtype),
-                    torch.randn(1, t_, 1, d.qk_rope_head_dim, generator=g).to(dev, dtype)]
+    def inputs(t_):
+        return [torch.randn(1, t_, d.num_heads, d.qk_nope_head_dim, generator=g).to(dev, dtype),
+                torch.randn(1, t_, d.num_heads, d.qk_rope_head_dim, generator=g).to(dev, dtype),
+                torch.randn(1, t_, d.kv_lora_rank, generator=g).to(dev, dtype),
+                torch.randn(1, t_, 1, d.qk_rope_head_dim, generator=g).to(dev, dtype)]
 
-        x = inputs(t)
-        meta = lambda names: [info.get(m) for m in names]  # noqa: E731
+    x = inputs(t)
+    meta = lambda names: [info.get(m) for m in names]  # noqa: E731
+    with using_sessions(use):
         be.cached_op(*x, w, *meta(be.metadata), cache, None)
-        torch.ops.autodeploy.torch_mla_with_cache(*x, w, *meta(get_backend("torch").metadata), ref_cache, None)
-        # static decode inputs
-        static = inputs(bs)
-        for s in lens:
-            lens[s] += 1
-        alloc.ensure_many(lens)
-        info.prepare_step([StepSequence(s, [0], lens[s] - 1) for s in lens], alloc.pages_of)
-        be.prepare(info)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            be.cached_op(*static, w, *meta(be.metadata), cache.clone(), None)  # warm-up (not on the real cache)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out_static = be.cached_op(*static, w, *meta(be.metadata), cache, None)
-        errs = []
-        for step in range(40):  # crosses page boundaries (60->100, 63->103, 1->41, 200->240)
-            if step:
-                for s in lens:
-                    lens[s] += 1
-                alloc.ensure_many(lens)
-                info.prepare_step([StepSequence(s, [0], lens[s] - 1) for s in lens], alloc.pages_of)
-                be.prepare(info)
-            new = inputs(bs)
-            for a, b in zip(static, new):
-                a.copy_(b)
-            graph.replay()
-            ref = torch.ops.autodeploy.torch_mla_with_cache(*new, w, *meta(get_backend("torch").metadata),
-                                                            ref_cache, None)
-            errs.append(((out_static.float() - ref.float()).abs().max() / ref.float().abs().max()).item())
-        assert max(errs) < 1e-2, errs
-        assert torch.equal(cache, ref_cache)  # the graph's appends wrote exactly what the reference wrote
-        assert fm.state().graph and all(b == bs for _, b in fm.state().graph)
-    finally:
-        be.configure(cuda_graph=False)
+    torch.ops.autodeploy.torch_mla_with_cache(*x, w, *meta(get_backend("torch").metadata), ref_cache, None)
+    # static decode inputs
+    static = inputs(bs)
+    for s in lens:
+        lens[s] += 1
+    alloc.ensure_many(lens)
+    info.prepare_step([StepSequence(s, [0], lens[s] - 1) for s in lens], alloc.pages_of)
+    sess.prepare(info, step_descriptor(info))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), using_sessions(use):
+        be.cached_op(*static, w, *meta(be.metadata), cache.clone(), None)  # warm-up (not on the real cache)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), using_sessions(use):
+        out_static = be.cached_op(*static, w, *meta(be.metadata), cache, None)
+    errs = []
+    for step in range(40):  # crosses page boundaries (60->100, 63->103, 1->41, 200->240)
+        if step:
+            for s in lens:
+                lens[s] += 1
+            alloc.ensure_many(lens)
+            info.prepare_step([StepSequence(s, [0], lens[s] - 1) for s in lens], alloc.pages_of)
+            sess.prepare(info, step_descriptor(info))
+        new = inputs(bs)
+        for a, b in zip(static, new):
+            a.copy_(b)
+        graph.replay()
+        ref = torch.ops.autodeploy.torch_mla_with_cache(*new, w, *meta(get_backend("torch").metadata),
+                                                        ref_cache, None)
+        errs.append(((out_static.float() - ref.float()).abs().max() / ref.float().abs().max()).item())
+    assert max(errs) < 1e-2, errs
+    assert torch.equal(cache, ref_cache)  # the graph's appends wrote exactly what the reference wrote
+    assert sess.graph and all(b == bs for _, b in sess.graph)
 
 
 @pytest.mark.gpu
@@ -798,11 +819,12 @@ def test_gpu_opcheck():
     d, ps = GPU_DIMS["ds_n16"], 64
     be = get_backend("flashinfer_mla")
     info = SequenceInfo(4, 64, 256, ps, "cuda")
-    be.setup([d], BF16, info)
+    sess = be.setup(spec_for([d], BF16, Target.detect("cuda", ps), info, "cuda"))
     alloc = PageAllocator(16, ps, info.max_pages_per_seq)
     alloc.ensure_many({0: 100, 1: 9})
     info.prepare_step([StepSequence(0, [1] * 5, 95), StepSequence(1, [1], 8)], alloc.pages_of)
-    be.prepare(info)
+    sess.prepare(info, step_descriptor(info))
     args = [a.cuda() if a.device.type == "cpu" and a.dtype == BF16 else a for a in _op_args(d, info, 6)]
     cache = torch.randn(16, ps, 576, device="cuda").to(BF16)
-    torch.library.opcheck(be.cached_op.default, (*args, cache, 0.1))
+    with using_sessions({"flashinfer_mla": sess}):
+        torch.library.opcheck(be.cached_op.default, (*args, cache, 0.1))

@@ -22,9 +22,10 @@ def pair():
 def _one_step(om):
     om.allocator.ensure_many({0: 9, 1: 2})
     seqs = [StepSequence(0, list(range(1, 10)), 0), StepSequence(1, [4, 5], 0)]
-    om.seq_info.prepare_step(seqs, om.allocator.pages_of)
     try:
-        return om.forward_step(om.seq_info), om.next_token_logits(om.seq_info)
+        _, full = om.runner.forward(seqs, om.allocator.pages_of)
+        _, rows = om.runner.step(seqs, om.allocator.pages_of)  # appends the same tokens again: idempotent
+        return full, rows
     finally:
         om.allocator.free(0)
         om.allocator.free(1)

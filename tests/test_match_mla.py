@@ -18,7 +18,7 @@ from transformers import AutoConfig
 
 import autodeploy_mla  # noqa: F401  (registers torch.ops.autodeploy.*)
 from autodeploy_mla.custom_ops.mla_dims import MLADims
-from autodeploy_mla.models.tiny_configs import TINY_CONFIGS, build_tiny_model
+from autodeploy_mla.testing.tiny_configs import TINY_CONFIGS, build_tiny_model
 from autodeploy_mla.transforms.export import ExportError, export_model
 from autodeploy_mla.transforms.match_mla import MLAMatchError, match_mla
 

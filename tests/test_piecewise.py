@@ -14,21 +14,14 @@ import copy
 import pytest
 import torch
 
-from autodeploy_mla.api import optimize
-from autodeploy_mla.custom_ops import all_backends, cached_ops, get_backend
-from autodeploy_mla.models.tiny_configs import TINY_CONFIGS
+from autodeploy_mla.api import build_config, optimize
+from autodeploy_mla.custom_ops import Target, all_backends, cached_ops, get_backend
+from autodeploy_mla.testing.tiny_configs import TINY_CONFIGS
 from autodeploy_mla.runtime.cuda_graphs import BORROW, BORROW_OWNED, OWNED, CapturedGraph
-from autodeploy_mla.runtime.piecewise_runner import PiecewiseRunner, _mutation_reason
+from autodeploy_mla.runtime.piecewise import DYNAMIC, STATIC, PiecewiseRunner, _mutation_reason, bucket_for, resolve_buckets
 from autodeploy_mla.runtime.sequence_info import SequenceInfo, StepSequence
 from autodeploy_mla.testing import hf_greedy_generate
-from autodeploy_mla.transforms.piecewise import (
-    DYNAMIC,
-    STATIC,
-    PiecewiseError,
-    resolve_buckets,
-    split_graph,
-    split_point_ops,
-)
+from autodeploy_mla.transforms.piecewise import PiecewiseError, split_graph, split_point_ops
 
 RUNTIME = {"max_batch_size": 4, "max_seq_len": 64, "max_num_tokens": 8, "page_size": 4}
 
@@ -66,25 +59,31 @@ SCHEDULE = [
 ]
 
 
-def run_steps(om, runner, schedule=SCHEDULE, seed=0, pad_to=None):
-    """Drive `runner` through `schedule` on fresh caches; returns logits [T, V] per step (copies)."""
-    for c in om.caches.caches.values():
+def kinds(split):
+    return [p.kind for p in split.pieces]
+
+
+def run_steps(om, piecewise, schedule=SCHEDULE, seed=0):
+    """Drive the model runner through `schedule` on fresh caches with `piecewise` as its step runner
+    (None: the flat graph, unpadded); returns logits [T, V] per step (copies)."""
+    mr = om.runner
+    for c in mr.caches.caches.values():
         c.zero_()
     g = torch.Generator().manual_seed(seed)
-    vocab = om.eager_model.config.vocab_size
+    vocab = om.vocab_size
     alloc = om.allocator
     outs = []
-    saved, om.runner = om.runner, runner
+    saved, mr.piecewise = mr.piecewise, piecewise
     try:
-        for k, step in enumerate(schedule):
+        for step in schedule:
             alloc.ensure_many({sid: n + cached for sid, n, cached in step})
             seqs = [StepSequence(sid, torch.randint(0, vocab, (n,), generator=g).tolist(), cached)
                     for sid, n, cached in step]
-            om.seq_info.prepare_step(seqs, alloc.pages_of, pad_to=None if pad_to is None else pad_to[k])
-            t = om.seq_info.num_tokens
-            outs.append(om.forward_step(om.seq_info)[0, :t].float().clone())
+            _, logits = mr.forward(seqs, alloc.pages_of)
+            t = mr.seq_info.num_tokens
+            outs.append(logits[0, :t].float().clone())
     finally:
-        om.runner = saved
+        mr.piecewise = saved
         for sid in {s for step in schedule for s, _, _ in step}:
             alloc.free(sid)
     return outs
@@ -92,19 +91,20 @@ def run_steps(om, runner, schedule=SCHEDULE, seed=0, pad_to=None):
 
 # ----------------------------------------------------------------------------- CPU
 def test_split_equals_flat_graph_over_mixed_steps(om4):
-    assert isinstance(om4.runner, PiecewiseRunner)
-    flat = run_steps(om4, om4.gm)
-    split = run_steps(om4, om4.runner)
+    pw = om4.runner.piecewise
+    assert isinstance(pw, PiecewiseRunner)
+    flat = run_steps(om4, None)
+    split = run_steps(om4, pw)
     for a, b in zip(flat, split):
         assert torch.equal(a, b), (a - b).abs().max()
-    assert om4.runner.stats["eager"] == len(SCHEDULE)  # CPU: no graphs, every piece eager
+    assert pw.stats["eager"] == len(SCHEDULE)  # CPU: no graphs, every piece eager
 
 
 @pytest.mark.parametrize("layers", [1, 4])
 def test_pieces_alternate_static_dynamic(layers, om4):
     om = om4 if layers == 4 else build(layers)
-    split = om.runner.split
-    assert split.kinds() == [STATIC, DYNAMIC] * layers + [STATIC]
+    split = om.runner.piecewise.split
+    assert kinds(split) == [STATIC, DYNAMIC] * layers + [STATIC]
     dyn = [p for p in split.pieces if p.kind == DYNAMIC]
     assert [p.backends for p in dyn] == [["torch"]] * layers
     assert [p.nodes for p in dyn] == [1] * layers
@@ -119,19 +119,26 @@ def test_pieces_alternate_static_dynamic(layers, om4):
 def test_generation_token_identical_to_hf_eager(om4):
     prompts = [[5, 6, 7], [3, 4], [9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 12], [42]]
     got = om4.generate(prompts, max_new_tokens=7)
-    assert om4.runner.stats["eager"] > 0
+    assert om4.runner.piecewise.stats["eager"] > 0
     for p, g in zip(prompts, got):
         assert g == hf_greedy_generate(om4.eager_model, p, 7)
 
 
-def test_padded_buckets_keep_generation_identical(om4):
+def test_padded_buckets_keep_generation_identical(om4, monkeypatch):
     """Token buckets (what CUDA graphs use) pad steps: dummy decode seqs / ignored tokens are harmless."""
     prompts = [[5, 6, 7], [3, 4], [9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 12]]
-    om4.seq_info.token_buckets = (2, 4, 8)
-    try:
-        got = om4.generate(prompts, max_new_tokens=5)
-    finally:
-        om4.seq_info.token_buckets = ()
+    monkeypatch.setattr(PiecewiseRunner, "capture_buckets", property(lambda self: (2, 4, 8)))
+    padded = []
+    orig = om4.runner.forward
+
+    def spy(*a, **k):
+        out = orig(*a, **k)
+        padded.append(om4.seq_info.num_padded_tokens - om4.seq_info.num_tokens)
+        return out
+
+    monkeypatch.setattr(om4.runner, "forward", spy)
+    got = om4.generate(prompts, max_new_tokens=5)
+    assert any(padded)  # some steps really were padded
     for p, g in zip(prompts, got):
         assert g == hf_greedy_generate(om4.eager_model, p, 5)
 
@@ -154,7 +161,7 @@ def test_every_registered_cached_op_is_a_split_point(name):
     op = be.cached_op.default
     assert op in cached_ops() and op in split_point_ops()
     split = split_graph(_graph_with(op, len(op._schema.arguments)))
-    assert split.kinds() == [STATIC, DYNAMIC, STATIC]
+    assert kinds(split) == [STATIC, DYNAMIC, STATIC]
     assert split.pieces[1].ops == [str(op)] and split.pieces[1].backends == [name]
     assert split.decode_graph_safe == be.decode_graph_safe
 
@@ -172,7 +179,7 @@ def test_split_points_are_found_by_identity_not_name():
 
 def test_sym_sizes_cross_pieces(om4):
     """sym_size ints computed in piece 0 feed later pieces as plain ints (split_module passes them)."""
-    top = om4.runner.split.module
+    top = om4.runner.piecewise.split.module
     sub0 = top.get_submodule("submod_0")
     syms = [n for n in sub0.graph.nodes if n.target is torch.ops.aten.sym_size.int]
     assert syms
@@ -182,26 +189,27 @@ def test_sym_sizes_cross_pieces(om4):
 
 
 def test_parameters_live_in_pieces_not_in_arguments(om4):
-    top = om4.runner.split.module
+    top = om4.runner.piecewise.split.module
     assert not [n for n in top.graph.nodes if n.op == "get_attr"]
-    for p in om4.runner.split.pieces:
+    for p in om4.runner.piecewise.split.pieces:
         if p.kind == STATIC:
             assert len(p.arg_sources) < 10
 
 
 def test_compiled_pieces_match(om4):
     """compile: aot_eager on CPU exercises the torch.compile plumbing (inductor is the GPU choice)."""
-    runner = PiecewiseRunner(om4.runner.split, om4.seq_info, compile="aot_eager", cuda_graphs=False)
-    flat = run_steps(om4, om4.gm, SCHEDULE[:3])
+    runner = PiecewiseRunner(om4.runner.piecewise.split, om4.device, om4.seq_info.max_num_tokens, compile="aot_eager",
+                             cuda_graphs=False)
+    flat = run_steps(om4, None, SCHEDULE[:3])
     comp = run_steps(om4, runner, SCHEDULE[:3])
     for a, b in zip(flat, comp):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_compiled_pieces_drop_export_asserts(om4):
-    from autodeploy_mla.runtime.piecewise_runner import _without_asserts
+    from autodeploy_mla.runtime.piecewise import _without_asserts
 
-    sub = om4.runner.split.module.get_submodule("submod_0")
+    sub = om4.runner.piecewise.split.module.get_submodule("submod_0")
     asserts = [n for n in sub.graph.nodes if n.target is torch.ops.aten._assert_tensor_metadata.default]
     stripped = _without_asserts(sub)
     assert asserts and not [n for n in stripped.graph.nodes
@@ -217,41 +225,45 @@ def test_skipped_on_cpu_unless_asked():
                          "transforms": {"piecewise": {"enabled": True}}})
     rec = next(r for r in om.history if r.name == "piecewise")
     assert "skipped" in rec.summary
-    assert om.runner is om.gm and om.report()["pieces"] is None
+    assert om.runner.piecewise is None and om.report()["pieces"] is None
 
 
 def test_config_errors():
-    from autodeploy_mla.config.loader import load_config
-
     with pytest.raises(ValueError, match="valid options"):
-        load_config({"transforms": {"piecewise": {"bucket": [1]}}})
+        build_config(None, {"transforms": {"piecewise": {"bucket": [1]}}})
     with pytest.raises(ValueError, match="compile"):
-        load_config({"transforms": {"piecewise": {"compile": "max"}}})
+        build_config(None, {"transforms": {"piecewise": {"compile": "max"}}})
     with pytest.raises(ValueError, match="positive"):
-        load_config({"transforms": {"piecewise": {"buckets": [0, 4]}}})
+        build_config(None, {"transforms": {"piecewise": {"buckets": [0, 4]}}})
+    with pytest.raises(ValueError, match="piecewise needs transforms.insert_cached_mla_attention"):
+        build_config(None, {"transforms": {"insert_cached_mla_attention": {"enabled": False}}})
     with pytest.raises(ValueError, match="max_num_tokens=8"):
         resolve_buckets([4, 16], 8, 4)
     assert resolve_buckets("auto", 8, 4) == [1, 2, 4, 8]
     assert resolve_buckets("auto", 1024, 48) == [1, 2, 4, 8, 16, 32, 48, 64, 128, 256, 512]
 
 
-def test_sequence_info_pads_to_buckets():
+def test_steps_pad_to_buckets():
     info = SequenceInfo(max_batch_size=6, max_num_tokens=16, max_seq_len=32, page_size=4)
     pages = {i: [1 + 2 * i, 2 + 2 * i] for i in range(8)}
-    info.token_buckets = (1, 2, 4, 8, 16)
+    buckets = (1, 2, 4, 8, 16)
+
+    def step(seqs, bks=buckets):
+        pad = bucket_for(bks, sum(len(s.token_ids) for s in seqs), all(s.is_decode for s in seqs), 6, 16)
+        info.prepare_step(seqs, pages.get, pad_to=pad)
+
     # decode-only, 3 seqs -> bucket 4 <= max_batch_size: one dummy decode sequence
-    info.prepare_step([StepSequence(i, [7], 3) for i in range(3)], pages.get)
+    step([StepSequence(i, [7], 3) for i in range(3)])
     assert info.num_padded_tokens == 4 and info.num_decode_seqs == 4 and info.num_tokens == 3
     assert info.get("seq_len_with_cache_host")[3] == 1 and info.get("cache_loc_host")[3] == 0
     # decode-only, 5 seqs: 8 > max_batch_size 6 -> padded with ignored tokens, not dummy seqs
-    info.prepare_step([StepSequence(i, [7], 3) for i in range(5)], pages.get)
+    step([StepSequence(i, [7], 3) for i in range(5)])
     assert info.num_padded_tokens == 8 and info.num_decode_seqs == 5
     # mixed: 5 + 1 tokens -> 8, ignored padding
-    info.prepare_step([StepSequence(0, [1] * 5, 0), StepSequence(1, [2], 3)], pages.get)
+    step([StepSequence(0, [1] * 5, 0), StepSequence(1, [2], 3)])
     assert info.num_padded_tokens == 8 and info.get("batch_info_host").tolist() == [1, 5, 1]
-    # explicit pad_to wins; no bucket fits -> unpadded
-    info.token_buckets = (2, 4)
-    info.prepare_step([StepSequence(0, [1] * 5, 0)], pages.get)
+    # no bucket fits -> unpadded; an explicit pad_to is taken as it is
+    step([StepSequence(0, [1] * 5, 0)], (2, 4))
     assert info.num_padded_tokens == 5
     info.prepare_step([StepSequence(0, [1] * 3, 0)], pages.get, pad_to=7)
     assert info.num_padded_tokens == 7
@@ -290,13 +302,12 @@ def test_pieces_writing_their_inputs_are_not_captured():
 def _triton_ok() -> bool:
     if "triton" not in all_backends():
         return False
-    from autodeploy_mla.custom_ops.backend_registry import DeviceInfo, library_versions
     from autodeploy_mla.custom_ops.mla_dims import MLADims
 
     c = TINY_CONFIGS["deepseek_v3"]
     dims = MLADims(c["num_attention_heads"], c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"],
                    c["kv_lora_rank"])
-    return bool(get_backend("triton").check(dims, torch.bfloat16, DeviceInfo.of("cuda"), library_versions(), 4))
+    return bool(get_backend("triton").check(dims, torch.bfloat16, Target.detect("cuda", 4)))
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -324,9 +335,9 @@ def test_gpu_cuda_graph_replay_matches_eager(backend):
         "transforms": {"insert_cached_mla_attention": {"backend": backend},
                        "piecewise": {"enabled": True, "buckets": [1, 2, 4, 8, 16]}},
     })
-    runner = om.runner
+    runner = om.runner.piecewise
     assert isinstance(runner, PiecewiseRunner) and runner.use_graphs
-    ref = run_steps(om, om.gm, GPU_SCHEDULE, seed=1)  # flat graph, unpadded, eager
+    ref = run_steps(om, None, GPU_SCHEDULE, seed=1)  # flat graph, unpadded, eager
     for rep in range(2):  # first pass captures, second pass replays only
         got = run_steps(om, runner, GPU_SCHEDULE, seed=1)
         for k, (a, b) in enumerate(zip(got, ref)):
@@ -351,11 +362,11 @@ def test_gpu_unseen_bucket_runs_eagerly():
         "transforms": {"piecewise": {"enabled": True, "buckets": [2, 4], "decode_graph": "off"}},
     })
     sched = [[(0, 7, 0)], [(0, 1, 7), (1, 3, 0)], [(0, 1, 8), (1, 1, 3)], [(0, 5, 9), (1, 6, 4)]]
-    ref = run_steps(om, om.gm, sched, seed=2)
-    got = run_steps(om, om.runner, sched, seed=2)
+    ref = run_steps(om, None, sched, seed=2)
+    got = run_steps(om, om.runner.piecewise, sched, seed=2)
     for a, b in zip(got, ref):
         assert _rel(a, b) < 2e-2
-    st = om.runner.summary()
+    st = om.runner.piecewise.summary()
     assert st["stats"]["eager"] == 2 and st["stats"]["piecewise"] == 2, st  # 7 and 11 tokens: no bucket
     assert st["captured"]["piecewise"] == [2, 4]
 
@@ -368,11 +379,11 @@ def test_gpu_inductor_compiled_pieces_replay_correctly():
         "transforms": {"piecewise": {"enabled": True, "compile": "inductor", "buckets": [4, 8]}},
     })
     sched = GPU_SCHEDULE[:5]
-    ref = run_steps(om, om.gm, sched, seed=3)
-    got = run_steps(om, om.runner, sched, seed=3)
+    ref = run_steps(om, None, sched, seed=3)
+    got = run_steps(om, om.runner.piecewise, sched, seed=3)
     for k, (a, b) in enumerate(zip(got, ref)):
         assert _rel(a, b) < 2e-2, (k, _rel(a, b))
-    st = om.runner.summary()
+    st = om.runner.piecewise.summary()
     assert st["captured"]["piecewise"] or st["captured"]["decode_graph"], st
     assert not st["failures"], st
 
@@ -396,12 +407,12 @@ def test_gpu_capture_failure_falls_back_to_eager_and_generation_is_unchanged():
         "runtime": GPU_RUNTIME,
         "transforms": {"piecewise": {"enabled": True}},
     })
-    runner = om.runner
+    runner = om.runner.piecewise
     runner.static_pieces[1].fn = _Syncs(runner.static_pieces[1].fn)  # e.g. a host-syncing MoE fallback
     prompts = [[5, 6, 7], [3, 4], [9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 12], [42]]
     got = om.generate(prompts, max_new_tokens=8)
     st = runner.summary()
     assert any("piece 2" in k for k in st["failures"]), st  # static piece #1 is piece index 2
     assert st["stats"].get("piecewise", 0) > 0, st
-    om.runner = om.gm  # flat graph, eager: same kernels per padded step (torch backend) -> same tokens
+    om.runner.piecewise = None  # flat graph, eager, unpadded
     assert om.generate(prompts, max_new_tokens=8) == got

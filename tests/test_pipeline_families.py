@@ -51,4 +51,5 @@ def test_report_records_every_layer(built):
     assert len(rep["layers"]) == n_layers
     for lay in rep["layers"]:
         assert lay["backend"] == "torch" and lay["reason"] and lay["dims"]["num_heads"] > 0
-    assert [p["name"] for p in rep["passes"]][:4] == ["export", "match_mla", "shard", "insert_cached_mla_attention"]
+    assert [p["name"] for p in rep["passes"]] == ["export", "match_mla", "shard", "load_weights",
+                                                  "insert_cached_mla_attention", "gather_logits", "piecewise"]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from autodeploy_mla.config import load_config
-from autodeploy_mla.custom_ops.backend_registry import DeviceInfo
+from autodeploy_mla.custom_ops.backend_registry import DeviceInfo, Target
 from autodeploy_mla.custom_ops.mla_dims import MLADims
 from autodeploy_mla.transforms.backend_resolution import BackendResolutionError, resolve_backend
 
@@ -31,8 +31,8 @@ AUTO = {  # device, flashinfer -> backend per RANK_ROPE entry
 }
 
 
-def _versions(fi, triton="3.6.0"):
-    return {"torch": "2.11.0", "triton": triton, "flashinfer": FLASHINFER[fi]}
+def _target(dev, fi, triton="3.6.0"):
+    return Target(DEVICES[dev], {"torch": "2.11.0", "triton": triton, "flashinfer": FLASHINFER[fi]}, 64)
 
 
 def _dtype(dev):
@@ -43,7 +43,7 @@ def _dtype(dev):
 def test_auto(dev, fi):
     got = []
     for r, dr in RANK_ROPE:
-        d = resolve_backend("L", MLADims(128, 128, dr, 128, r), _dtype(dev), DEVICES[dev], _versions(fi), 64,
+        d = resolve_backend("L", MLADims(128, 128, dr, 128, r), _dtype(dev), _target(dev, fi),
                             "auto", PREF)
         got.append(d.backend)
         first = PREF[dev][0]
@@ -53,8 +53,8 @@ def test_auto(dev, fi):
 
 
 def test_auto_without_triton_falls_to_torch_on_gpu():
-    d = resolve_backend("L", MLADims(40, 64, 32, 64, 256), torch.bfloat16, DEVICES["sm90"],
-                        _versions("0.6", triton=None), 64, "auto", PREF)
+    d = resolve_backend("L", MLADims(40, 64, 32, 64, 256), torch.bfloat16, _target("sm90", "0.6", triton=None),
+                        "auto", PREF)
     assert d.backend == TO
     assert [b for b, _ in d.rejected] == [FI, TR]
     assert "triton not installed" in d.rejected[1][1]
@@ -76,7 +76,7 @@ def test_auto_without_triton_falls_to_torch_on_gpu():
 def test_explicit_unsupported_is_an_error(dev, fi, dims, backend, message, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # conftest sets it; users on CPU do not
     with pytest.raises(BackendResolutionError, match=f"backend '{backend}' cannot serve.*{message}"):
-        resolve_backend("model.layers.0.self_attn", dims, _dtype(dev), DEVICES[dev], _versions(fi), 64, backend, PREF)
+        resolve_backend("model.layers.0.self_attn", dims, _dtype(dev), _target(dev, fi), backend, PREF)
 
 
 @pytest.mark.parametrize(
@@ -91,5 +91,5 @@ def test_explicit_unsupported_is_an_error(dev, fi, dims, backend, message, monke
     ],
 )
 def test_explicit_supported(dev, fi, dims, backend):
-    d = resolve_backend("L", dims, _dtype(dev), DEVICES[dev], _versions(fi), 64, backend, PREF)
+    d = resolve_backend("L", dims, _dtype(dev), _target(dev, fi), backend, PREF)
     assert d.backend == backend and d.reason.startswith("requested explicitly")

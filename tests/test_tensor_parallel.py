@@ -22,16 +22,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from autodeploy_mla import optimize
+from autodeploy_mla.api import build_config
 from autodeploy_mla.cli import main
-from autodeploy_mla.config import load_config
-from autodeploy_mla.distributed import MULTICAST_OFF_ENV, RankFailed, spawn
-from autodeploy_mla.distributed.launch import cli_launch, cli_setup, is_rank0
-from autodeploy_mla.distributed.loading import CheckpointReader, ShardSpec, read_source, source_for
-from autodeploy_mla.distributed.probe import ProbeJob, probe_rank
-from autodeploy_mla.models.factory import build_model, model_config_path
+from autodeploy_mla.cli import tp as cli_tp
+from autodeploy_mla.config import load_config, model_config_path
+from autodeploy_mla.custom_ops import Target
+from autodeploy_mla.distributed import MULTICAST_OFF_ENV, DistributedError, RankFailed, is_rank0, spawn
+from autodeploy_mla.models.checkpoint import CheckpointReader, ShardSpec, read_source, source_for
+from autodeploy_mla.models.factory import build_model
+from autodeploy_mla.runtime.artifacts import TensorParallel
 from autodeploy_mla.testing import hf_greedy_generate
+from autodeploy_mla.testing.probe import ProbeJob, probe_rank
 from autodeploy_mla.transforms.context import BuildContext
-from autodeploy_mla.transforms.registry import get_pass
+from autodeploy_mla.transforms.pass_manager import parse_pipeline
 from autodeploy_mla.transforms.shard import ShardError
 
 RUNTIME = ["runtime.max_num_tokens=8", "runtime.page_size=4", "runtime.max_seq_len=64", "runtime.max_batch_size=4",
@@ -141,8 +144,10 @@ def test_cli_checkpoint_slices_match_single_process_and_hf(tp_runs, ds3_ckpt):
     assert [r["cli_ds3"]["rc"] for r in ranks] == [0, 0]
     path, hf_model = ds3_ckpt
     shard = next(p for p in rep["passes"] if p["name"] == "shard")
-    assert shard["enabled"] and "world 2 rank 0" in shard["summary"] and "checkpoint slices" in shard["summary"]
+    assert shard["enabled"] and "world 2 rank 0" in shard["summary"]
     assert "4 all-reduces" in shard["summary"]  # 2 attention + dense MLP + (routed + shared experts)
+    load = next(p for p in rep["passes"] if p["name"] == "load_weights")
+    assert load["enabled"] and "read from" in load["summary"] and "as this rank's slices" in load["summary"]
     assert all(lay["dims"]["num_heads"] == 2 for lay in rep["layers"])  # backend resolution saw N/2
     assert rep["verification"]["ok"] and all(v["identical"] for v in rep["verification"]["prompts"])
     tp_tokens = [v["ours"] for v in rep["verification"]["prompts"]]
@@ -259,44 +264,50 @@ def getattr_path(obj, target):
 def matched_ds3(ds3_ckpt):
     """A tiny DeepSeek-V3 graph after export + match_mla (N=4), for the single-process checks."""
     cfg = load_config(model_config_path("deepseek_v3"), overrides=RUNTIME)
-    ctx = BuildContext(cfg, ds3_ckpt[1], torch.device("cpu"), torch.float32)
-    for name in ("export", "match_mla"):
-        info = get_pass(name)
-        info.fn(ctx, info.options.model_validate(dict(cfg.transforms[name] or {})))
-    return ctx
+    pipeline = parse_pipeline(cfg.transforms)
+    ctx = BuildContext(cfg, ds3_ckpt[1], torch.device("cpu"), torch.float32, Target.detect("cpu", 4))
+    for info, opts in pipeline.steps:
+        if info.name in ("export", "match_mla"):
+            info.fn(ctx, opts)
+    return ctx, pipeline
 
 
-def _run_shard(ctx, **opts):
-    info = get_pass("shard")
+def _run_shard(matched, world=None, **opts):
+    """The shard pass alone, in a context whose tensor-parallel group is `world` (None: one process)."""
+    ctx, pipeline = matched
+    ctx.world = world
+    info = next(i for i, _ in pipeline.steps if i.name == "shard")
     return info.fn(ctx, info.options.model_validate({"enabled": True, **opts}))
 
 
 def test_world_size_not_dividing_heads_is_refused(matched_ds3):
-    before = matched_ds3.gm.code
+    before = matched_ds3[0].gm.code
     expected = (r"world_size=3 does not divide the attention head count of model\.layers\.0\.self_attn \(N=4\)"
                 r".*valid world sizes for this model: 1, 2, 4")
     with pytest.raises(ShardError, match=expected):
-        _run_shard(matched_ds3, world_size=3, rank=0)
-    assert matched_ds3.gm.code == before  # refused before touching the graph
+        _run_shard(matched_ds3, TensorParallel(3, 0, "0"))
+    assert matched_ds3[0].gm.code == before  # refused before touching the graph
 
 
-def test_sharding_without_process_group_is_refused(matched_ds3):
-    with pytest.raises(ShardError, match="needs an initialised torch.distributed process group of 2 ranks.*"
-                                         "--world-size 2"):
-        _run_shard(matched_ds3, world_size=2, rank=1)
+def test_sharding_without_process_group_is_refused_before_building():
+    """The world is resolved once, in optimize(), before any model is built or exported."""
+    with pytest.raises(DistributedError, match="needs an initialised torch.distributed process group of 2 ranks.*"
+                                               "--world-size 2"):
+        optimize("deepseek_v3", overrides=[*RUNTIME, "transforms.shard.enabled=true",
+                                           "transforms.shard.world_size=2", "transforms.shard.rank=1"])
 
 
 def test_world_size_one_is_a_no_op(matched_ds3):
-    before = matched_ds3.gm.code
+    before = matched_ds3[0].gm.code
     res = _run_shard(matched_ds3)
-    assert "nothing to shard" in res.summary and matched_ds3.gm.code == before
+    assert "nothing to shard" in res.summary and matched_ds3[0].gm.code == before
 
 
 def test_shard_options_are_validated():
     with pytest.raises(ValueError, match="rank=2 must be < world_size=2"):
-        load_config(overrides=["transforms.shard.world_size=2", "transforms.shard.rank=2"])
+        build_config(overrides=["transforms.shard.world_size=2", "transforms.shard.rank=2"])
     with pytest.raises(ValueError, match="transforms.shard.experts"):
-        load_config(overrides=["transforms.shard.experts=sideways"])
+        build_config(overrides=["transforms.shard.experts=sideways"])
 
 
 def test_checkpoint_slices_equal_slices_of_the_full_weights(ds3_ckpt):
@@ -338,10 +349,10 @@ def _fail_on_rank1(rank: int) -> int:
 
 def test_cli_launch_spawns_ranks_that_turn_sharding_on():
     """`autodeploy build --world-size 2` from a plain process spawns 2 ranks running build(args); in
-    each, cli_setup turns the shard pass on and silences ranks > 0; rank 0's exit code comes back.
-    The ranks also check the collective helpers the shard pass and the engine use."""
-    assert cli_launch(argparse.Namespace(world_size=2, device="cpu", seed=0), _fake_build) == 10
-    assert cli_launch(argparse.Namespace(world_size=1, device=None, seed=0), _fake_build) is None
+    each, rank_setup turns the shard pass on; rank 0's exit code comes back. The ranks also check the
+    collective helpers the shard pass and the model runner use."""
+    assert cli_tp.launch(argparse.Namespace(world_size=2, device="cpu", seed=0), _fake_build) == 10
+    assert cli_tp.launch(argparse.Namespace(world_size=1, device=None, seed=0), _fake_build) is None
 
 
 class _Double(nn.Module):
@@ -350,13 +361,12 @@ class _Double(nn.Module):
 
 
 def _fake_build(args) -> int:
-    from autodeploy_mla import cli
-    from autodeploy_mla.distributed.collectives import count_all_reduces, insert_all_reduce, rank0_logits_step
     from autodeploy_mla.distributed.env import env_info, world_group_name
+    from autodeploy_mla.runtime.model_runner import rows_from_rank0
+    from autodeploy_mla.transforms.shard import count_all_reduces, insert_all_reduce
 
-    sets = cli_setup(args, cli.console)
-    assert sets == ["transforms.shard.enabled=true", "transforms.shard.world_size=2"], sets
-    assert cli.console.quiet == (not is_rank0())
+    with cli_tp.rank_setup(args) as sets:
+        assert sets == ["transforms.shard.enabled=true", "transforms.shard.world_size=2"], sets
     rank = env_info().rank
     if not os.environ.get("OMP_NUM_THREADS"):  # each rank gets its share of the host's cores
         assert torch.get_num_threads() == max(1, (os.cpu_count() or 1) // 2)
@@ -366,7 +376,7 @@ def _fake_build(args) -> int:
     gm.recompile()
     assert count_all_reduces(gm) == 1
     assert gm(torch.full((2,), float(rank + 1))).tolist() == [6.0, 6.0]  # 2*1 + 2*2 on both ranks
-    rows = rank0_logits_step(lambda info: torch.full((3, 4), float(rank)))(None)
+    rows = rows_from_rank0(torch.full((3, 4), float(rank)))
     assert rows.tolist() == [[0.0] * 4] * 3  # every rank samples from rank 0's rows
     return 10 if is_rank0() else 0
 

@@ -1,16 +1,15 @@
 """The Triton MLA backend ("triton") against the torch oracle.
 
 CPU (CI): the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set by conftest.py) on small
-shapes; every intermediate buffer is NaN-poisoned (POISON_BUFFERS) on top of run_scenario's
+shapes; every intermediate buffer is NaN-poisoned (TritonPolicy.poison_buffers) on top of run_scenario's
 NaN-poisoned, page-shuffled cache, so an element a kernel forgets to write fails the comparison.
+The forced prefill path, split count and poisoning are the session's `TritonPolicy`.
 GPU (@pytest.mark.gpu): real model dims in bf16, both prefill paths, split-K, and a captured CUDA
 graph of a decode step replayed while the sequences grow.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import os
 import subprocess
 import sys
@@ -20,24 +19,22 @@ import torch
 
 pytest.importorskip("triton")
 
-from autodeploy_mla.custom_ops import DeviceInfo, MLADims, MLAShapeError, get_backend  # noqa: E402
+from autodeploy_mla.custom_ops import DeviceInfo, MLADims, MLAShapeError, SessionSpec, Target, get_backend  # noqa: E402
+from autodeploy_mla.custom_ops.step_context import using_sessions  # noqa: E402
+from autodeploy_mla.custom_ops.triton_mla import TritonPolicy  # noqa: E402
 from autodeploy_mla.custom_ops.triton_mla import op as top  # noqa: E402
+from autodeploy_mla.custom_ops.triton_mla import tuning  # noqa: E402
 from autodeploy_mla.runtime import PageAllocator, SequenceInfo, StepSequence  # noqa: E402
 from autodeploy_mla.testing import STANDARD_SCHEDULES, run_scenario  # noqa: E402
 
 OP = torch.ops.autodeploy.triton_mla_with_cache
 
 
-class Forced(top.TritonMLABackend):
-    """The triton descriptor with the op's test knobs bound (not registered)."""
-
-    def __init__(self, mode: str = "auto", splits: int = 0):
-        self.cached_op = functools.partial(OP, prefill_mode=mode, decode_splits=splits)
-
-
-@pytest.fixture(autouse=True)
-def _poison(monkeypatch):
-    monkeypatch.setattr(top, "POISON_BUFFERS", True)
+def scenario(dims, schedule, mode="auto", splits=0, **kw):
+    """run_scenario on the triton backend with a session policy: NaN-poisoned buffers, and a forced
+    prefill path / split count when given."""
+    policy = TritonPolicy(prefill_mode=mode, decode_splits=splits, poison_buffers=True)
+    return run_scenario("triton", dims, schedule, policy=policy, **kw)
 
 
 # Every (R, Dr) class scaled down: R 32/48/64 (48: not a power of two), Dr 0/8/16, Dn != Dv,
@@ -60,7 +57,7 @@ EXTRA_SCHEDULES = {
 @pytest.mark.parametrize("schedule", list(STANDARD_SCHEDULES) + list(EXTRA_SCHEDULES))
 def test_matches_oracle(dims_name, schedule):
     sch = {**STANDARD_SCHEDULES, **EXTRA_SCHEDULES}[schedule]
-    res = run_scenario("triton", CPU_DIMS[dims_name], sch, page_size=4, seed=len(schedule) + len(dims_name))
+    res = scenario(CPU_DIMS[dims_name], sch, page_size=4, seed=len(schedule) + len(dims_name))
     assert res.max_rel_error() < 1e-5
 
 
@@ -69,7 +66,7 @@ def test_matches_oracle(dims_name, schedule):
 @pytest.mark.parametrize("dims_name", ["r32_dr0", "r64_dr16"])
 def test_both_prefill_paths(mode, schedule, dims_name):
     sch = {**STANDARD_SCHEDULES, **EXTRA_SCHEDULES}[schedule]
-    res = run_scenario(Forced(mode), CPU_DIMS[dims_name], sch, page_size=4, seed=3)
+    res = scenario(CPU_DIMS[dims_name], sch, mode, page_size=4, seed=3)
     assert res.max_rel_error() < 1e-5
 
 
@@ -77,8 +74,8 @@ def test_both_prefill_paths(mode, schedule, dims_name):
 def small_blocks(monkeypatch):
     """16-token KV tiles, so the short CPU sequences span several split-K chunks; records the split
     count of every absorbed launch."""
-    monkeypatch.setattr(top, "decode_config", lambda d, dt: top.AbsorbedConfig(16, 1, 16, 4, 2))
-    monkeypatch.setattr(top, "absorb_prefill_config", lambda d, dt: top.AbsorbedConfig(16, 2, 16, 4, 2))
+    monkeypatch.setattr(top, "decode_config", lambda d, dt: tuning.AbsorbedConfig(16, 1, 16, 4, 2))
+    monkeypatch.setattr(top, "absorb_prefill_config", lambda d, dt: tuning.AbsorbedConfig(16, 2, 16, 4, 2))
     seen: list[int] = []
     orig = top._launch_absorbed
 
@@ -98,7 +95,7 @@ SPLIT_SCHEDULE = [{0: 40, 1: 23}, {0: 1, 1: 19, 2: 5}, {0: 1, 1: 1, 2: 30}, {0: 
 @pytest.mark.parametrize("mode", ["absorb", "expand"])
 def test_split_k_on_and_off(splits, mode, small_blocks):
     # absorb: the forced split count applies to the absorbed prefill launch too.
-    res = run_scenario(Forced(mode, splits), CPU_DIMS["r32_dr8"], SPLIT_SCHEDULE, page_size=4, seed=splits)
+    res = scenario(CPU_DIMS["r32_dr8"], SPLIT_SCHEDULE, mode, splits, page_size=4, seed=splits)
     assert res.max_rel_error() < 1e-5
     if splits == 1:
         assert max(small_blocks) == 1
@@ -111,43 +108,43 @@ def test_static_split_plan_used_under_capture(monkeypatch, small_blocks):
     step's max kv length; it must give the same results (chunks past a sequence are skipped)."""
     monkeypatch.setattr(top, "_capturing", lambda: True)
     sch = [{0: 3, 1: 2}] + [{0: 1, 1: 1}] * 6 + [{0: 1, 1: 1, 2: 50}, {0: 1, 1: 1, 2: 1}]
-    res = run_scenario("triton", CPU_DIMS["r64_dr8"], sch, page_size=4)
+    res = scenario(CPU_DIMS["r64_dr8"], sch, page_size=4)
     assert res.max_rel_error() < 1e-5
     assert max(small_blocks) > 2  # planned for the 52-token capacity while sequences were short
 
 
 @pytest.mark.parametrize("page_size", [1, 3, 8])
 def test_page_sizes(page_size):
-    res = run_scenario("triton", CPU_DIMS["r32_dr8"], EXTRA_SCHEDULES["long_chunks"], page_size=page_size)
+    res = scenario(CPU_DIMS["r32_dr8"], EXTRA_SCHEDULES["long_chunks"], page_size=page_size)
     assert res.max_rel_error() < 1e-5
 
 
 def test_head_block_tails(monkeypatch):
     """N=20 over head blocks of 16 (and 2 tokens x 16 heads for absorbed prefill): the last block
     is partial and every head must still be computed."""
-    monkeypatch.setattr(top, "decode_config", lambda d, dt: top.AbsorbedConfig(16, 1, 16, 4, 1))
-    monkeypatch.setattr(top, "absorb_prefill_config", lambda d, dt: top.AbsorbedConfig(16, 2, 16, 4, 1))
+    monkeypatch.setattr(top, "decode_config", lambda d, dt: tuning.AbsorbedConfig(16, 1, 16, 4, 1))
+    monkeypatch.setattr(top, "absorb_prefill_config", lambda d, dt: tuning.AbsorbedConfig(16, 2, 16, 4, 1))
     d = MLADims(20, 16, 8, 24, 32)
     for mode in ("absorb", "expand"):
-        res = run_scenario(Forced(mode), d, STANDARD_SCHEDULES["mixed"], page_size=4)
+        res = scenario(d, STANDARD_SCHEDULES["mixed"], mode, page_size=4)
         assert res.max_rel_error() < 1e-5, mode
 
 
 def test_padded_steps_are_harmless():
     d = CPU_DIMS["r32_dr8"]
-    res = run_scenario("triton", d, STANDARD_SCHEDULES["mixed"], pad_to={1: 12, 4: 7}, max_batch_size=8)
+    res = scenario(d, STANDARD_SCHEDULES["mixed"], pad_to={1: 12, 4: 7}, max_batch_size=8)
     assert res.max_rel_error() < 1e-5
-    res = run_scenario("triton", d, STANDARD_SCHEDULES["long_decode"], pad_to={2: 6, 7: 5}, max_batch_size=8)
+    res = scenario(d, STANDARD_SCHEDULES["long_decode"], pad_to={2: 6, 7: 5}, max_batch_size=8)
     assert res.max_rel_error() < 1e-5
 
 
 def test_scale_is_honoured():
-    res = run_scenario("triton", CPU_DIMS["r64_dr16"], STANDARD_SCHEDULES["mixed"], scale=0.31)
+    res = scenario(CPU_DIMS["r64_dr16"], STANDARD_SCHEDULES["mixed"], scale=0.31)
     assert res.max_rel_error() < 1e-5
 
 
 def test_bf16_within_tolerance():
-    res = run_scenario("triton", CPU_DIMS["r64_dr16"], STANDARD_SCHEDULES["mixed"], dtype=torch.bfloat16,
+    res = scenario(CPU_DIMS["r64_dr16"], STANDARD_SCHEDULES["mixed"], dtype=torch.bfloat16,
                        ref_dtype=torch.float64)
     assert 0 < res.max_rel_error() < 1e-2
 
@@ -170,8 +167,7 @@ def _one_step_args(d: MLADims, dtype=torch.float32, device="cpu"):
     return [a.to(device=device, dtype=dtype) for a in x], meta, cache.to(device)
 
 
-def test_opcheck(monkeypatch):
-    monkeypatch.setattr(top, "POISON_BUFFERS", False)
+def test_opcheck():
     x, meta, cache = _one_step_args(MLADims(3, 16, 8, 24, 32))
     torch.library.opcheck(OP.default, (*x, *meta, cache, 0.2))
 
@@ -184,33 +180,37 @@ def test_schema_declares_cache_mutation():
 
 def test_bad_inputs_are_explained():
     x, meta, cache = _one_step_args(MLADims(3, 16, 8, 24, 32))
-    with pytest.raises(ValueError, match="prefill_mode"):
-        OP(*x, *meta, cache, None, prefill_mode="fast")
+    with pytest.raises(ValueError, match="prefill_mode='fast'"):
+        TritonPolicy(prefill_mode="fast")
+    with pytest.raises(ValueError, match="decode_splits=-1"):
+        TritonPolicy(decode_splits=-1)
     with pytest.raises(MLAShapeError, match="mla_cache"):
         OP(*x, *meta, cache[..., :-1], None)
     big = MLADims(2, 300, 8, 24, 32)  # Dn over the expanded kernel's limit
     xb, metab, cacheb = _one_step_args(big)
-    with pytest.raises(MLAShapeError, match="expand"):
-        OP(*xb, *metab, cacheb, None, prefill_mode="expand")
+    spec = SessionSpec((big,), torch.float32, torch.device("cpu"), Target.detect("cpu", 4), 4, 16, 4)
+    expand = get_backend("triton").setup(spec, TritonPolicy(prefill_mode="expand"))
+    with using_sessions({"triton": expand}), pytest.raises(MLAShapeError, match="expand"):
+        OP(*xb, *metab, cacheb, None)
     OP(*xb, *metab, cacheb, None)  # auto falls back to absorb
 
 
 # ----------------------------------------------------------------------------- cost rule
 def test_prefill_cost_rule():
     ds = MLADims(128, 128, 64, 128, 512)
-    rule = top.choose_prefill_path
+    rule = tuning.choose_prefill_path
     assert rule(ds, 2048, 0, 2048 * 2049 // 2) == "expand"  # fresh prefill
     assert rule(ds, 1, 0, 1) == "expand"
     p = 8192
     # Long prefix: expand iff T > R(Dn+Dv) / (k(2R+Dr) - (Dn+Dr+Dv)) = 131072 / 2944 = 44.5 (k = 3).
-    k = top.ABSORB_SLOWDOWN
+    k = tuning.ABSORB_SLOWDOWN
     threshold = 512 * 256 / (k * (2 * 512 + 64) - (128 + 64 + 128))
     assert 40 < threshold < 50
     for q, want in ((1, "absorb"), (16, "absorb"), (40, "absorb"), (50, "expand"), (1024, "expand")):
         assert rule(ds, q, p, q * p + q * (q + 1) // 2) == want, (q, threshold)
     # Raw FLOPs (k = 1) would keep a 160-token chunk absorbed; measured, expansion is 3.6x faster
     # at T=128 on a 4096 prefix (docs/benchmarks/mla_kernels.md).
-    e, a = top.prefill_costs(ds, 160, p, 160 * p + 160 * 161 // 2)
+    e, a = tuning.prefill_costs(ds, 160, p, 160 * p + 160 * 161 // 2)
     assert a < e < k * a
     assert rule(MLADims(4, 512, 64, 128, 512), 512, 0, 512 * 513 // 2) == "absorb"  # Dn over the limit
 
@@ -239,16 +239,16 @@ CHECK_TABLE = [
 @pytest.mark.parametrize("row", CHECK_TABLE, ids=[f"{r[5]}-{r[6]}" for r in CHECK_TABLE])
 def test_check_table(row):
     dims, dtype, device, versions, page_size, ok, frag = row
-    res = get_backend("triton").check(dims, dtype, device, versions, page_size)
+    res = get_backend("triton").check(dims, dtype, Target(device, versions, page_size))
     assert res.ok == ok and frag in res.reason, res
 
 
 def test_check_cpu_only_under_interpreter(monkeypatch):
     be, d = get_backend("triton"), MLADims(4, 16, 8, 16, 32)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert be.check(d, torch.float32, DeviceInfo("cpu"), V_OK, 4).ok
+    assert be.check(d, torch.float32, Target(DeviceInfo("cpu"), V_OK, 4)).ok
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    res = be.check(d, torch.float32, DeviceInfo("cpu"), V_OK, 4)
+    res = be.check(d, torch.float32, Target(DeviceInfo("cpu"), V_OK, 4))
     assert not res.ok and "CUDA GPU" in res.reason
 
 
@@ -256,9 +256,9 @@ def test_imports_without_triton():
     code = (
         "import sys; sys.modules['triton'] = None\n"
         "import torch, autodeploy_mla\n"
-        "from autodeploy_mla.custom_ops import get_backend, DeviceInfo, MLADims\n"
+        "from autodeploy_mla.custom_ops import get_backend, DeviceInfo, MLADims, Target\n"
         "r = get_backend('triton').check(MLADims(16, 128, 64, 128, 512), torch.bfloat16,\n"
-        "    DeviceInfo('cuda', (9, 0)), {'triton': '3.6.0'}, 64)\n"
+        "    Target(DeviceInfo('cuda', (9, 0)), {'triton': '3.6.0'}, 64))\n"
         "assert not r.ok and 'triton not installed' in r.reason, r\n"
         "print('OK')\n"
     )
@@ -287,7 +287,7 @@ GPU_SCHEDULE = (
 @pytest.mark.parametrize("mode", ["auto", "expand", "absorb"])
 @pytest.mark.parametrize("dims_name", list(GPU_DIMS))
 def test_gpu_real_dims_bf16(dims_name, mode):
-    res = run_scenario(Forced(mode), GPU_DIMS[dims_name], GPU_SCHEDULE, page_size=64, dtype=torch.bfloat16,
+    res = scenario(GPU_DIMS[dims_name], GPU_SCHEDULE, mode, page_size=64, dtype=torch.bfloat16,
                        device="cuda", seed=1)
     err = res.max_rel_error()
     assert 0 < err < 1e-2, err
@@ -297,7 +297,7 @@ def test_gpu_real_dims_bf16(dims_name, mode):
 @pytest.mark.parametrize("splits", [1, 7])
 def test_gpu_long_decode_split_k(splits):
     sch = [{0: 3000, 1: 1500}] + [{0: 1, 1: 1}] * 4
-    res = run_scenario(Forced("auto", splits), GPU_DIMS["deepseek_v3_tp8_n16"], sch, page_size=64,
+    res = scenario(GPU_DIMS["deepseek_v3_tp8_n16"], sch, "auto", splits, page_size=64,
                        dtype=torch.bfloat16, device="cuda")
     assert 0 < res.max_rel_error() < 1e-2
 

@@ -1,8 +1,9 @@
 """The build configuration schema (DESIGN §10).
 
-Top-level sections are fixed and unknown keys are errors. `transforms` is an ordered map of pass
-name -> options; each pass validates its own options with its own pydantic model (see
-transforms/registry.py), so the schema here stays independent of which passes exist.
+Top-level sections are fixed and unknown keys are errors. `transforms` is a map of pass name ->
+options; the pass manager validates each pass's options with that pass's own pydantic model and
+puts the passes in their declared order (transforms/pass_manager.py), so this schema stays
+independent of which passes exist.
 """
 
 from __future__ import annotations
@@ -50,11 +51,4 @@ class RuntimeConfig(_Strict):
 class AppConfig(_Strict):
     model: ModelConfig = ModelConfig()
     runtime: RuntimeConfig = RuntimeConfig()
-    transforms: dict[str, dict[str, Any]] = Field(default_factory=dict)
-
-    @model_validator(mode="after")
-    def _transforms_are_known(self) -> "AppConfig":
-        from ..transforms.registry import validate_transform_options
-
-        validate_transform_options(self.transforms)
-        return self
+    transforms: dict[str, Optional[dict[str, Any]]] = Field(default_factory=dict)

@@ -1,29 +1,40 @@
-"""Attention backend descriptors and their registry (DESIGN §8).
+"""Attention backend descriptors, their per-model sessions, and the registry (DESIGN §8).
 
-A descriptor tells the compiler everything it needs to use a backend without knowing its code:
-which cached op to call, which metadata fields that op takes (the cache-insertion pass adds graph
-placeholders for exactly these), what the cache looks like, which constants come from the source
-`torch_mla` node, a host-side `prepare` hook run once per step, whether the op is a piecewise split
-point, whether it may live inside a full decode CUDA graph, and `check()` — the capability gate that
-must accept a node's dims before any kernel of the backend is launched on them.
+A descriptor (`MLABackend`) tells the compiler everything it needs to use a backend without knowing
+its code: which cached op to call, which metadata fields that op takes (the cache-insertion pass
+adds graph inputs for exactly these), what the cache looks like, which constants come from the
+source `torch_mla` node, whether the op is a piecewise split point, whether it may live inside a
+whole-graph decode CUDA graph, and `check()` — the capability gate that must accept a node's dims
+before any kernel of the backend is launched on them.
+
+Descriptors are stateless. Everything a backend keeps between steps (FlashInfer wrappers and plans,
+workspaces, block tables, policy knobs, counters) lives in a `BackendSession` that `setup()` returns
+and the model owns; the model runner publishes its sessions for the duration of a step
+(`step_context.using_sessions`), which is how an op finds its own model's state. Two models in one
+process therefore never share or overwrite each other's plans.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
 import re
-from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Optional
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Optional, Protocol
 
 import torch
 
 from .mla_dims import MLADims
+from .torch_mla import source_arg
 
 if TYPE_CHECKING:
     import torch.fx
 
-    from ..runtime.sequence_info import SequenceInfo
+#: Page 0 of every paged cache is a scratch page: the allocator never hands it out, padded tokens
+#: write there and padded page-table entries point there. Ops and the runtime share this contract.
+SCRATCH_PAGE = 0
+#: SM count assumed when a CUDA device is only emulated (CPU tests of GPU backends): an H200's.
+EMULATED_SM_COUNT = 132
 
 
 @dataclass(frozen=True)
@@ -33,18 +44,24 @@ class DeviceInfo:
     type: str  # "cpu" | "cuda"
     capability: Optional[tuple[int, int]] = None  # CUDA compute capability, e.g. (9, 0)
     name: str = ""
+    sm_count: Optional[int] = None  # streaming multiprocessors (None: unknown / emulated)
 
     @classmethod
     def of(cls, device: torch.device | str) -> "DeviceInfo":
         device = torch.device(device)
         if device.type == "cuda":
             idx = device.index if device.index is not None else torch.cuda.current_device()
-            return cls("cuda", tuple(torch.cuda.get_device_capability(idx)), torch.cuda.get_device_name(idx))
+            props = torch.cuda.get_device_properties(idx)
+            return cls("cuda", (props.major, props.minor), props.name, props.multi_processor_count)
         return cls(device.type, None, device.type)
 
     @property
     def sm(self) -> Optional[int]:
         return None if self.capability is None else self.capability[0] * 10 + self.capability[1]
+
+    @property
+    def num_sms(self) -> int:
+        return self.sm_count if self.sm_count else EMULATED_SM_COUNT
 
     def short(self) -> str:
         return f"{self.type}" + (f" SM{self.sm}" if self.sm is not None else "")
@@ -77,6 +94,24 @@ def parse_version(v: Optional[str]) -> Optional[tuple[int, int, int]]:
 
 
 @dataclass(frozen=True)
+class Target:
+    """Where a model will run, as far as capability checks are concerned: the device, the installed
+    library versions and the cache page size. One per build; checks never probe the machine."""
+
+    device: DeviceInfo
+    versions: Mapping[str, Optional[str]]
+    page_size: int
+
+    @classmethod
+    def detect(cls, device: torch.device | str, page_size: int) -> "Target":
+        """The target of this process's `device` (tests replace this to emulate other GPUs)."""
+        return cls(DeviceInfo.of(device), library_versions(), int(page_size))
+
+    def short(self) -> str:
+        return f"{self.device.short()}, page_size={self.page_size}"
+
+
+@dataclass(frozen=True)
 class CacheSpec:
     """Per-layer paged cache: [num_pages, page_size, width] of `dtype`."""
 
@@ -84,23 +119,86 @@ class CacheSpec:
     dtype: torch.dtype
 
 
-# Schema of the source op, read once: lets constants be taken positionally or by keyword.
-_SOURCE_ARGS = ("q_nope", "q_pe", "compressed_kv", "kpe", "kv_b_proj_weight", "is_causal", "scale", "layout")
-_SOURCE_DEFAULTS: dict[str, Any] = {"is_causal": True, "scale": None, "layout": "bsnd"}
+@dataclass(frozen=True)
+class SessionSpec:
+    """What `setup()` needs to build a backend's per-model session."""
+
+    dims: tuple[MLADims, ...]  # every node the backend serves in this model
+    dtype: torch.dtype
+    device: torch.device
+    target: Target
+    max_batch_size: int
+    max_num_tokens: int
+    max_pages_per_seq: int
+
+    @property
+    def page_size(self) -> int:
+        return self.target.page_size
 
 
-def source_arg(node: "torch.fx.Node", name: str) -> Any:
-    """Argument `name` of a `torch_mla` node, whether passed positionally, by keyword, or defaulted."""
-    idx = _SOURCE_ARGS.index(name)
-    if name in node.kwargs:
-        return node.kwargs[name]
-    if idx < len(node.args):
-        return node.args[idx]
-    return _SOURCE_DEFAULTS.get(name)
+@dataclass(frozen=True)
+class StepDescriptor:
+    """What the model runner decided about one step before running it (vLLM's batch descriptor).
+
+    `cuda_graph`: the step may be replayed from (or captured into) a whole-graph CUDA graph, so a
+    backend must run it from fixed buffers (FlashInfer's CUDA-graph wrappers)."""
+
+    num_tokens: int  # real tokens
+    num_padded_tokens: int  # tokens the graph runs
+    num_seqs: int
+    decode_only: bool
+    cuda_graph: bool = False
+
+
+class StepMetadata(Protocol):
+    """The per-step metadata a backend reads in `prepare` (runtime.SequenceInfo implements it)."""
+
+    def get(self, name: str) -> torch.Tensor: ...
+
+
+class BackendSession:
+    """A backend's state for one model: built by `setup()`, owned by the model's runner.
+
+    `prepare` runs once per step on the host, after the step's metadata is built and before the
+    graph runs, never inside a CUDA-graph capture. Stateless backends use this base as it is."""
+
+    backend: str = ""
+
+    def __init__(self, spec: SessionSpec) -> None:
+        self.spec = spec
+
+    def prepare(self, meta: StepMetadata, step: StepDescriptor) -> None:
+        """Host-side work once per step (FlashInfer: plan)."""
+
+    def stats(self) -> dict[str, Any]:
+        """Counters for reports and tests (plans, fallback steps, ...)."""
+        return {}
+
+
+@dataclass(frozen=True)
+class BackendDecision:
+    """Which backend serves one MLA node, why, and why each preferred one was rejected."""
+
+    layer: str
+    dims: MLADims
+    requested: str
+    backend: str
+    reason: str
+    rejected: tuple[tuple[str, str], ...] = field(default_factory=tuple)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "layer": self.layer,
+            "dims": vars(self.dims).copy(),
+            "requested": self.requested,
+            "backend": self.backend,
+            "reason": self.reason,
+            "rejected": [{"backend": b, "reason": r} for b, r in self.rejected],
+        }
 
 
 class MLABackend:
-    """Base descriptor. Subclasses set the class attributes and override `check` (and maybe more)."""
+    """Base descriptor. Subclasses set the class attributes and override `check` (and maybe `setup`)."""
 
     name: ClassVar[str]
     #: The cached op: op(q_nope, q_pe, compressed_kv, kpe, kv_b_proj_weight, *metadata, mla_cache, *constants)
@@ -112,14 +210,7 @@ class MLABackend:
     is_dynamic: ClassVar[bool] = True  # piecewise split point
     decode_graph_safe: ClassVar[bool] = False  # may run inside a whole-graph decode CUDA graph
 
-    def check(
-        self,
-        dims: MLADims,
-        dtype: torch.dtype,
-        device: DeviceInfo,
-        versions: Mapping[str, Optional[str]],
-        page_size: int,
-    ) -> CheckResult:
+    def check(self, dims: MLADims, dtype: torch.dtype, target: Target) -> CheckResult:
         raise NotImplementedError
 
     def cache_spec(self, dims: MLADims, dtype: torch.dtype) -> CacheSpec:
@@ -130,13 +221,22 @@ class MLABackend:
         scale = source_arg(node, "scale")
         return (None if scale is None else float(scale),)
 
-    def setup(self, dims: list[MLADims], dtype: torch.dtype, seq_info: "SequenceInfo") -> None:
-        """Called once after the graph is built, with the dims of every node this backend serves."""
+    def setup(self, spec: SessionSpec, policy: Any = None) -> BackendSession:
+        """This backend's session for one model: validates every node it will serve first."""
+        self.check_all(spec)
+        return BackendSession(spec)
 
-    def prepare(self, seq_info: "SequenceInfo") -> None:
-        """Host-side work once per step, after metadata is built, outside any CUDA graph."""
+    def check_all(self, spec: SessionSpec) -> None:
+        """Raise ValueError naming the first node of `spec` this backend cannot serve."""
+        for d in spec.dims:
+            res = self.check(d, spec.dtype, spec.target)
+            if not res.ok:
+                raise ValueError(f"{self.name}.setup: cannot serve {d.short()} {spec.dtype} on "
+                                 f"{spec.target.short()}: {res.reason}")
 
 
+# The registry maps names to stateless descriptors. Backends register themselves when their module
+# is imported (custom_ops/__init__.py imports them all); nothing changes it afterwards.
 _REGISTRY: dict[str, MLABackend] = {}
 
 
@@ -166,3 +266,9 @@ def cached_ops() -> set[Any]:
             ops.add(b.cached_op)
             ops.add(getattr(b.cached_op, "default", b.cached_op))
     return ops
+
+
+def make_session_spec(dims: Sequence[MLADims], dtype: torch.dtype, device: torch.device | str, target: Target,
+                      max_batch_size: int, max_num_tokens: int, max_pages_per_seq: int) -> SessionSpec:
+    return SessionSpec(tuple(dims), dtype, torch.device(device), target, int(max_batch_size), int(max_num_tokens),
+                       int(max_pages_per_seq))

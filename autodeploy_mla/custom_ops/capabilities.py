@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from .backend_registry import CheckResult, DeviceInfo, parse_version
+from .backend_registry import CheckResult, DeviceInfo, Target, parse_version
 from .mla_dims import MLADims
 
 Version = tuple[int, int, int]
@@ -228,17 +228,11 @@ def _dims_violation(f: KernelFacts, dims: MLADims, dtype: torch.dtype, device: D
     return None
 
 
-def check_against_facts(
-    backend: str,
-    kernel: Optional[str],
-    dims: MLADims,
-    dtype: torch.dtype,
-    device: DeviceInfo,
-    versions: Mapping[str, Optional[str]],
-    page_size: int,
-) -> CheckResult:
+def check_against_facts(backend: str, kernel: Optional[str], dims: MLADims, dtype: torch.dtype,
+                        target: Target) -> CheckResult:
     """Shared part of the FlashInfer checks: library present, known version, device, dims."""
-    raw, ver = flashinfer_version(versions)
+    device, page_size = target.device, target.page_size
+    raw, ver = flashinfer_version(target.versions)
     if raw is None:
         return CheckResult(False, "flashinfer not installed (pip install flashinfer-python)")
     if ver is None:

@@ -2,9 +2,9 @@
 
 `flashinfer.decode.trtllm_batch_decode_with_kv_cache_mla` (SM100/SM103) attends decode tokens over the
 *combined* paged cache `[num_pages, page_size, R + Dr]` — the same tensor every backend uses — with a
-dense block table whose width must be a multiple of 128 / page_size. The descriptor owns that block
-table (rebuilt on the device once per step in `prepare()`, padded with the scratch page) and the
-zero-initialised workspace the kernel needs.
+dense block table whose width must be a multiple of 128 / page_size. The model's session owns that
+block table (rebuilt on the device once per step in `prepare()`, padded with the scratch page) and
+the zero-initialised workspace the kernel needs.
 
 Decode-only steps:  q = [q_nope · W_kn | q_pe]  ->  kernel (bmm1_scale = softmax scale)  ->  · W_vᵀ.
 Prefill and mixed steps go, whole, to the fallback op: Triton if registered and accepting the node,
@@ -19,30 +19,40 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
-from .backend_registry import CheckResult, DeviceInfo, MLABackend, register_backend
-from .cached_op_checks import cached_op_fake, check_cached_inputs
+from .backend_registry import (
+    BackendSession,
+    CheckResult,
+    MLABackend,
+    SessionSpec,
+    StepDescriptor,
+    StepMetadata,
+    Target,
+    register_backend,
+)
 from .capabilities import check_against_facts
-from .flashinfer_metadata import StepCounts, fill_trtllm_block_table, trtllm_block_table_width
-from .flashinfer_mla import (
-    METADATA,
-    Fallback,
+from .fallback import Fallback, call_fallback
+from .flashinfer_common import (
+    DEFAULT_FALLBACK_ORDER,
+    FI_METADATA,
     FlashInferUnavailable,
     PlanKey,
-    call_fallback,
-    device_info,
     import_flashinfer_module,
-    installed_versions,
-    resolve_fallback,
+    plan_configs,
+    unknown_config_error,
+    unprepared_step_error,
 )
+from .flashinfer_metadata import StepCounts, fill_trtllm_block_table, trtllm_block_table_width
 from .mla_dims import MLADims, resolve_scale
-from .torch_backend import append_to_paged_cache
+from .op_contract import MLAInputs, append_to_paged_cache, check_cached_inputs, define_cached_op
+from .step_context import require_session
 
 OP = "flashinfer_trtllm_mla_with_cache"
+METADATA = FI_METADATA
 WORKSPACE_BYTES = 128 * 1024 * 1024  # as SGLang's TRT-LLM MLA backend; zero-initialised once
 
 
@@ -68,102 +78,96 @@ def _decode_fn() -> tuple[Any, bool]:
     return fn, takes_backend
 
 
-@dataclass
-class TrtllmMLAState:
-    configs: dict[PlanKey, Fallback] = field(default_factory=dict)
-    device: torch.device = torch.device("cpu")
-    page_size: int = 0
-    workspace: Optional[torch.Tensor] = None
-    block_table: Optional[torch.Tensor] = None  # [max_batch, W] int32, W % (128 / page_size) == 0
-    counts: Optional[StepCounts] = None
-    decode_fn: Any = None
-    takes_backend: bool = False
-    decode_steps: int = 0
-    fallback_steps: int = 0
+@dataclass(frozen=True)
+class TrtllmPolicy:
+    """Per-model knobs: the order in which the fallback op for prefill/mixed steps is looked for."""
+
+    fallback_order: tuple[str, ...] = DEFAULT_FALLBACK_ORDER
 
 
-_STATE = TrtllmMLAState()
+class TrtllmMLASession(BackendSession):
+    """One model's TRT-LLM-gen MLA state: configs, workspace, block table, counters."""
+
+    backend = "flashinfer_trtllm_mla"
+
+    def __init__(self, spec: SessionSpec, policy: TrtllmPolicy, configs: dict[PlanKey, Fallback]) -> None:
+        super().__init__(spec)
+        self.policy = policy
+        self.configs = configs
+        self.workspace: Optional[torch.Tensor] = None
+        self.block_table: Optional[torch.Tensor] = None  # [max_batch, W] int32, W % (128 / page_size) == 0
+        self.counts: Optional[StepCounts] = None
+        self.decode_fn: Any = None
+        self.takes_backend = False
+        self.decode_steps = 0
+        self.fallback_steps = 0
+        if configs:
+            self.decode_fn, self.takes_backend = _decode_fn()
+            self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=spec.device)
+            width = trtllm_block_table_width(spec.max_pages_per_seq, spec.page_size)
+            self.block_table = torch.zeros(spec.max_batch_size, width, dtype=torch.int32, device=spec.device)
+
+    def prepare(self, meta: StepMetadata, step: StepDescriptor) -> None:
+        counts = StepCounts.of(meta.get("batch_info_host"))
+        if self.configs and counts.decode_only:
+            # Device-side copy of the step's page table into the padded block table (no sync).
+            fill_trtllm_block_table(self.block_table, meta.get("page_table"))
+            self.decode_steps += 1
+        elif self.configs and counts.num_seqs:
+            self.fallback_steps += 1
+        self.counts = counts
+
+    def check_step(self, key: PlanKey, batch_info_host: torch.Tensor) -> StepCounts:
+        if key not in self.configs:
+            raise unknown_config_error(OP, key, list(self.configs))
+        counts = StepCounts.of(batch_info_host)
+        if self.counts != counts:
+            raise unprepared_step_error(OP, counts, self.counts)
+        return counts
+
+    def stats(self) -> dict[str, Any]:
+        return {"decode_steps": self.decode_steps, "fallback_steps": self.fallback_steps,
+                "configs": {k.short(): fb.name for k, fb in self.configs.items()}}
 
 
-def state() -> TrtllmMLAState:
-    return _STATE
-
-
-def _check_step(st: TrtllmMLAState, key: PlanKey, batch_info_host: torch.Tensor) -> StepCounts:
-    if key not in st.configs:
-        served = ", ".join(k.short() for k in st.configs) or "none"
-        raise RuntimeError(
-            f"{OP}: {key.short()} was not set up (setup() was given: {served}); the backend's setup() must list "
-            "every node it serves."
-        )
-    counts = StepCounts.of(batch_info_host)
-    if st.counts != counts:
-        raise RuntimeError(
-            f"{OP}: the step's batch ({counts}) was not prepared (last: {st.counts}). Call the backend's "
-            "prepare(seq_info) after SequenceInfo.prepare_step, every step."
-        )
-    return counts
-
-
-@torch.library.custom_op("autodeploy::flashinfer_trtllm_mla_with_cache", mutates_args=("mla_cache",))
-def flashinfer_trtllm_mla_with_cache(
-    q_nope: torch.Tensor,
-    q_pe: torch.Tensor,
-    compressed_kv: torch.Tensor,
-    kpe: torch.Tensor,
-    kv_b_proj_weight: torch.Tensor,
-    batch_info_host: torch.Tensor,
-    max_seq_info_host: torch.Tensor,
-    cu_seqlen_host: torch.Tensor,
-    input_pos_host: torch.Tensor,
-    cu_seqlen: torch.Tensor,
-    input_pos: torch.Tensor,
-    seq_len_with_cache: torch.Tensor,
-    page_table: torch.Tensor,
-    batch_idx: torch.Tensor,
-    cache_loc: torch.Tensor,
-    mla_cache: torch.Tensor,
-    scale: Optional[float] = None,
-) -> torch.Tensor:
+def _trtllm_mla_with_cache(x: MLAInputs, meta: Mapping[str, torch.Tensor], mla_cache: torch.Tensor,
+                           scale: Optional[float]) -> torch.Tensor:
     """Decode-only steps through trtllm-gen; any step with prefill tokens through the fallback op."""
-    dims = check_cached_inputs(OP, q_nope, q_pe, compressed_kv, kpe, kv_b_proj_weight, mla_cache)
-    key = PlanKey.of(dims, q_nope.dtype)
-    st = _STATE
-    counts = _check_step(st, key, batch_info_host)
+    dims = check_cached_inputs(OP, x, mla_cache)
+    key = PlanKey.of(dims, x.q_nope.dtype)
+    sess: TrtllmMLASession = require_session(OP, "flashinfer_trtllm_mla")  # type: ignore[assignment]
+    counts = sess.check_step(key, meta["batch_info_host"])
     if not counts.decode_only:
         if counts.num_seqs > 0:
-            meta = dict(zip(METADATA, (batch_info_host, max_seq_info_host, cu_seqlen_host, input_pos_host, cu_seqlen,
-                                       input_pos, seq_len_with_cache, page_table, batch_idx, cache_loc)))
-            return call_fallback(st.configs[key], (q_nope, q_pe, compressed_kv, kpe, kv_b_proj_weight), meta,
-                                 mla_cache, scale)
-        append_to_paged_cache(mla_cache, compressed_kv, kpe, cache_loc)
-        return q_nope.new_zeros(1, q_nope.shape[1], dims.num_heads, dims.v_head_dim)
+            return call_fallback(sess.configs[key], x, meta, mla_cache, scale)
+        append_to_paged_cache(mla_cache, x, meta["cache_loc"])
+        return x.q_nope.new_zeros(1, x.q_nope.shape[1], dims.num_heads, dims.v_head_dim)
 
-    append_to_paged_cache(mla_cache, compressed_kv, kpe, cache_loc)
+    append_to_paged_cache(mla_cache, x, meta["cache_loc"])
     nh, dn, dv, r, dr = (dims.num_heads, dims.qk_nope_head_dim, dims.v_head_dim, dims.kv_lora_rank,
                          dims.qk_rope_head_dim)
     nb = counts.num_decode_seqs  # one token per sequence
+    q_nope, q_pe = x.q_nope, x.q_pe
     t_all = q_nope.shape[1]
     out = q_nope.new_empty(1, t_all, nh, dv)
     if nb < t_all:
         out[0, nb:].zero_()
-    w = kv_b_proj_weight.view(nh, dn + dv, r)
-    w_kn, w_v = w[:, :dn], w[:, dn:]
+    w_kn, w_v = dims.split_kv_b(x.kv_b_proj_weight)
     query = q_nope.new_empty(nb, 1, nh, r + dr)
     query[:, 0, :, :r].copy_(torch.bmm(q_nope[0, :nb].transpose(0, 1), w_kn).transpose(0, 1))
     query[:, 0, :, r:].copy_(q_pe[0, :nb])
     latent = q_nope.new_empty(nb, 1, nh, r)
-    kwargs: dict[str, Any] = {"backend": "trtllm-gen"} if st.takes_backend else {}
-    st.decode_fn(
+    kwargs: dict[str, Any] = {"backend": "trtllm-gen"} if sess.takes_backend else {}
+    sess.decode_fn(
         query=query,
         kv_cache=mla_cache.unsqueeze(1),  # [pages, 1, page_size, R+Dr]: accepted by every 0.6/0.7 release
-        workspace_buffer=st.workspace,
+        workspace_buffer=sess.workspace,
         qk_nope_head_dim=dn,
         kv_lora_rank=r,
         qk_rope_head_dim=dr,
-        block_tables=st.block_table[:nb],
-        seq_lens=seq_len_with_cache[:nb],
-        max_seq_len=int(max_seq_info_host[1]),  # host tensor: no sync
+        block_tables=sess.block_table[:nb],
+        seq_lens=meta["seq_len_with_cache"][:nb],
+        max_seq_len=int(meta["max_seq_info_host"][1]),  # host tensor: no sync
         out=latent,
         bmm1_scale=resolve_scale(dims, scale),
         bmm2_scale=1.0,
@@ -173,59 +177,25 @@ def flashinfer_trtllm_mla_with_cache(
     return out
 
 
-flashinfer_trtllm_mla_with_cache.register_fake(cached_op_fake(OP, METADATA))
+flashinfer_trtllm_mla_with_cache = define_cached_op(OP, METADATA, _trtllm_mla_with_cache)
 
 
 @register_backend
 class FlashInferTrtllmMLABackend(MLABackend):
     name = "flashinfer_trtllm_mla"
-    cached_op = torch.ops.autodeploy.flashinfer_trtllm_mla_with_cache
+    cached_op = flashinfer_trtllm_mla_with_cache
     metadata = METADATA
     source = ("FlashInfer trtllm_batch_decode_with_kv_cache_mla (SM100/103, decode only; prefill via fallback op); "
               "UNTESTED on hardware; facts: custom_ops/capabilities.py")
     is_dynamic = True
     decode_graph_safe = False  # max_seq_len is a host int; not validated under capture on SM100
 
-    def check(
-        self,
-        dims: MLADims,
-        dtype: torch.dtype,
-        device: DeviceInfo,
-        versions: Mapping[str, Optional[str]],
-        page_size: int,
-    ) -> CheckResult:
-        res = check_against_facts(self.name, "trtllm-gen", dims, dtype, device, versions, page_size)
+    def check(self, dims: MLADims, dtype: torch.dtype, target: Target) -> CheckResult:
+        res = check_against_facts(self.name, "trtllm-gen", dims, dtype, target)
         if res.ok:
             return CheckResult(True, res.reason + "; decode only (prefill/mixed steps use the fallback op)")
         return res
 
-    def setup(self, dims: list[MLADims], dtype: torch.dtype, seq_info) -> None:
-        device = torch.device(seq_info.device)
-        dev, versions = device_info(device), installed_versions()
-        groups: dict[PlanKey, list[MLADims]] = {}
-        for d in dims:
-            res = self.check(d, dtype, dev, versions, seq_info.page_size)
-            if not res.ok:
-                raise ValueError(f"{self.name}.setup: cannot serve {d.short()} {dtype} on {dev.short()} "
-                                 f"(page_size={seq_info.page_size}): {res.reason}")
-            groups.setdefault(PlanKey.of(d, dtype), []).append(d)
-        configs = {k: resolve_fallback(ds, dtype, dev, versions, seq_info.page_size) for k, ds in groups.items()}
-        _STATE.__init__()
-        st = _STATE
-        st.configs, st.device, st.page_size = configs, device, seq_info.page_size
-        if configs:
-            st.decode_fn, st.takes_backend = _decode_fn()
-            st.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-            width = trtllm_block_table_width(seq_info.max_pages_per_seq, seq_info.page_size)
-            st.block_table = torch.zeros(seq_info.max_batch_size, width, dtype=torch.int32, device=device)
-
-    def prepare(self, seq_info) -> None:
-        st = _STATE
-        counts = StepCounts.of(seq_info.get("batch_info_host"))
-        if st.configs and counts.decode_only:
-            # Device-side copy of the step's page table into the padded block table (no sync).
-            fill_trtllm_block_table(st.block_table, seq_info.get("page_table"))
-            st.decode_steps += 1
-        elif st.configs and counts.num_seqs:
-            st.fallback_steps += 1
-        st.counts = counts
+    def setup(self, spec: SessionSpec, policy: Optional[TrtllmPolicy] = None) -> TrtllmMLASession:
+        policy = policy or TrtllmPolicy()
+        return TrtllmMLASession(spec, policy, plan_configs(self, spec, policy.fallback_order))

@@ -26,6 +26,14 @@ class MLADims:
     def default_scale(self) -> float:
         return (self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5
 
+    def split_kv_b(self, kv_b_proj_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_kn [N, Dn, R], W_v [N, Dv, R]): views of kv_b_proj's per-head rows [Dn | Dv].
+
+        The weight-absorption form of MLA: q_abs = q_nope · W_kn scores against the latent directly,
+        and the latent output · W_vᵀ gives the values, so K and V are never materialised."""
+        w = kv_b_proj_weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+        return w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim :]
+
     def short(self) -> str:
         return (
             f"N={self.num_heads} R={self.kv_lora_rank} Dr={self.qk_rope_head_dim} "

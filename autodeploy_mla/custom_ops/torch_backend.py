@@ -4,7 +4,8 @@ Runs anywhere (CPU or CUDA, any dims) and is the correctness oracle for every ot
 vectorised over the whole mixed batch: the step's tokens are scattered into a [seqs, max_q] grid,
 each sequence's history is gathered through its page table, and one masked softmax serves prefill,
 chunked prefill and decode alike. Sizes come from host metadata only, so it never syncs the device;
-they are baked per call, so it is not safe inside a whole-graph CUDA graph.
+they are baked per call, so it is not safe inside a whole-graph CUDA graph. Stateless: its session
+is the plain `BackendSession`.
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ from typing import Optional
 
 import torch
 
-from .backend_registry import CheckResult, DeviceInfo, MLABackend, register_backend
-from .cached_op_checks import cached_op_fake, check_cached_inputs
+from .backend_registry import CheckResult, MLABackend, Target, register_backend
 from .mla_dims import MLADims, resolve_scale
+from .op_contract import MLAInputs, append_to_paged_cache, check_cached_inputs, define_cached_op
 
 OP = "torch_mla_with_cache"
 METADATA: tuple[str, ...] = (
@@ -31,69 +32,43 @@ METADATA: tuple[str, ...] = (
 )
 
 
-def append_to_paged_cache(
-    mla_cache: torch.Tensor, compressed_kv: torch.Tensor, kpe: torch.Tensor, cache_loc: torch.Tensor
-) -> None:
-    """Write every token's [latent | rope key] into its cache slot (padded tokens hit the scratch page)."""
-    t = compressed_kv.shape[1]
-    flat = mla_cache.view(-1, mla_cache.shape[-1])
-    new = torch.cat([compressed_kv[0], kpe[0, :, 0]], dim=-1).to(mla_cache.dtype)
-    flat.index_copy_(0, cache_loc[:t].long(), new)
-
-
-@torch.library.custom_op("autodeploy::torch_mla_with_cache", mutates_args=("mla_cache",))
-def torch_mla_with_cache(
-    q_nope: torch.Tensor,
-    q_pe: torch.Tensor,
-    compressed_kv: torch.Tensor,
-    kpe: torch.Tensor,
-    kv_b_proj_weight: torch.Tensor,
-    batch_info_host: torch.Tensor,
-    max_seq_info_host: torch.Tensor,
-    cu_seqlen: torch.Tensor,
-    input_pos: torch.Tensor,
-    seq_len_with_cache: torch.Tensor,
-    page_table: torch.Tensor,
-    batch_idx: torch.Tensor,
-    cache_loc: torch.Tensor,
-    mla_cache: torch.Tensor,
-    scale: Optional[float] = None,
-) -> torch.Tensor:
+def _torch_mla_with_cache(x: MLAInputs, meta: Mapping[str, torch.Tensor], mla_cache: torch.Tensor,
+                          scale: Optional[float]) -> torch.Tensor:
     """Append the step's tokens to the paged cache, then attend. Returns [1, T, N, Dv]."""
-    dims = check_cached_inputs(OP, q_nope, q_pe, compressed_kv, kpe, kv_b_proj_weight, mla_cache)
-    append_to_paged_cache(mla_cache, compressed_kv, kpe, cache_loc)
+    dims = check_cached_inputs(OP, x, mla_cache)
+    append_to_paged_cache(mla_cache, x, meta["cache_loc"])
 
-    n, dn, dv, r = dims.num_heads, dims.qk_nope_head_dim, dims.v_head_dim, dims.kv_lora_rank
-    t_all = q_nope.shape[1]
-    out = q_nope.new_zeros(1, t_all, n, dv)
+    n, dv, r = dims.num_heads, dims.v_head_dim, dims.kv_lora_rank
+    t_all = x.q_nope.shape[1]
+    out = x.q_nope.new_zeros(1, t_all, n, dv)
     # Host metadata (CPU tensors): reading them never waits for the GPU.
-    n_pre, n_pre_tok, n_dec = (int(x) for x in batch_info_host)
-    max_q, max_kv = (int(x) for x in max_seq_info_host)
+    n_pre, n_pre_tok, n_dec = (int(v) for v in meta["batch_info_host"])
+    max_q, max_kv = (int(v) for v in meta["max_seq_info_host"])
     nb, num_tok = n_pre + n_dec, n_pre_tok + n_dec
     if nb == 0 or num_tok == 0:
         return out
 
-    acc = torch.promote_types(q_nope.dtype, torch.float32)
-    dev = q_nope.device
+    cu_seqlen, input_pos, seq_len = meta["cu_seqlen"], meta["input_pos"], meta["seq_len_with_cache"]
+    acc = torch.promote_types(x.q_nope.dtype, torch.float32)
+    dev = x.q_nope.device
     ps = mla_cache.shape[1]
     kv_pos = torch.arange(max_kv, device=dev)
-    slots = page_table[:nb, kv_pos // ps].long() * ps + kv_pos % ps  # [nb, max_kv]
+    slots = meta["page_table"][:nb, kv_pos // ps].long() * ps + kv_pos % ps  # [nb, max_kv]
     hist = mla_cache.view(-1, mla_cache.shape[-1])[slots].to(acc)  # [nb, max_kv, R+Dr]
     # Slots past a sequence's length hold stale data (maybe non-finite): zero them, since a masked
     # probability of 0 times NaN is still NaN.
-    in_seq = kv_pos[None] < seq_len_with_cache[:nb, None].long()
+    in_seq = kv_pos[None] < seq_len[:nb, None].long()
     hist = hist.masked_fill(~in_seq[..., None], 0.0)
     ckv_hist, kpe_hist = hist[..., :r], hist[..., r:]
 
-    w = kv_b_proj_weight.view(n, dn + dv, r).to(acc)
-    w_kn, w_v = w[:, :dn], w[:, dn:]
-    tok_seq = batch_idx[:num_tok].long()
+    w_kn, w_v = (w.to(acc) for w in dims.split_kv_b(x.kv_b_proj_weight))
+    tok_seq = meta["batch_idx"][:num_tok].long()
     tok_q = torch.arange(num_tok, device=dev) - cu_seqlen[tok_seq].long()  # index within its sequence
-    q_abs = torch.einsum("tnd,ndr->tnr", q_nope[0, :num_tok].to(acc), w_kn)
+    q_abs = torch.einsum("tnd,ndr->tnr", x.q_nope[0, :num_tok].to(acc), w_kn)
     grid_abs = q_abs.new_zeros(nb, max_q, n, r)
     grid_abs[tok_seq, tok_q] = q_abs
     grid_pe = q_abs.new_zeros(nb, max_q, n, dims.qk_rope_head_dim)
-    grid_pe[tok_seq, tok_q] = q_pe[0, :num_tok].to(acc)
+    grid_pe[tok_seq, tok_q] = x.q_pe[0, :num_tok].to(acc)
 
     scores = torch.einsum("bqnr,bkr->bnqk", grid_abs, ckv_hist)
     scores = scores + torch.einsum("bqnd,bkd->bnqk", grid_pe, kpe_hist)
@@ -107,25 +82,18 @@ def torch_mla_with_cache(
     return out
 
 
-torch_mla_with_cache.register_fake(cached_op_fake(OP, METADATA))
+torch_mla_with_cache = define_cached_op(OP, METADATA, _torch_mla_with_cache)
 
 
 @register_backend
 class TorchMLABackend(MLABackend):
     name = "torch"
-    cached_op = torch.ops.autodeploy.torch_mla_with_cache
+    cached_op = torch_mla_with_cache
     metadata = METADATA
     source = "autodeploy_mla reference implementation (vectorised torch)"
     decode_graph_safe = False  # sizes are read from host metadata at call time
 
-    def check(
-        self,
-        dims: MLADims,
-        dtype: torch.dtype,
-        device: DeviceInfo,
-        versions: Mapping[str, Optional[str]],
-        page_size: int,
-    ) -> CheckResult:
+    def check(self, dims: MLADims, dtype: torch.dtype, target: Target) -> CheckResult:
         if not dtype.is_floating_point:
             return CheckResult(False, f"dtype {dtype} is not floating point")
         return CheckResult(True, "reference op: any device, any dims (slow; the correctness oracle)")

@@ -7,12 +7,15 @@ through kv_b_proj) so that it is an independent oracle for the absorbed cached o
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.nn.functional as F
 
 from .mla_dims import infer_dims, resolve_scale
+
+if TYPE_CHECKING:
+    import torch.fx
 
 OP = "torch_mla"
 
@@ -33,7 +36,7 @@ def mla_expanded_attention(
 ) -> torch.Tensor:
     dims, b, s = infer_dims(OP, q_nope, q_pe, compressed_kv, kpe, kv_b_proj_weight, layout)
     n, dn, dv = dims.num_heads, dims.qk_nope_head_dim, dims.v_head_dim
-    w = kv_b_proj_weight.view(n, dn + dv, dims.kv_lora_rank)
+    w = kv_b_proj_weight.view(n, dn + dv, dims.kv_lora_rank)  # whole head rows: K_nope and V together
     kv = torch.einsum("bsr,ndr->bnsd", compressed_kv, w)  # [B,N,S,Dn+Dv]
     k_nope, v = kv.split([dn, dv], dim=-1)
     q = torch.cat([_to_bnsd(q_nope, layout), _to_bnsd(q_pe, layout)], dim=-1)
@@ -67,3 +70,19 @@ def _torch_mla_fake(q_nope, q_pe, compressed_kv, kpe, kv_b_proj_weight, is_causa
     dims, b, s = infer_dims(OP, q_nope, q_pe, compressed_kv, kpe, kv_b_proj_weight, layout)
     shape = (b, s, dims.num_heads, dims.v_head_dim) if layout == "bsnd" else (b, dims.num_heads, s, dims.v_head_dim)
     return q_nope.new_empty(shape)
+
+
+_SCHEMA = torch.ops.autodeploy.torch_mla.default._schema
+_ARG_INDEX = {a.name: i for i, a in enumerate(_SCHEMA.arguments)}
+_ARG_DEFAULT = {a.name: a.default_value for a in _SCHEMA.arguments if a.has_default_value()}
+
+
+def source_arg(node: "torch.fx.Node", name: str) -> Any:
+    """Argument `name` of a `torch_mla` node, whether passed positionally, by keyword, or defaulted
+    (read from the op's own schema, so it cannot drift from the signature above)."""
+    if name in node.kwargs:
+        return node.kwargs[name]
+    idx = _ARG_INDEX[name]
+    if idx < len(node.args):
+        return node.args[idx]
+    return _ARG_DEFAULT.get(name)

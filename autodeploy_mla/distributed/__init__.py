@@ -1,7 +1,8 @@
-"""Tensor parallelism support: process groups, launching, collectives, sharded weight loading.
+"""Process plumbing for tensor parallelism: process groups and launching ranks.
 
-The graph transformation itself is the `shard` pass (transforms/shard.py); see
-docs/tensor_parallel.md for the design and how to launch.
+Used only by the API and the CLI (a layer test enforces it): the graph transformation is the
+`shard` pass (transforms/shard.py), weight loading by slices is models/ + the `load_weights` pass,
+and the runtime's sampling broadcast is in runtime/model_runner.py. See docs/tensor_parallel.md.
 """
 
 from .env import (  # noqa: F401
@@ -12,6 +13,8 @@ from .env import (  # noqa: F401
     env_info,
     init_distributed,
     is_rank0,
+    require_group,
+    resolve_world,
     shutdown_distributed,
 )
-from .launch import RankFailed, spawn  # noqa: F401
+from .launch import RankFailed, share_cpu_threads, spawn  # noqa: F401

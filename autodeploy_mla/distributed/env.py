@@ -137,6 +137,33 @@ def shutdown_distributed(timeout_s: float = 60.0) -> bool:
     return False
 
 
+def resolve_world(world_size: Optional[int], rank: Optional[int]) -> tuple[int, int]:
+    """(world_size, rank) of a tensor-parallel build: explicit options win, else the process group /
+    environment. Raised here once, before any build work, so no pass reads the environment."""
+    info = env_info()
+    w = info.world_size if world_size is None else int(world_size)
+    r = info.rank if rank is None else int(rank)
+    if w < 1:
+        raise DistributedError(f"world_size={w}: must be >= 1")
+    if not 0 <= r < w:
+        raise DistributedError(f"rank {r} is outside world_size {w}")
+    return w, r
+
+
+def require_group(world_size: int, rank: int) -> str:
+    """The default process group's name, after checking it matches (world_size, rank)."""
+    info = env_info()
+    if info.backend is None or info.world_size != world_size:
+        raise DistributedError(
+            f"world_size={world_size} needs an initialised torch.distributed process group of {world_size} "
+            f"ranks (found {'none' if info.backend is None else info.world_size}). Launch with "
+            f"`autodeploy build --world-size {world_size}` or torchrun --nproc-per-node {world_size}."
+        )
+    if info.rank != rank:
+        raise DistributedError(f"rank={rank} in the config but this process is rank {info.rank}")
+    return world_group_name()
+
+
 def is_rank0() -> bool:
     return env_info().is_rank0
 

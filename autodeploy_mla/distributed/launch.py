@@ -1,4 +1,4 @@
-"""Launching ranks: `spawn` (torch.multiprocessing, one process per rank) and the CLI hooks.
+"""Launching ranks: `spawn` (torch.multiprocessing, one process per rank).
 
 `spawn(fn, world_size, *args)` picks a free rendezvous port, sets the torchrun-style environment
 (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK, and the NVLink-multicast-off variables),
@@ -7,7 +7,7 @@ every rank identically, runs `fn(rank, *args)` and returns rank 0's result. Any 
 `spawn` raise with that rank's traceback.
 
 Under torchrun the environment is already there: `init_distributed()` (env.py) is all a process
-needs; `autodeploy build` calls it through `cli_setup`.
+needs; the CLI's in-rank set-up (cli/tp.py) calls it.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from .env import (
     DistributedError,
     default_backend,
     disable_multicast_env,
-    env_info,
     init_distributed,
     shutdown_distributed,
 )
@@ -139,63 +138,3 @@ def spawn(
     if errors:
         raise RankFailed("\n".join(errors))
     return results if all_results else results[0]
-
-
-# ----------------------------------------------------------------------------- CLI hooks
-def _cli_rank(rank: int, build: Callable[[Any], int], args: Any) -> int:
-    return build(args)
-
-
-def cli_launch(args: Any, build: Callable[[Any], int]) -> Optional[int]:
-    """`autodeploy build --world-size N`: spawn N ranks that each run `build(args)`; rank 0's exit
-    code. None when nothing has to be spawned (world size 1, or already inside a rank/torchrun)."""
-    want = getattr(args, "world_size", None) or 1
-    info = env_info()
-    if want == 1 or info.world_size > 1:
-        if info.world_size > 1 and want not in (1, info.world_size):
-            raise DistributedError(
-                f"--world-size {want} but this process is one of {info.world_size} ranks already (torchrun?)"
-            )
-        return None
-    try:
-        return int(spawn(_cli_rank, want, build, args, backend=default_backend(_device_type(args)), seed=args.seed))
-    except RankFailed as exc:
-        from .. import cli
-
-        cli.console.print(f"[red]error:[/] {exc}")
-        return 1
-
-
-def _device_type(args: Any) -> str:
-    dev = getattr(args, "device", None)
-    if dev:
-        return torch.device(dev).type
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def cli_setup(args: Any, console: Any = None) -> list[str]:
-    """In a rank (spawned or torchrun): start the process group; returns the `--set` overrides that
-    turn tensor parallelism on and put the rank on its own GPU; `console` (the CLI's rich Console)
-    goes quiet on ranks other than 0."""
-    info = env_info()
-    if info.world_size == 1:
-        return []
-    info = init_distributed(device_type=_device_type(args))
-    torch.manual_seed(getattr(args, "seed", 0))  # torchrun ranks: same RNG state everywhere
-    if console is not None:
-        console.quiet = info.rank != 0
-    sets = ["transforms.shard.enabled=true", f"transforms.shard.world_size={info.world_size}"]
-    if _device_type(args) == "cuda":
-        sets.append(f"model.device=cuda:{info.local_rank}")
-    return sets
-
-
-def is_rank0() -> bool:
-    return env_info().is_rank0
-
-
-def reference_model(om: Any) -> Any:
-    """The HF model with real weights to verify against (loads it when `om` was built weightless)."""
-    from .loading import reference_model as _reference
-
-    return _reference(om.eager_model, om.config.model, om.device, om.dtype)

@@ -1,3 +1,4 @@
-"""Model factory: HF checkpoint directories, HF config dicts (seeded random weights), family names."""
+"""Models: building the eager HF model (checkpoint or random weights), weightless skeletons for
+tensor-parallel loading, and reading checkpoints by slices."""
 
-from .factory import ModelLoadError, build_model, model_config_path, resolve_model_arg  # noqa: F401
+from .factory import ModelLoadError, build_model, eos_token_ids, resolve_device, resolve_dtype  # noqa: F401

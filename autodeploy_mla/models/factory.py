@@ -1,54 +1,25 @@
 """Build the eager model a config asks for.
 
-Three sources: an HF checkpoint directory (config.json + safetensors, loaded by transformers), an
-HF config dict (random weights from a fixed seed, for tests and the embedded default), or a family
-name that selects a YAML in model_configs/ (which carries such a dict).
+Two sources: an HF checkpoint directory (config.json + safetensors, loaded by transformers), or an
+HF config dict (random weights from a fixed seed, for tests and the embedded default; the family
+YAMLs in model_configs/ carry one). A checkpoint that lacks any of the model's weights is refused
+with the list of missing tensors: transformers would fill them with random values.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
 
 from ..config.schema import ModelConfig
 
-# A symlink inside the package to the repo-level model_configs/, so installs carry the YAMLs.
-MODEL_CONFIGS_DIR = Path(__file__).resolve().parents[1] / "model_configs"
 
 
 class ModelLoadError(RuntimeError):
     """The model could not be built or loaded; the message says from where and what to do."""
-
-
-def model_config_path(name: str) -> Optional[Path]:
-    """model_configs/<name>.yaml if it exists."""
-    p = MODEL_CONFIGS_DIR / f"{name}.yaml"
-    return p if p.is_file() else None
-
-
-def available_model_configs() -> list[str]:
-    return sorted(p.stem for p in MODEL_CONFIGS_DIR.glob("*.yaml")) if MODEL_CONFIGS_DIR.is_dir() else []
-
-
-def resolve_model_arg(arg: str) -> dict[str, Any] | Path:
-    """CLI `--model`: a checkpoint directory -> {'model': {'path': ...}}; a family name -> its YAML."""
-    p = Path(arg)
-    if p.is_dir():
-        if not (p / "config.json").is_file():
-            raise ModelLoadError(f"--model {arg}: directory has no config.json; expected an HF checkpoint directory")
-        return {"model": {"path": str(p.resolve()), "hf_config": None}}
-    yaml_path = model_config_path(arg)
-    if yaml_path is not None:
-        return yaml_path
-    if p.suffix in (".yaml", ".yml") and p.is_file():
-        return p
-    raise ModelLoadError(
-        f"--model {arg!r} is neither a checkpoint directory nor a model config; known model configs: "
-        f"{', '.join(available_model_configs())}"
-    )
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -91,9 +62,13 @@ def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> n
             raise ModelLoadError(f"model.path {cfg.path!r} has no config.json; expected an HF checkpoint directory")
         try:
             config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
-            model = causal_lm_class(config).from_pretrained(path, config=config, dtype=dtype, **kwargs)
+            model, info = causal_lm_class(config).from_pretrained(path, config=config, dtype=dtype,
+                                                                  output_loading_info=True, **kwargs)
+        except ModelLoadError:
+            raise
         except Exception as exc:
             raise ModelLoadError(f"loading the checkpoint at {path} failed: {type(exc).__name__}: {exc}") from exc
+        _refuse_incomplete(path, info)
     elif cfg.hf_config is not None:
         hf = dict(cfg.hf_config)
         model_type = hf.pop("model_type", None)
@@ -108,7 +83,36 @@ def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> n
         model = model.to(dtype)
     else:
         raise ModelLoadError(
-            "no model: set model.path (checkpoint), model.hf_config, or pass --model NAME with one of "
-            f"{', '.join(available_model_configs())}"
+            "no model: set model.path (a checkpoint directory) or model.hf_config, or name a model family "
+            "(`--model deepseek_v3`, `optimize(\"deepseek_v3\")`; `autodeploy models` lists them)"
         )
     return model.to(device).eval()
+
+
+def _refuse_incomplete(path: Path, info: dict[str, Any]) -> None:
+    """A checkpoint with missing or wrongly shaped weights is an error, not random weights."""
+    missing = sorted(info.get("missing_keys") or ())
+    mismatched = sorted(str(m) for m in (info.get("mismatched_keys") or ()))
+    if not missing and not mismatched:
+        return
+    parts = []
+    if missing:
+        shown = ", ".join(missing[:20]) + (f", ... ({len(missing)} in all)" if len(missing) > 20 else "")
+        parts.append(f"{len(missing)} weight tensor(s) missing: {shown}")
+    if mismatched:
+        parts.append(f"{len(mismatched)} with the wrong shape: {', '.join(mismatched[:10])}")
+    raise ModelLoadError(
+        f"the checkpoint at {path} is incomplete for {info.get('model_class', 'this model')}: {'; '.join(parts)}. "
+        "transformers would initialise these randomly; fix the checkpoint (or its config.json) instead."
+    )
+
+
+def eos_token_ids(model: nn.Module) -> tuple[int, ...]:
+    """The model's end-of-sequence token id(s), as HF `generate` would use them (empty if none)."""
+    for src in (getattr(model, "generation_config", None), getattr(model, "config", None)):
+        eos = getattr(src, "eos_token_id", None)
+        if eos is None:
+            continue
+        ids = (eos,) if isinstance(eos, int) else tuple(eos)
+        return tuple(int(i) for i in ids)
+    return ()

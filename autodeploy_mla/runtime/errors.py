@@ -7,3 +7,7 @@ class CapacityError(ValueError):
 
 class OutOfPagesError(CapacityError):
     """The paged cache has too few free pages for a request. Recoverable: nothing was changed."""
+
+
+class RequestError(ValueError):
+    """A request is malformed (empty prompt, token id outside the vocabulary, ...); it fails alone."""

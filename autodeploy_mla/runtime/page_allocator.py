@@ -11,9 +11,8 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
+from ..custom_ops.backend_registry import SCRATCH_PAGE
 from .errors import CapacityError, OutOfPagesError
-
-SCRATCH_PAGE = 0
 
 
 class PageAllocator:

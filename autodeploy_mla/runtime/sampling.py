@@ -10,13 +10,20 @@ import torch
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """How one request samples and when it stops.
+
+    Generation stops at `max_new_tokens`, at any of `stop_token_ids`, and at the end-of-sequence
+    token: `eos_token_id` if given, else the model's own (as HF `generate` does); `ignore_eos=True`
+    keeps going past it."""
+
     max_new_tokens: int = 16
     temperature: float = 0.0  # 0: greedy
     top_k: int = 0  # 0: off
     top_p: float = 1.0  # 1: off
     seed: Optional[int] = None
-    eos_token_id: Optional[int | tuple[int, ...]] = None
+    eos_token_id: Optional[int | tuple[int, ...]] = None  # None: the model's
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -28,12 +35,15 @@ class SamplingParams:
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p={self.top_p}: must be in (0, 1]")
 
-    @property
-    def stop_ids(self) -> set[int]:
-        eos = self.eos_token_id
-        ids = set(self.stop_token_ids)
-        if eos is not None:
-            ids |= {eos} if isinstance(eos, int) else set(eos)
+    def stop_ids(self, model_eos: tuple[int, ...] = ()) -> set[int]:
+        """Token ids that finish the request: stop tokens, plus the eos token(s) unless ignore_eos."""
+        ids = {int(t) for t in self.stop_token_ids}
+        if not self.ignore_eos:
+            eos = self.eos_token_id
+            if eos is None:
+                ids |= set(model_eos)
+            else:
+                ids |= {int(eos)} if isinstance(eos, int) else {int(t) for t in eos}
         return ids
 
 

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from .errors import CapacityError
-from .page_allocator import SCRATCH_PAGE
+from ..custom_ops.backend_registry import SCRATCH_PAGE
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,39 @@ class StepSequence:
 
 
 _ALIGN = 8
+
+
+def _layout(b: int, t: int, p: int) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """The fields (name, dtype, shape) at capacity: B sequences, T tokens, P pages per sequence."""
+    return [
+        ("batch_info", torch.int32, (3,)),
+        ("max_seq_info", torch.int32, (2,)),
+        ("cu_seqlen", torch.int32, (b + 1,)),
+        ("input_pos", torch.int32, (b,)),
+        ("seq_len_with_cache", torch.int32, (b,)),
+        ("page_table", torch.int32, (b, p)),
+        ("batch_idx", torch.int32, (t,)),
+        ("cache_loc", torch.int32, (t,)),
+        ("input_ids", torch.int64, (t,)),
+        ("position_ids", torch.int64, (t,)),
+        ("last_token", torch.int64, (b,)),
+        ("logits_index", torch.int64, (b,)),
+    ]
+
+
+def _offsets(layout: Sequence[tuple[str, torch.dtype, tuple[int, ...]]]) -> tuple[list[int], int]:
+    offsets, off = [], 0
+    for _, dt, shape in layout:
+        off = -(-off // _ALIGN) * _ALIGN
+        offsets.append(off)
+        off += math.prod(shape) * dt.itemsize
+    return offsets, -(-off // _ALIGN) * _ALIGN
+
+
+def metadata_nbytes(max_batch_size: int, max_num_tokens: int, max_seq_len: int, page_size: int) -> int:
+    """Bytes of one metadata staging buffer at these capacities (the device copy costs the same again)."""
+    pages = math.ceil(max_seq_len / page_size)
+    return _offsets(_layout(max_batch_size, max_num_tokens, pages))[1]
 
 
 class SequenceInfo:
@@ -80,26 +113,8 @@ class SequenceInfo:
         self.max_pages_per_seq = P = math.ceil(self.max_seq_len / self.page_size)
         self.device = torch.device(device)
 
-        layout = [
-            ("batch_info", torch.int32, (3,)),
-            ("max_seq_info", torch.int32, (2,)),
-            ("cu_seqlen", torch.int32, (B + 1,)),
-            ("input_pos", torch.int32, (B,)),
-            ("seq_len_with_cache", torch.int32, (B,)),
-            ("page_table", torch.int32, (B, P)),
-            ("batch_idx", torch.int32, (T,)),
-            ("cache_loc", torch.int32, (T,)),
-            ("input_ids", torch.int64, (T,)),
-            ("position_ids", torch.int64, (T,)),
-            ("last_token", torch.int64, (B,)),
-            ("logits_index", torch.int64, (B,)),
-        ]
-        offsets, off = [], 0
-        for _, dt, shape in layout:
-            off = -(-off // _ALIGN) * _ALIGN
-            offsets.append(off)
-            off += math.prod(shape) * dt.itemsize
-        self._nbytes = -(-off // _ALIGN) * _ALIGN
+        layout = _layout(B, T, P)
+        offsets, self._nbytes = _offsets(layout)
         on_cuda = self.device.type == "cuda"
         self._host_buf = torch.zeros(self._nbytes, dtype=torch.uint8, pin_memory=on_cuda)
         self._dev_buf = (
@@ -113,9 +128,6 @@ class SequenceInfo:
             self.dev[name] = self._dev_buf[o : o + nb].view(dt).view(shape)
         self._host_np = {name: t.numpy() for name, t in self.host.items()}
         self._copy_done: torch.cuda.Event | None = None
-        #: CUDA-graph token buckets (set by the piecewise runner): prepare_step pads each step up to
-        #: the next bucket when no explicit pad_to is given. Empty: no automatic padding.
-        self.token_buckets: tuple[int, ...] = ()
 
         # Host-side description of the current step (plain Python, for the engine and planners).
         self.seq_ids: list[int] = []
@@ -148,17 +160,6 @@ class SequenceInfo:
         """An empty step (all capacity padded)."""
         self._write([], [], None, "last")
 
-    def bucket_for(self, num_tokens: int, decode_only: bool) -> int | None:
-        """The token count a step of `num_tokens` is padded to: the smallest bucket that holds it (a
-        decode-only step prefers one <= max_batch_size, so its padding is dummy decode sequences);
-        None when no bucket fits (the step runs unpadded)."""
-        fits = [b for b in self.token_buckets if num_tokens <= b <= self.max_num_tokens]
-        if decode_only:
-            seqs = [b for b in fits if b <= self.max_batch_size]
-            if seqs:
-                return min(seqs)
-        return min(fits, default=None)
-
     def prepare_step(
         self,
         seqs: Sequence[StepSequence],
@@ -170,9 +171,9 @@ class SequenceInfo:
 
         `pages_of(seq_id)` gives the pages that already hold (or will hold) the sequence's tokens:
         allocate them before calling this. Validates every limit first, so a rejected step leaves
-        the previous metadata untouched. Without `pad_to`, pads to `bucket_for(...)` when
-        `token_buckets` is set. `logits_for`: "last" (each sequence's last token) or "all" (every
-        token of the step, at most max_batch_size) fills `logits_index`.
+        the previous metadata untouched. `pad_to`: run the step as that many tokens (CUDA-graph
+        buckets; the model runner decides). `logits_for`: "last" (each sequence's last token) or
+        "all" (every token of the step, at most max_batch_size) fills `logits_index`.
         """
         ordered = sorted(seqs, key=lambda s: s.is_decode)  # stable: prefill first, decode last
         if len(ordered) > self.max_batch_size:
@@ -192,8 +193,6 @@ class SequenceInfo:
                 f"logits_for='all' returns one row per token, at most max_batch_size={self.max_batch_size}; "
                 f"the step has {num_tokens} tokens."
             )
-        if pad_to is None and self.token_buckets and ordered:
-            pad_to = self.bucket_for(num_tokens, decode_only=all(s.is_decode for s in ordered))
         if pad_to is not None and not (num_tokens <= pad_to <= self.max_num_tokens):
             raise CapacityError(
                 f"pad_to={pad_to} must lie in [{num_tokens} (tokens this step), "
@@ -235,7 +234,6 @@ class SequenceInfo:
     ) -> None:
         if self._copy_done is not None:  # the previous async copy still reads the staging buffer
             self._copy_done.synchronize()
-        h = self.host
         ps = self.page_size
         n_seq = len(ordered)
         n_dec = sum(1 for s in ordered if s.is_decode)

@@ -1,40 +1,25 @@
 """Per-node attention backend resolution (DESIGN §8).
 
-Pure function of the node's dims, dtype, the device's capabilities, the installed library versions
-and the requested backend, so it is unit-tested with mocked devices and versions. Every decision
-keeps the reason it was taken and why each preferred backend was rejected.
+Pure function of the node's dims, dtype, the target (device capabilities, installed library
+versions, page size) and the requested backend, so it is unit-tested with mocked targets. Every
+decision keeps the reason it was taken and why each preferred backend was rejected.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
-from typing import Optional
 
 import torch
 
-from ..custom_ops.backend_registry import DeviceInfo, all_backends, get_backend
+from ..custom_ops.backend_registry import BackendDecision, DeviceInfo, Target, all_backends, get_backend
 from ..custom_ops.mla_dims import MLADims
+
+#: Keys of the `preference:` table: one auto order per device class.
+DEVICE_CLASSES: tuple[str, ...] = ("sm100", "sm90", "sm80", "cuda", "cpu")
 
 
 class BackendResolutionError(ValueError):
     """An explicitly requested backend cannot serve a node (and fallback is off), or none can."""
-
-
-@dataclass
-class BackendDecision:
-    layer: str
-    dims: MLADims
-    requested: str
-    backend: str
-    reason: str
-    rejected: list[tuple[str, str]] = field(default_factory=list)
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["dims"] = asdict(self.dims)
-        d["rejected"] = [{"backend": b, "reason": r} for b, r in self.rejected]
-        return d
 
 
 def arch_key(device: DeviceInfo) -> str:
@@ -54,9 +39,7 @@ def resolve_backend(
     layer: str,
     dims: MLADims,
     dtype: torch.dtype,
-    device: DeviceInfo,
-    versions: Mapping[str, Optional[str]],
-    page_size: int,
+    target: Target,
     requested: str,
     preference: Mapping[str, Sequence[str]],
     allow_fallback: bool = False,
@@ -68,18 +51,17 @@ def resolve_backend(
     """
     rejected: list[tuple[str, str]] = []
     if requested != "auto":
-        be = get_backend(requested)
-        res = be.check(dims, dtype, device, versions, page_size)
+        res = get_backend(requested).check(dims, dtype, target)
         if res.ok:
             return BackendDecision(layer, dims, requested, requested, f"requested explicitly; {res.reason}")
         if not allow_fallback:
             raise BackendResolutionError(
                 f"{layer}: backend {requested!r} cannot serve this node ({dims.short()}, {dtype}, "
-                f"{device.short()}, page_size={page_size}): {res.reason}. Choose another backend, use "
-                "`auto`, or set insert_cached_mla_attention.allow_fallback: true."
+                f"{target.short()}): {res.reason}. Choose another backend, use `auto`, or set "
+                "insert_cached_mla_attention.allow_fallback: true."
             )
         rejected.append((requested, res.reason))
-    key = arch_key(device)
+    key = arch_key(target.device)
     order = list(preference.get(key, ()))
     if not order:
         raise BackendResolutionError(
@@ -89,11 +71,11 @@ def resolve_backend(
     for name in order:
         if name == requested:
             continue
-        be = get_backend(name)
-        res = be.check(dims, dtype, device, versions, page_size)
+        res = get_backend(name).check(dims, dtype, target)
         if res.ok:
             how = "fallback" if requested != "auto" else "auto"
-            return BackendDecision(layer, dims, requested, name, f"{how}: first accepted in {key} order; {res.reason}", rejected)
+            return BackendDecision(layer, dims, requested, name, f"{how}: first accepted in {key} order; {res.reason}",
+                                   tuple(rejected))
         rejected.append((name, res.reason))
     lines = "; ".join(f"{b}: {r}" for b, r in rejected)
-    raise BackendResolutionError(f"{layer}: no backend can serve {dims.short()} {dtype} on {device.short()}: {lines}")
+    raise BackendResolutionError(f"{layer}: no backend can serve {dims.short()} {dtype} on {target.short()}: {lines}")

@@ -8,8 +8,13 @@ structure comes from the batch metadata, never from a mask tensor (DESIGN ยง3, ย
 from __future__ import annotations
 
 import torch
+from pydantic import Field
 from torch import nn
 from torch.export import Dim
+
+from ..models.factory import eos_token_ids
+from .context import BuildContext
+from .registry import PassOptions, PassResult, Stage, register_pass
 
 __all__ = ["ExportError", "export_model"]
 
@@ -104,3 +109,44 @@ def _device_of(model: nn.Module) -> torch.device:
     for p in model.parameters():
         return p.device
     return torch.device("cpu")
+
+
+# --------------------------------------------------------------------------------------------
+# The pass
+# --------------------------------------------------------------------------------------------
+
+
+class ExportOptions(PassOptions):
+    example_batch: int = Field(2, ge=2)
+    example_seq: int = Field(8, ge=2)
+
+
+def logits_vocab_size(gm: torch.fx.GraphModule) -> int | None:
+    """V of the graph's [B, S, V] logits output, from export's fake values."""
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    vals = out.args[0]
+    node = vals[0] if isinstance(vals, (tuple, list)) else vals
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    if val is None or val.dim() < 1 or not isinstance(val.shape[-1], int):
+        return None
+    return int(val.shape[-1])
+
+
+@register_pass("export", ExportOptions, stage=Stage.EXPORT)
+def export(ctx: BuildContext, opts: ExportOptions) -> PassResult:
+    if ctx.model is None:
+        raise ValueError("export: no model to export")
+    exported = export_model(ctx.model, example_batch=opts.example_batch, example_seq=opts.example_seq)
+    # A plain GraphModule: the exported module's pytree codegen and input-check hooks would reject
+    # the metadata and cache inputs that cache insertion adds.
+    exported.graph._codegen = torch.fx.graph.CodeGen()
+    ctx.gm = torch.fx.GraphModule(exported, exported.graph)
+    vocab = logits_vocab_size(ctx.gm) or getattr(getattr(ctx.model, "config", None), "vocab_size", None)
+    if vocab is None:
+        raise ExportError(f"{type(ctx.model).__name__}: cannot tell the vocabulary size (the output is not "
+                          "[B, S, V] logits and the model has no config.vocab_size)")
+    ctx.artifacts.vocab_size = int(vocab)
+    ctx.artifacts.eos_token_ids = eos_token_ids(ctx.model)
+    n = sum(1 for _ in ctx.gm.graph.nodes)
+    return PassResult(f"{type(ctx.model).__name__} -> {n} nodes", {"nodes": n, "vocab_size": int(vocab),
+                                                                    "eos_token_ids": list(ctx.artifacts.eos_token_ids)})

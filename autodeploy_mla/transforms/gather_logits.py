@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import torch
 
+from ..runtime.artifacts import LogitsRows
 from .context import BuildContext
-from .registry import PassOptions, PassResult, register_pass
+from .fx_utils import aten, placeholders
+from .registry import PassOptions, PassResult, Stage, register_pass
 
-aten = torch.ops.aten
 FIELD = "logits_index"
 # Ops allowed between the LM head and the graph output (casts / copies that keep the token dim).
 _PASSTHROUGH = {aten.to.dtype, aten._to_copy.default, aten.contiguous.default, aten.clone.default}
@@ -40,31 +41,27 @@ def _find_lm_head(gm: torch.fx.GraphModule) -> tuple[torch.fx.Node | None, str]:
     return node, ""
 
 
-@register_pass("gather_logits")
+@register_pass("gather_logits", stage=Stage.OUTPUT, requires=("insert_cached_mla_attention",))
 def gather_logits(ctx: BuildContext, opts: PassOptions) -> PassResult:
     gm = ctx.gm
     assert gm is not None
-    meta_fields = ctx.state.get("metadata_inputs")
-    if meta_fields is None:
-        raise ValueError("gather_logits needs the metadata inputs: run it after insert_cached_mla_attention")
+    sig = ctx.artifacts.signature
+    if sig is None:
+        raise ValueError("gather_logits needs the cached graph's signature: insert_cached_mla_attention must run first")
     head, why = _find_lm_head(gm)
     if head is None:
         return PassResult(f"not applied: {why}; logits stay per token", {"applied": False, "reason": why})
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    if FIELD in meta_fields:
-        index = next(p for p in placeholders if p.target == FIELD)
-    else:  # after the last metadata input, before the caches (the runtime passes them in that order)
-        last_meta = max((p for p in placeholders if p.target in meta_fields), key=placeholders.index)
-        with gm.graph.inserting_after(last_meta):
+    index = next((p for p in placeholders(gm) if p.target == FIELD), None)
+    if index is None:  # a new graph input, declared in the signature (bound by name)
+        with gm.graph.inserting_after(placeholders(gm)[-1]):
             index = gm.graph.placeholder(FIELD)
-        meta_fields.append(FIELD)
-        ctx.state["graph_inputs"] = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
     hidden = head.args[0]
     with gm.graph.inserting_before(head):
         rows = gm.graph.call_function(aten.index_select.default, (hidden, 1, index))
     head.replace_input_with(hidden, rows)
-    ctx.state["logits_gathered"] = True
     rows_n = ctx.config.runtime.max_batch_size
+    ctx.artifacts.signature = sig.with_metadata(FIELD)
+    ctx.artifacts.logits = LogitsRows(FIELD, rows_n)
     return PassResult(
         f"LM head on {rows_n} rows per step (one per sequence) instead of every token",
         {"applied": True, "rows": rows_n, "head": head.name},

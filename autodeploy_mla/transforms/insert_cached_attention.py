@@ -1,26 +1,30 @@
 """`insert_cached_mla_attention`: rewrite each `torch_mla` node into its backend's cached op.
 
-For every node: resolve the backend (per-node: layers may differ), record the decision with its
+For every node: resolve the backend (per node: layers may differ), record the decision with its
 reasons in node.meta and the build report, then replace the node by
 `<backend>_mla_with_cache(q_nope, q_pe, compressed_kv, kpe, kv_b_proj_weight, *metadata, cache, *constants)`
 and add graph inputs for the metadata fields the chosen backends consume and one cache per layer.
+The pass declares those inputs by name in a `GraphSignature`; the runtime binds them by name, so
+their position among the graph's inputs carries no meaning.
 """
 
 from __future__ import annotations
 
 import fnmatch
-from typing import Any, Optional
 
 import torch
 from pydantic import Field, field_validator
 
-from ..custom_ops.backend_registry import DeviceInfo, all_backends, get_backend, library_versions, source_arg
+from ..custom_ops.backend_registry import all_backends, get_backend
 from ..custom_ops.mla_dims import MLADims
-from .backend_resolution import BackendDecision, resolve_backend
+from ..custom_ops.torch_mla import source_arg
+from ..runtime.artifacts import CacheInput, GraphSignature
+from .backend_resolution import DEVICE_CLASSES, resolve_backend
 from .context import BuildContext
-from .registry import PassOptions, PassResult, register_pass
+from .fx_utils import TORCH_MLA, aten, placeholders
+from .fx_utils import shape as node_shape
+from .registry import PassOptions, PassResult, Stage, register_pass
 
-SOURCE_OP = torch.ops.autodeploy.torch_mla.default
 CACHE_PREFIX = "mla_cache_"
 
 
@@ -54,6 +58,10 @@ class InsertCachedMLAOptions(PassOptions):
     @field_validator("preference")
     @classmethod
     def _preference(cls, v: dict[str, list[str]]) -> dict[str, list[str]]:
+        unknown = [k for k in v if k not in DEVICE_CLASSES]
+        if unknown:
+            raise ValueError(f"unknown device class {unknown[0]!r} under preference; valid device classes: "
+                             f"{', '.join(DEVICE_CLASSES)}")
         for names in v.values():
             for b in names:
                 _known_backend(b, False)
@@ -61,13 +69,20 @@ class InsertCachedMLAOptions(PassOptions):
 
 
 def find_mla_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
-    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target == SOURCE_OP]
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target == TORCH_MLA]
 
 
 def node_dims(node: torch.fx.Node) -> MLADims:
+    """The node's MLA dims: as the matcher (or shard) recorded them, else from its input shapes."""
+    vals = [a.meta.get("val") if isinstance(a, torch.fx.Node) else None for a in node.args[:5]]
     if "mla_dims" in node.meta:
-        return node.meta["mla_dims"]
-    vals = [a.meta.get("val") for a in node.args[:5]]
+        dims: MLADims = node.meta["mla_dims"]
+        out = node_shape(node)
+        heads = out[2] if source_arg(node, "layout") == "bsnd" and len(out) == 4 else (out[1] if len(out) == 4 else None)
+        if isinstance(heads, int) and heads != dims.num_heads:
+            raise ValueError(f"{node.meta.get('mla_layer', node.name)}: the node's output has {heads} heads but its "
+                             f"recorded MLA dims say N={dims.num_heads}; a pass changed one without the other")
+        return dims
     if any(v is None for v in vals):
         raise ValueError(f"{node.name}: cannot read MLA dims (no shape metadata on its inputs)")
     q_nope, q_pe, ckv, _, w = vals
@@ -81,22 +96,30 @@ def node_dtype(node: torch.fx.Node, default: torch.dtype) -> torch.dtype:
     return val.dtype if val is not None else default
 
 
-def _layer_request(layer: str, index: int, opts: InsertCachedMLAOptions) -> str:
-    for pattern, backend in opts.layers.items():
-        if pattern == str(index) or fnmatch.fnmatchcase(layer, pattern):
-            return backend
-    return opts.backend
+def _layer_requests(layers: list[str], opts: InsertCachedMLAOptions) -> list[str]:
+    """Per node: the backend its override asks for (first matching pattern), else opts.backend. Every
+    pattern must match at least one layer: a typo would otherwise silently change nothing."""
+    used: set[str] = set()
+    out = []
+    for i, layer in enumerate(layers):
+        req = opts.backend
+        for pattern, backend in opts.layers.items():
+            if pattern == str(i) or fnmatch.fnmatchcase(layer, pattern):
+                req = backend
+                used.add(pattern)
+                break
+        out.append(req)
+    unused = [p for p in opts.layers if p not in used]
+    if unused:
+        names = ", ".join(f"{i}: {name}" for i, name in enumerate(layers))
+        raise ValueError(
+            f"insert_cached_mla_attention.layers: {', '.join(repr(p) for p in unused)} match no MLA layer. "
+            f"Use a layer index or a glob over these layer names ({len(layers)} layers) — {names}"
+        )
+    return out
 
 
-def _add_placeholder(gm: torch.fx.GraphModule, name: str, after: Optional[torch.fx.Node]) -> torch.fx.Node:
-    graph = gm.graph
-    ctx = graph.inserting_after(after) if after is not None else graph.inserting_before(next(iter(graph.nodes)))
-    with ctx:
-        node = graph.placeholder(name)
-    return node
-
-
-@register_pass("insert_cached_mla_attention", InsertCachedMLAOptions)
+@register_pass("insert_cached_mla_attention", InsertCachedMLAOptions, stage=Stage.CACHE, requires=("export",))
 def insert_cached_mla_attention(ctx: BuildContext, opts: InsertCachedMLAOptions) -> PassResult:
     gm = ctx.gm
     assert gm is not None
@@ -106,62 +129,57 @@ def insert_cached_mla_attention(ctx: BuildContext, opts: InsertCachedMLAOptions)
             "insert_cached_mla_attention: the graph has no torch_mla node. Enable match_mla (HF models) "
             "or call torch.ops.autodeploy.torch_mla in the model's attention."
         )
-    device = DeviceInfo.of(ctx.device)
-    versions = library_versions()
-    page_size = ctx.config.runtime.page_size
-
-    decisions: list[BackendDecision] = []
-    for i, node in enumerate(nodes):
-        layer = node.meta.get("mla_layer", node.name)
+    tokens = tuple(p.target for p in placeholders(gm))
+    if len(tokens) != 2:
+        raise ValueError(f"insert_cached_mla_attention: expected the exported graph's two inputs (input_ids, "
+                         f"position_ids), found {list(tokens)}")
+    layers = [n.meta.get("mla_layer", n.name) for n in nodes]
+    requests = _layer_requests(layers, opts)
+    decisions = []
+    for node, layer, req in zip(nodes, layers, requests):
         if source_arg(node, "is_causal") is not True:
             raise ValueError(f"{layer}: non-causal MLA cannot be served from a KV cache (is_causal=False).")
-        dims = node_dims(node)
-        dtype = node_dtype(node, ctx.dtype)
-        decisions.append(
-            resolve_backend(layer, dims, dtype, device, versions, page_size,
-                            _layer_request(layer, i, opts), opts.preference, opts.allow_fallback)
-        )
+        decisions.append(resolve_backend(layer, node_dims(node), node_dtype(node, ctx.dtype), ctx.target, req,
+                                         opts.preference, opts.allow_fallback))
 
-    # Graph inputs: existing placeholders, then metadata (union over the chosen backends), then caches.
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    # Graph inputs: metadata (union over the chosen backends), then one cache per layer.
     meta_fields: list[str] = []
     for d in decisions:
         for f in get_backend(d.backend).metadata:
             if f not in meta_fields:
                 meta_fields.append(f)
-    last = placeholders[-1] if placeholders else None
+    last = placeholders(gm)[-1]
     meta_nodes: dict[str, torch.fx.Node] = {}
     for f in meta_fields:
-        last = meta_nodes[f] = _add_placeholder(gm, f, last)
-    cache_inputs: list[dict[str, Any]] = []
+        with gm.graph.inserting_after(last):
+            last = meta_nodes[f] = gm.graph.placeholder(f)
+    caches: list[CacheInput] = []
     for i, (node, d) in enumerate(zip(nodes, decisions)):
         be = get_backend(d.backend)
         cache_name = f"{CACHE_PREFIX}{i}"
-        cache_node = last = _add_placeholder(gm, cache_name, last)
+        with gm.graph.inserting_after(last):
+            cache_node = last = gm.graph.placeholder(cache_name)
         layout = source_arg(node, "layout")
         ins = list(node.args[:5])
         with gm.graph.inserting_before(node):
             if layout == "bnsd":  # cached ops take bsnd
                 for k in (0, 1, 3):
-                    ins[k] = gm.graph.call_function(torch.ops.aten.transpose.int, (ins[k], 1, 2))
+                    ins[k] = gm.graph.call_function(aten.transpose.int, (ins[k], 1, 2))
             new = gm.graph.call_function(
                 be.cached_op.default,
                 (*ins, *(meta_nodes[f] for f in be.metadata), cache_node, *be.constants(node)),
             )
             result = new
             if layout == "bnsd":
-                result = gm.graph.call_function(torch.ops.aten.transpose.int, (new, 1, 2))
+                result = gm.graph.call_function(aten.transpose.int, (new, 1, 2))
         new.meta.update({k: v for k, v in node.meta.items() if k != "val"})
         new.meta["mla_backend"] = d
-        spec = be.cache_spec(d.dims, node_dtype(node, ctx.dtype))
+        caches.append(CacheInput(cache_name, d.layer, d.backend, d.dims, be.cache_spec(d.dims, node_dtype(node, ctx.dtype))))
         node.replace_all_uses_with(result)
         gm.graph.erase_node(node)
-        cache_inputs.append({"name": cache_name, "layer": d.layer, "backend": d.backend, "spec": spec, "dims": d.dims})
 
-    ctx.state["backend_decisions"] = decisions
-    ctx.state["metadata_inputs"] = meta_fields
-    ctx.state["cache_inputs"] = cache_inputs
-    ctx.state["graph_inputs"] = [p.target for p in placeholders] + meta_fields + [c["name"] for c in cache_inputs]
+    ctx.artifacts.decisions = decisions
+    ctx.artifacts.signature = GraphSignature(tuple(meta_fields), tuple(caches), tokens)
     used = sorted({d.backend for d in decisions})
     return PassResult(
         f"{len(nodes)} MLA nodes -> {', '.join(used)}",

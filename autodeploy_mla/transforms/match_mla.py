@@ -30,17 +30,20 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional
 
 import torch
+from pydantic import Field
 from torch._guards import detect_fake_mode
 from torch.fx import GraphModule, Node
 
 from ..custom_ops.mla_dims import MLADims, infer_dims
+from ..custom_ops.torch_mla import source_arg
+from .context import BuildContext
+from .fx_utils import ASSERT_METADATA, RESHAPES, TORCH_MLA, aten, module_stack, skip
+from .fx_utils import shape as _shape
+from .registry import PassOptions, PassResult, Stage, register_pass
 
 __all__ = ["MLAMatch", "MLAMatchError", "match_mla"]
 
 logger = logging.getLogger(__name__)
-
-aten = torch.ops.aten
-TORCH_MLA = torch.ops.autodeploy.torch_mla.default
 
 # HF attention class → family key reported in MLAMatch.kind.
 _FAMILY_BY_CLASS = {
@@ -71,8 +74,6 @@ _MOVEMENT = {
     operator.getitem,
 }
 _ALLOCATIONS = {aten.new_empty.default, aten.empty.memory_format, aten.new_zeros.default, aten.zeros.default}
-_RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
-_ASSERT = aten._assert_tensor_metadata.default
 # Probe (batch, seq) sizes at which a mask must equal the causal mask.
 _MASK_PROBES = ((2, 1), (2, 7), (1, 64), (1, 333))
 
@@ -318,7 +319,7 @@ def _layer_and_kind(node: Node) -> tuple[str, str]:
     export_model makes nn_module_stack paths the model's own module names ("model.layers.3.self_attn");
     attention computed in the root module's forward is named after the node.
     """
-    stack = list((node.meta.get("nn_module_stack") or {}).values())
+    stack = module_stack(node)
     if not stack:
         return node.name, "mla"
     path, cls = stack[-1]
@@ -448,7 +449,7 @@ def _kv_b_proj(k_nope: Node, v: Node) -> tuple[Node, int, int, int]:
     Returns (linear, Dn, Dv, N).
     """
     kn_base, kn_range = _last_dim_piece(k_nope)
-    v_base, v_range = _last_dim_piece(_strip(v, (aten.contiguous.default, aten.clone.default)))
+    v_base, v_range = _last_dim_piece(skip(v, (aten.contiguous.default, aten.clone.default)))
     if kn_base is None or v_base is None or kn_base is not v_base:
         raise _Refuse("key (no-rope part) and value are not two halves of one kv_b_proj output")
     if kn_range[0] != 0 or kn_range[1] != v_range[0] or not _dim_eq(v_range[1], _shape(kn_base)[-1]):
@@ -458,7 +459,7 @@ def _kv_b_proj(k_nope: Node, v: Node) -> tuple[Node, int, int, int]:
     if t.target is not aten.transpose.int or {t.args[1], t.args[2]} != {1, 2}:
         raise _Refuse(f"kv_b_proj output {t.name} is not transposed from [B,S,N,D] to [B,N,S,D]")
     x = t.args[0]
-    if x.target not in _RESHAPES:
+    if x.target not in RESHAPES:
         raise _Refuse(f"kv_b_proj output {x.name} is not a view into heads")
     linear = x.args[0]
     if not (isinstance(linear, Node) and linear.target is aten.linear.default):
@@ -758,7 +759,7 @@ def _rewrite(gm: GraphModule, plan: _Plan) -> Node:
 
 def _unflattened_source(latent: Node) -> Optional[Node]:
     """The [B,S,R] tensor that a [B,1,S,R] latent view was made from, if it is one."""
-    if latent.target in _RESHAPES or latent.target is aten.unsqueeze.default:
+    if latent.target in RESHAPES or latent.target is aten.unsqueeze.default:
         src = latent.args[0]
         shape, src_shape = _shape(latent), _shape(src)
         if len(src_shape) == 3 and _same_shape(src_shape, [shape[0], shape[2], shape[3]]):
@@ -797,7 +798,7 @@ def _erase_dead(graph: torch.fx.Graph, seeds: Iterable[Node]) -> None:
                     erased.add(cp)
                 graph.erase_node(sl)
                 erased.add(sl)
-        checks = [u for u in node.users if u.target is _ASSERT]
+        checks = [u for u in node.users if u.target is ASSERT_METADATA]
         if len(node.users) != len(checks) or (node.op == "call_function" and node.is_impure(impure_random=False)):
             continue
         if node.op in ("call_module", "get_attr"):
@@ -828,12 +829,12 @@ def _is_write_only(buf: Node) -> bool:
 
 def _native_record(node: Node) -> MLAMatch:
     """Record for a torch_mla node the model called itself (dims from its fake inputs)."""
-    layout = _arg(node, 7, "layout", "bsnd")
+    layout = source_arg(node, "layout")
     vals = [a.meta.get("val") for a in node.args[:5]]
     if any(v is None for v in vals):
         raise MLAMatchError(f"torch_mla node {node.name} has inputs without shape metadata; export the model first")
     dims, _, _ = infer_dims("torch_mla", *vals, layout=layout)
-    scale = _arg(node, 6, "scale", None)
+    scale = source_arg(node, "scale")
     layer, _ = _layer_and_kind(node)
     scale = dims.default_scale() if scale is None else float(scale)
     return MLAMatch(layer, node.name, dims, scale, "native", "torch_mla", ["model calls torch_mla itself"])
@@ -844,11 +845,6 @@ def _val(node: Node) -> Any:
     if val is None:
         raise _Refuse(f"node {node.name} has no shape metadata (meta['val']); run on an exported graph")
     return val
-
-
-def _shape(node: Any) -> list:
-    val = node.meta.get("val") if isinstance(node, Node) else None
-    return list(val.shape) if isinstance(val, torch.Tensor) else []
 
 
 def _dim_eq(a: Any, b: Any) -> bool:
@@ -862,7 +858,28 @@ def _same_shape(a: list, b: list) -> bool:
     return len(a) == len(b) and all(_dim_eq(x, y) for x, y in zip(a, b))
 
 
-def _strip(node: Node, targets: tuple) -> Node:
-    while isinstance(node, Node) and node.target in targets:
-        node = node.args[0]
-    return node
+
+# --------------------------------------------------------------------------------------------
+# The pass
+# --------------------------------------------------------------------------------------------
+
+
+class MatchMLAOptions(PassOptions):
+    require_match: bool = Field(True, description="error if the graph has no MLA attention at all")
+
+
+@register_pass("match_mla", MatchMLAOptions, stage=Stage.PATTERN, requires=("export",))
+def match_mla_pass(ctx: BuildContext, opts: MatchMLAOptions) -> PassResult:
+    assert ctx.gm is not None
+    matches = match_mla(ctx.gm)
+    if opts.require_match and not matches:
+        raise ValueError(
+            "match_mla: no MLA attention found in the graph. Supported: DeepseekV2/V3, Kimi-K2, "
+            "Moonlight, Glm4MoeLite, MiniCPM3, Mistral4 attention, or models calling torch_mla."
+        )
+    kinds = sorted({m.kind for m in matches})
+    return PassResult(
+        f"{len(matches)} attention blocks -> torch_mla ({', '.join(kinds)})",
+        {"layers": [{"layer": m.layer, "kind": m.kind, "scale": m.scale, "dims": vars(m.dims)} for m in matches],
+         "skipped": [{"layer": layer, "reason": why} for layer, why in ctx.gm.meta.get("match_mla_skipped", [])]},
+    )

@@ -12,18 +12,18 @@ from a small top-level graph. Parameters that split_module would pass between pi
 moved back into the submodules that use them (fewer arguments per call, constant addresses for
 CUDA graphs and torch.compile).
 
-The pass only plans: it leaves `ctx.gm` (the flat graph) unchanged, and hands the runtime a
-`runner_factory(gm, seq_info)` that builds a `PiecewiseRunner` (runtime/piecewise_runner.py: static
-pieces eager or torch.compile'd, captured as CUDA graphs per token-count bucket on CUDA, dynamic
-ops eager in between, a whole-graph decode CUDA graph where every op is decode-graph-safe).
-It must be the last pass that rewrites the graph. See docs/piecewise.md.
+The pass only plans: it leaves `ctx.gm` (the flat graph) unchanged and hands the runtime a
+`SplitGraph` and `RunnerOptions` (types of runtime/piecewise.py, where the `PiecewiseRunner` runs
+static pieces eager or torch.compile'd, captured as CUDA graphs per token-count bucket on CUDA,
+dynamic ops eager in between, and a whole-graph decode CUDA graph where every op is
+decode-graph-safe). Its stage (COMPILE) is the last: nothing rewrites the graph after it.
+See docs/piecewise.md.
 """
 
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass, field
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Union
 
 import networkx as nx
 import torch
@@ -31,12 +31,11 @@ from pydantic import Field, field_validator
 from torch.fx.passes.split_module import split_module
 
 from ..custom_ops.backend_registry import MLABackend, all_backends, cached_ops
+from ..runtime.artifacts import RunnerOptions
+from ..runtime.piecewise import AUTO_BUCKET_LIMIT, DYNAMIC, STATIC, Piece, SplitGraph, resolve_buckets
 from .context import BuildContext
-from .registry import PassOptions, PassResult, register_pass
-
-STATIC, DYNAMIC = "static", "dynamic"
-#: Token buckets of `buckets: auto`: powers of two up to this (and max_num_tokens), plus max_batch_size.
-AUTO_BUCKET_LIMIT = 512
+from .fx_utils import module_tensor
+from .registry import PassOptions, PassResult, Stage, register_pass
 
 
 class PiecewiseOptions(PassOptions):
@@ -89,54 +88,6 @@ def is_split_point(node: torch.fx.Node, ops: dict[Any, MLABackend]) -> bool:
 
 
 # ----------------------------------------------------------------------------- plan + split
-@dataclass
-class Piece:
-    index: int
-    name: str  # submodule name in SplitGraph.module
-    kind: str  # "static" | "dynamic"
-    nodes: int  # graph nodes in the piece (call nodes of the flat graph)
-    ops: list[str] = field(default_factory=list)  # dynamic: the split-point op(s)
-    backends: list[str] = field(default_factory=list)
-    layers: list[str] = field(default_factory=list)
-    #: per argument of the submodule call: "input" (graph input or parameter), "static", "dynamic"
-    arg_sources: list[str] = field(default_factory=list)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "index": self.index,
-            "name": self.name,
-            "kind": self.kind,
-            "nodes": self.nodes,
-            "ops": list(self.ops),
-            "backends": list(self.backends),
-            "layers": list(self.layers),
-            "inputs": len(self.arg_sources),
-            # Filled by the runner as it captures: token buckets (piecewise) and decode batch sizes
-            # (whole-graph decode graphs, which contain every piece).
-            "captured": {"piecewise": [], "decode_graph": []},
-        }
-
-
-@dataclass
-class SplitGraph:
-    source: torch.fx.GraphModule  # the flat graph that was split
-    module: torch.fx.GraphModule  # top level: calls submod_<i> in topological order
-    pieces: list[Piece]
-    decode_graph_safe: bool
-    decode_graph_reason: str
-
-    @property
-    def num_static(self) -> int:
-        return sum(p.kind == STATIC for p in self.pieces)
-
-    @property
-    def num_dynamic(self) -> int:
-        return sum(p.kind == DYNAMIC for p in self.pieces)
-
-    def kinds(self) -> list[str]:
-        return [p.kind for p in self.pieces]
-
-
 class PiecewiseError(RuntimeError):
     """The graph cannot be split into a valid piece sequence; the message says why."""
 
@@ -179,13 +130,6 @@ def partition_dag(part: dict[torch.fx.Node, int], kinds: dict[int, str]) -> "nx.
     return dag
 
 
-def _fetch_attr(mod: torch.nn.Module, qualname: str) -> Any:
-    obj: Any = mod
-    for part in qualname.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 def _inline_params(top: torch.fx.GraphModule) -> None:
     """Turn submodule inputs fed by top-level tensor get_attrs (parameters) into get_attrs inside."""
     for call in [n for n in top.graph.nodes if n.op == "call_module"]:
@@ -197,7 +141,7 @@ def _inline_params(top: torch.fx.GraphModule) -> None:
         keep_args = []
         for ph, arg in zip(phs, call.args):
             if isinstance(arg, torch.fx.Node) and arg.op == "get_attr":
-                value = _fetch_attr(top, arg.target)
+                value = module_tensor(top, arg.target)
                 if isinstance(value, torch.Tensor):
                     name = "p_" + arg.target.replace(".", "_")
                     if isinstance(value, torch.nn.Parameter):
@@ -285,43 +229,8 @@ def split_graph(gm: torch.fx.GraphModule) -> SplitGraph:
     return SplitGraph(gm, top, pieces, not unsafe, reason)
 
 
-# ----------------------------------------------------------------------------- buckets
-def resolve_buckets(buckets: Union[str, list[int]], max_num_tokens: int, max_batch_size: int) -> list[int]:
-    if buckets == "auto":
-        out, b = set(), 1
-        while b <= min(max_num_tokens, AUTO_BUCKET_LIMIT):
-            out.add(b)
-            b *= 2
-        out.add(min(max_num_tokens, AUTO_BUCKET_LIMIT))
-        if max_batch_size <= max_num_tokens:
-            out.add(max_batch_size)
-        return sorted(out)
-    too_big = [b for b in buckets if b > max_num_tokens]
-    if too_big:
-        raise ValueError(
-            f"piecewise.buckets {too_big} exceed runtime.max_num_tokens={max_num_tokens}: a step never has "
-            "more tokens; drop them or raise max_num_tokens."
-        )
-    return list(buckets)
-
-
 # ----------------------------------------------------------------------------- the pass
-def make_runner_factory(split: SplitGraph, opts: PiecewiseOptions, buckets: list[int], report: list[dict]):
-    def factory(gm: torch.fx.GraphModule, seq_info: Any):
-        from ..runtime.piecewise_runner import PiecewiseRunner
-
-        sg = split if gm is split.source else split_graph(gm)
-        if sg is not split:  # the graph changed after the pass: report the pieces actually run
-            report[:] = [p.to_dict() for p in sg.pieces]
-        return PiecewiseRunner(
-            sg, seq_info, compile=opts.compile, cuda_graphs=opts.cuda_graphs, buckets=buckets,
-            decode_graph=opts.decode_graph == "auto", report=report,
-        )
-
-    return factory
-
-
-@register_pass("piecewise", PiecewiseOptions)
+@register_pass("piecewise", PiecewiseOptions, stage=Stage.COMPILE, requires=("insert_cached_mla_attention",))
 def piecewise(ctx: BuildContext, opts: PiecewiseOptions) -> PassResult:
     assert ctx.gm is not None
     if ctx.device.type != "cuda" and not opts.on_cpu:
@@ -330,10 +239,8 @@ def piecewise(ctx: BuildContext, opts: PiecewiseOptions) -> PassResult:
     rt = ctx.config.runtime
     split = split_graph(ctx.gm)
     buckets = resolve_buckets(opts.buckets, rt.max_num_tokens, rt.max_batch_size)
-    report = [p.to_dict() for p in split.pieces]
-    ctx.state["piecewise_split"] = split
-    ctx.state["piecewise_report"] = report
-    ctx.state["runner_factory"] = make_runner_factory(split, opts, buckets, report)
+    ctx.artifacts.split = split
+    ctx.artifacts.runner = RunnerOptions(opts.compile, opts.cuda_graphs, tuple(buckets), opts.decode_graph == "auto")
 
     graphs = opts.cuda_graphs and ctx.device.type == "cuda"
     decode = opts.decode_graph == "auto" and split.decode_graph_safe and graphs
@@ -344,7 +251,7 @@ def piecewise(ctx: BuildContext, opts: PiecewiseOptions) -> PassResult:
         + (f"; decode whole-graph: {'on' if decode else 'off'} ({split.decode_graph_reason})" if graphs else "")
     )
     return PassResult(summary, {
-        "pieces": report,
+        "pieces": [p.to_dict() for p in split.pieces],
         "buckets": buckets if graphs else [],
         "cuda_graphs": graphs,
         "compile": opts.compile,

@@ -1,19 +1,35 @@
-"""Pass registry: passes are plain functions registered by name, each with a typed options model.
+"""Pass registry: passes are plain functions registered by name, each with a typed options model
+and a declared place in the pipeline.
 
 A pass takes the BuildContext and its validated options and returns a PassResult that says what it
-matched or changed. The pipeline order is the order of the YAML `transforms:` map.
+matched or changed. Its place is a `Stage` (AutoDeploy's ordered stages); `requires` names passes
+that must be enabled for it to make sense (gather_logits needs the cache insertion's metadata). The
+pass manager orders and validates the pipeline once, before any build work (pass_manager.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import IntEnum
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict
 
 if TYPE_CHECKING:
     from .context import BuildContext
+
+
+class Stage(IntEnum):
+    """Where a pass runs. Passes run in stage order (then in registration order within a stage)."""
+
+    EXPORT = 10  # model -> graph
+    PATTERN = 20  # HF attention subgraphs -> torch_mla
+    SHARD = 30  # tensor parallelism: split heads / MLPs, insert all-reduces
+    WEIGHTS = 40  # fill weightless (skeleton) graphs from the checkpoint
+    CACHE = 50  # torch_mla -> backend cached ops + metadata and cache inputs
+    OUTPUT = 60  # rewrites of the graph's output (LM head rows)
+    COMPILE = 70  # split into pieces for compilation / CUDA graphs; nothing rewrites after this
 
 
 class PassOptions(BaseModel):
@@ -29,7 +45,7 @@ class PassResult:
     details: dict[str, Any] = field(default_factory=dict)
 
 
-PassFn = Callable[["BuildContext", PassOptions], PassResult]
+PassFn = Callable[["BuildContext", Any], PassResult]
 
 
 @dataclass(frozen=True)
@@ -37,64 +53,26 @@ class PassInfo:
     name: str
     options: type[PassOptions]
     fn: PassFn
-    needs_graph: bool  # run lint + recompile after it
+    stage: Stage
+    requires: tuple[str, ...] = ()
+    needs_graph: bool = True  # the manager lints + recompiles the graph after it
+    refresh_shapes: bool = False  # the manager re-propagates fake-tensor shapes after it
 
 
 _PASSES: dict[str, PassInfo] = {}
 
 
-def register_pass(name: str, options: type[PassOptions] = PassOptions, needs_graph: bool = True):
+def register_pass(name: str, options: type[PassOptions] = PassOptions, *, stage: Stage,
+                  requires: tuple[str, ...] = (), needs_graph: bool = True, refresh_shapes: bool = False):
     def deco(fn: PassFn) -> PassFn:
         if name in _PASSES:
             raise ValueError(f"pass {name!r} registered twice")
-        _PASSES[name] = PassInfo(name, options, fn, needs_graph)
+        _PASSES[name] = PassInfo(name, options, fn, stage, tuple(requires), needs_graph, refresh_shapes)
         return fn
 
     return deco
 
 
-def _ensure_loaded() -> None:
-    from . import passes  # noqa: F401  (registers the built-in passes)
-
-
-def get_pass(name: str) -> PassInfo:
-    _ensure_loaded()
-    if name not in _PASSES:
-        raise KeyError(f"unknown transform {name!r}; valid transforms: {', '.join(sorted(_PASSES))}")
-    return _PASSES[name]
-
-
-def all_passes() -> dict[str, PassInfo]:
-    _ensure_loaded()
+def registered_passes() -> dict[str, PassInfo]:
+    """Every registered pass (the built-in ones once transforms.passes has been imported)."""
     return dict(_PASSES)
-
-
-def validate_transform_options(transforms: Mapping[str, Any]) -> None:
-    """Raise ValueError naming the bad pass/option and the valid choices."""
-    _ensure_loaded()
-    problems = []
-    for name, opts in transforms.items():
-        if name not in _PASSES:
-            problems.append(f"unknown transform {name!r}; valid transforms: {', '.join(sorted(_PASSES))}")
-            continue
-        if opts is None:
-            opts = {}
-        if not isinstance(opts, Mapping):
-            problems.append(f"transforms.{name} must be a mapping of options, got {opts!r}")
-            continue
-        info = _PASSES[name]
-        try:
-            info.options.model_validate(dict(opts))
-        except ValidationError as exc:
-            for err in exc.errors():
-                loc = ".".join(str(p) for p in err["loc"])
-                msg = err["msg"]
-                if err["type"] == "extra_forbidden":
-                    msg = f"unknown option; valid options: {', '.join(info.options.model_fields)}"
-                problems.append(f"transforms.{name}.{loc}: {msg}")
-    if problems:
-        raise ValueError("; ".join(problems))
-
-
-def parse_options(name: str, raw: Mapping[str, Any] | None) -> PassOptions:
-    return get_pass(name).options.model_validate(dict(raw or {}))

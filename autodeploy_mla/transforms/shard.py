@@ -23,8 +23,14 @@ routed and shared experts) and all-reduced once where they meet a replicated val
 add): one all-reduce per attention block and one per MLP/MoE block. The all-reduce is
 `_c10d_functional.all_reduce` + `wait_tensor` on the default process group.
 
-Weights become slices: of the real tensors (random-weight models, or `load: full`), or read from the
-checkpoint by slices when the model is a weightless skeleton (see distributed/loading.py).
+Weights become this rank's slices in the graph: of the real tensors (random-weight models, or
+`load: full`), or — when the model is a weightless skeleton — placeholders of the sliced shape that
+the `load_weights` pass then reads from the checkpoint by slices (models/skeleton.py,
+models/checkpoint.py). Every slice is recorded as a `ShardSpec` in the build artifacts.
+
+The pass is graph-only: the world size, rank and process-group name come from the build context,
+resolved once by `optimize()` (distributed/env.py); the pass reads neither the environment nor the
+disk. The pass manager re-propagates shapes after it (declared `refresh_shapes`).
 
 Head counts that world_size does not divide are refused (all layers are checked before anything
 changes). An MLP whose intermediate size world_size does not divide stays replicated (reported).
@@ -43,20 +49,21 @@ from pydantic import Field, model_validator
 from torch.fx import GraphModule, Node
 
 from ..custom_ops.mla_dims import MLADims
-from ..distributed.collectives import ALL_REDUCE, COLLECTIVE_OPS, insert_all_reduce
-from ..distributed.env import env_info, world_group_name
-from ..distributed.loading import (
-    ShardSpec,
-    graph_tensor,
-    is_skeleton,
-    load_graph_weights,
-    set_graph_tensor,
-)
+from ..custom_ops.torch_mla import source_arg
+from ..models.checkpoint import ShardSpec
+from ..runtime.artifacts import TensorParallel
 from .context import BuildContext
-from .registry import PassOptions, PassResult, register_pass
+from .fx_utils import ASSERT_METADATA, RESHAPES, TORCH_MLA, aten, is_op, module_path, module_tensor, set_module_tensor
+from .fx_utils import shape as _shape
+from .fx_utils import skip as _skip
+from .registry import PassOptions, PassResult, Stage, register_pass
 
-aten = torch.ops.aten
-TORCH_MLA = torch.ops.autodeploy.torch_mla.default
+#: The collectives the sharded graph holds: functional all-reduce + wait. They are ordinary
+#: ATen-style ops with fake kernels, run under gloo on CPU and NCCL on GPU, can be captured in
+#: CUDA graphs, and name their process group by string (the graph holds no Python object).
+ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
+WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
+COLLECTIVE_OPS = frozenset({ALL_REDUCE, WAIT_TENSOR})
 
 
 class ShardError(ValueError):
@@ -85,19 +92,8 @@ class ShardOptions(PassOptions):
         return self
 
 
-def resolve_world(world_size: Optional[int], rank: Optional[int]) -> tuple[int, int]:
-    """(world_size, rank): explicit options win, else the process group / environment."""
-    info = env_info()
-    w = info.world_size if world_size is None else int(world_size)
-    r = info.rank if rank is None else int(rank)
-    if not 0 <= r < w:
-        raise ShardError(f"shard: rank {r} is outside world_size {w}")
-    return w, r
-
-
 # ----------------------------------------------------------------------------- graph helpers
-_RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
-_SHAPE_ARG_OPS = _RESHAPES | {aten.expand.default}
+_SHAPE_ARG_OPS = RESHAPES | {aten.expand.default}
 # Ops that move/cast data without mixing elements of different heads or intermediate units.
 _PASSTHROUGH = {
     aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.transpose.int,
@@ -110,7 +106,7 @@ _CASTS = {aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, aten.conti
 _ACTIVATIONS = {aten.silu.default, aten.gelu.default, aten.relu.default, aten.sigmoid.default,
                 aten.tanh.default}
 _LINEAR = aten.linear.default
-_ASSERT = aten._assert_tensor_metadata.default
+_ASSERT = ASSERT_METADATA
 
 
 def _grouped_mm_ops() -> set[Any]:
@@ -123,26 +119,31 @@ def _grouped_mm_ops() -> set[Any]:
 
 
 def _is(node: Any, targets: Iterable[Any]) -> bool:
-    return isinstance(node, Node) and node.op == "call_function" and node.target in targets
-
-
-def _skip(node: Any, targets: set[Any]) -> Any:
-    while _is(node, targets):
-        node = node.args[0]
-    return node
-
-
-def _shape(node: Node) -> tuple[Any, ...]:
-    val = node.meta.get("val")
-    return tuple(val.shape) if isinstance(val, torch.Tensor) else ()
+    return is_op(node, targets)
 
 
 def _layer_of(node: Node) -> str:
-    stack = node.meta.get("nn_module_stack") or {}
-    if not stack:
-        return node.name
-    path = list(stack.values())[-1][0]
-    return path.removeprefix("model.") if path.startswith("model.model.") else path
+    return module_path(node)
+
+
+def insert_all_reduce(graph: torch.fx.Graph, node: Node, group_name: str) -> Node:
+    """Insert `wait_tensor(all_reduce(node, "sum", group_name))` right after `node`; returns the wait node.
+
+    The caller rewires the users it wants reduced; meta is copied from `node` (same shape/dtype)."""
+    with graph.inserting_after(node):
+        ar = graph.call_function(ALL_REDUCE, (node, "sum", group_name))
+    with graph.inserting_after(ar):
+        wt = graph.call_function(WAIT_TENSOR, (ar,))
+    for new in (ar, wt):
+        for key in ("nn_module_stack", "stack_trace", "val"):
+            if key in node.meta:
+                new.meta[key] = node.meta[key]
+        new.meta["tp_collective"] = "all_reduce"
+    return wt
+
+
+def count_all_reduces(gm: GraphModule) -> int:
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target is ALL_REDUCE)
 
 
 @dataclass
@@ -338,7 +339,7 @@ def _plan_attention(gm: GraphModule, plan: _Plan, grouped: set[Any]) -> None:
         dims = m.meta["mla_dims"]
         n, dn, dr, dv = dims.num_heads, dims.qk_nope_head_dim, dims.qk_rope_head_dim, dims.v_head_dim
         local = n // world
-        if len(m.args) > 7 and m.args[7] != "bsnd" or m.kwargs.get("layout", "bsnd") != "bsnd":
+        if source_arg(m, "layout") != "bsnd":
             raise ShardError(f"shard: {layer}: only bsnd torch_mla nodes are supported")
 
         # query projection: the one matmul behind q_nope and q_pe
@@ -531,108 +532,58 @@ def _insert_all_reduces(gm: GraphModule, sources: list[Node], group: str) -> int
     return count
 
 
-def _refresh_meta(gm: GraphModule) -> None:
-    """Re-run fake-tensor propagation over the whole graph (new shapes after sharding)."""
-    from torch._guards import detect_fake_mode
-
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    vals = [n.meta.get("val") for n in placeholders]
-    mode = detect_fake_mode(vals)
-    if mode is None:
-        raise ShardError("shard: the graph has no fake values on its inputs (was it exported?)")
-
-    class _Prop(torch.fx.Interpreter):
-        def run_node(self, n: Node) -> Any:
-            if n.op == "placeholder":
-                return n.meta.get("val")
-            if n.op == "get_attr":
-                t = self.fetch_attr(n.target)
-                out = mode.from_tensor(t, static_shapes=True) if isinstance(t, torch.Tensor) else t
-            elif n.op == "call_module":
-                out = None  # export's input guards: nothing to propagate
-            else:
-                with mode:
-                    out = super().run_node(n)
-            if out is not None and n.op != "output":
-                n.meta["val"] = out
-            return out
-
-    with torch.no_grad():
-        _Prop(gm).run(*vals)
-
-
-def _apply_weights(gm: GraphModule, plan: _Plan, ctx: BuildContext) -> dict[str, Any]:
-    if is_skeleton(ctx.model):
-        return {"source": "checkpoint slices", **load_graph_weights(gm, ctx.model, plan.specs, ctx.device)}
+def _slice_weights(gm: GraphModule, plan: _Plan) -> dict[str, Any]:
+    """Replace every planned weight of the graph by this rank's slice (placeholders stay placeholders)."""
     full = kept = 0
     for target, spec in plan.specs.items():
-        t = graph_tensor(gm, target)
+        t = module_tensor(gm, target)
         full += t.numel() * t.element_size()
         s = spec.slice(t.detach())
         kept += s.numel() * s.element_size()
-        set_graph_tensor(gm, target, s)
-    return {"source": "sliced from the full model", "sharded_bytes_before": full, "sharded_bytes_after": kept}
+        set_module_tensor(gm, target, s)
+    return {"sharded_bytes_before": full, "sharded_bytes_after": kept}
 
 
-@register_pass("shard", ShardOptions)
+@register_pass("shard", ShardOptions, stage=Stage.SHARD, requires=("export",), refresh_shapes=True)
 def shard(ctx: BuildContext, opts: ShardOptions) -> PassResult:
     gm = ctx.gm
     assert gm is not None
-    world, rank = resolve_world(opts.world_size, opts.rank)
-    if world == 1:
-        weights = _apply_weights(gm, _Plan(1, 0), ctx) if is_skeleton(ctx.model) else {}
-        return PassResult("world_size 1: nothing to shard", {"world_size": 1, "weights": weights})
+    world = ctx.world
+    if world is None or world.world_size == 1:
+        return PassResult("world_size 1: nothing to shard", {"world_size": 1})
     if not any(_is(n, {TORCH_MLA}) for n in gm.graph.nodes):
         raise ShardError("shard: the graph has no torch_mla node; run match_mla first (shard goes between "
                          "match_mla and insert_cached_mla_attention)")
     grouped = _grouped_mm_ops()
-    plan = _Plan(world, rank)
+    plan = _Plan(world.world_size, world.rank)
     _plan_attention(gm, plan, grouped)  # raises before any change on a bad world size
-    info = env_info()
-    if info.backend is None or info.world_size != world:
-        raise ShardError(
-            f"shard: world_size={world} needs an initialised torch.distributed process group of {world} "
-            f"ranks (found {'none' if info.backend is None else info.world_size}). Launch with "
-            f"`autodeploy build --world-size {world}` or torchrun --nproc-per-node {world}."
-        )
-    if info.rank != rank:
-        raise ShardError(f"shard: rank={rank} in the config but this process is rank {info.rank}")
     taken = {x for x in plan.owners.values()}
     _plan_mlps(gm, plan, opts, grouped, taken)
 
-    # 1. weights -> this rank's slices
-    weights = _apply_weights(gm, plan, ctx)
+    # 1. weights -> this rank's slices (or placeholders of that shape, for load_weights to fill)
+    weights = _slice_weights(gm, plan)
     # 2. head-count literals
     for node, idx, value in plan.head_views:
         shape = list(node.args[1])
         shape[idx] = value
         node.args = (node.args[0], shape, *node.args[2:])
     # 3. all-reduce where partial sums meet replicated values
-    n_ar = _insert_all_reduces(gm, plan.partial, world_group_name())
-    # 4. shapes and per-node dims
-    try:
-        _refresh_meta(gm)
-    except Exception as exc:
-        raise ShardError(f"shard: the sharded graph does not type-check ({type(exc).__name__}: {exc}); a "
-                         "shape literal that carries the head count or intermediate size was not rewritten") from exc
+    n_ar = _insert_all_reduces(gm, plan.partial, world.group)
+    # 4. per-node dims (the manager re-propagates shapes after the pass; cache insertion checks both agree)
     for m, dims in plan.mla_nodes:
         m.meta["mla_dims"] = dims
-        got = _shape(m)
-        if got and got[2] != dims.num_heads:
-            raise ShardError(f"shard: {m.meta.get('mla_layer')}: attention output has {got[2]} heads after "
-                             f"sharding, expected {dims.num_heads}")
-    gm.meta["tensor_parallel"] = {"world_size": world, "rank": rank}
-    ctx.state["tensor_parallel"] = {"world_size": world, "rank": rank, "group": world_group_name(),
-                                    "all_reduces": n_ar}
+    ctx.artifacts.shard_specs = dict(plan.specs)
+    ctx.artifacts.tp = TensorParallel(world.world_size, world.rank, world.group, n_ar)
     rep = plan.report
     n_att, n_mlp = len(rep["attention"]), len(rep["mlp"])
     heads = rep["attention"][0]["heads"] if rep["attention"] else "-"
-    summary = (f"world {world} rank {rank}: {n_att} MLA layers (heads {heads}), {n_mlp} MLP/expert blocks "
-               f"split, {len(rep['replicated'])} replicated, {n_ar} all-reduces; weights: {weights['source']}")
-    details = {"world_size": world, "rank": rank, "all_reduces": n_ar, "weights": weights, **rep,
+    summary = (f"world {world.world_size} rank {world.rank}: {n_att} MLA layers (heads {heads}), {n_mlp} MLP/expert "
+               f"blocks split, {len(rep['replicated'])} replicated, {n_ar} all-reduces")
+    details = {"world_size": world.world_size, "rank": world.rank, "all_reduces": n_ar, "weights": weights, **rep,
                "rules": {t: {"dim": s.dim, "ranges": s.ranges, "rule": s.rule, "zero": s.zero}
                          for t, s in plan.specs.items()}}
     return PassResult(summary, details)
 
 
-__all__ = ["ShardError", "ShardOptions", "resolve_world", "shard", "ALL_REDUCE", "COLLECTIVE_OPS"]
+__all__ = ["ShardError", "ShardOptions", "shard", "insert_all_reduce", "count_all_reduces", "ALL_REDUCE",
+           "COLLECTIVE_OPS"]

@@ -4,4 +4,5 @@ Imports without triton installed: the op is then registered but raises a clear e
 descriptor's check() refuses every node with "triton not installed".
 """
 
-from .op import HAS_TRITON, TritonMLABackend, choose_prefill_path, triton_mla_with_cache  # noqa: F401
+from .op import HAS_TRITON, TritonMLABackend, TritonMLASession, TritonPolicy, triton_mla_with_cache  # noqa: F401
+from .tuning import choose_prefill_path  # noqa: F401

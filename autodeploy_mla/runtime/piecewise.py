@@ -1,8 +1,12 @@
-"""Runs a piecewise-split graph (transforms/piecewise.py): static pieces eager, torch.compile'd, or
-replayed from CUDA graphs per token-count bucket; dynamic (attention) ops eagerly in between.
+"""Runs a piecewise-split graph: static pieces eager, torch.compile'd, or replayed from CUDA graphs
+per token-count bucket; dynamic (attention) ops eagerly in between.
 
-Per step (`runner(input_ids, position_ids, *metadata, *caches)`), with T = input_ids.shape[1]:
-1. decode-only step padded to a bucket with dummy decode sequences (T == num_decode_seqs), CUDA
+The split itself (which nodes go in which piece) is the `piecewise` pass (transforms/piecewise.py);
+it hands over a `SplitGraph` (defined here, the runtime's side of the contract) and `RunnerOptions`.
+
+Per step (`runner(step, input_ids, position_ids, *metadata, *caches)` with T = input_ids.shape[1]
+and `step` the model runner's StepDescriptor):
+1. a decode-only step padded to a bucket with dummy decode sequences (T == step.num_seqs), CUDA
    graphs on, and every dynamic op decode_graph_safe: replay one whole-graph CUDA graph for T;
 2. else T is a bucket: each static piece replays its CUDA graph for T; dynamic pieces run eagerly,
    reading the static output buffers of the piece before them; their fresh outputs are copied into
@@ -11,12 +15,12 @@ Per step (`runner(input_ids, position_ids, *metadata, *caches)`), with T = input
    any size; only slower.
 Graphs are captured lazily, the first time a bucket is met, on that step's real inputs (warm-up run,
 capture, replay: static pieces are pure and cache appends idempotent, so running them twice is
-harmless). A piece or a decode graph whose capture fails runs eagerly from then on; the reason is
-kept in `runner.failures`. Host-side `prepare` hooks (FlashInfer plan) run in forward_step before
-the runner, never inside a capture.
+harmless), or ahead of time by `ModelRunner.warmup()`. A piece or a decode graph whose capture fails
+runs eagerly from then on; the reason is kept in `runner.failures`. Host-side session `prepare`
+hooks (FlashInfer plan) run before the runner, never inside a capture.
 
-With CUDA graphs on, the runner sets `seq_info.token_buckets`, so `SequenceInfo.prepare_step` pads
-every step up to the next bucket (decode-only steps with dummy sequences on the scratch page).
+Which token counts are buckets, and how a step is padded to one, is decided here too
+(`resolve_buckets`, `bucket_for`); `ModelRunner` asks before it builds each step's metadata.
 
 The returned logits of a replayed step live in a static buffer that the next replay of that bucket
 overwrites: consume (or copy) them before the next step, as the engine does.
@@ -26,16 +30,100 @@ from __future__ import annotations
 
 import copy
 from collections import Counter
-from typing import TYPE_CHECKING, Any, Optional
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
+from ..custom_ops.backend_registry import StepDescriptor
 from .cuda_graphs import BORROW, OWNED, CaptureError, GraphCapturer, cuda_graphs_available, tensor_key
 
-if TYPE_CHECKING:
-    from ..transforms.piecewise import SplitGraph
-    from .sequence_info import SequenceInfo
+STATIC, DYNAMIC = "static", "dynamic"
+#: Token buckets of `buckets: auto`: powers of two up to this (and max_num_tokens), plus max_batch_size.
+AUTO_BUCKET_LIMIT = 512
+
+
+# ----------------------------------------------------------------------------- the split graph
+@dataclass
+class Piece:
+    index: int
+    name: str  # submodule name in SplitGraph.module
+    kind: str  # "static" | "dynamic"
+    nodes: int  # graph nodes in the piece (call nodes of the flat graph)
+    ops: list[str] = field(default_factory=list)  # dynamic: the split-point op(s)
+    backends: list[str] = field(default_factory=list)
+    layers: list[str] = field(default_factory=list)
+    #: per argument of the submodule call: "input" (graph input or parameter), "static", "dynamic"
+    arg_sources: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "name": self.name,
+            "kind": self.kind,
+            "nodes": self.nodes,
+            "ops": list(self.ops),
+            "backends": list(self.backends),
+            "layers": list(self.layers),
+            "inputs": len(self.arg_sources),
+            # Filled by the runner as it captures: token buckets (piecewise) and decode batch sizes
+            # (whole-graph decode graphs, which contain every piece).
+            "captured": {"piecewise": [], "decode_graph": []},
+        }
+
+
+@dataclass
+class SplitGraph:
+    source: torch.fx.GraphModule  # the flat graph that was split
+    module: torch.fx.GraphModule  # top level: calls submod_<i> in topological order
+    pieces: list[Piece]
+    decode_graph_safe: bool
+    decode_graph_reason: str
+
+    @property
+    def num_static(self) -> int:
+        return sum(p.kind == STATIC for p in self.pieces)
+
+    @property
+    def num_dynamic(self) -> int:
+        return sum(p.kind == DYNAMIC for p in self.pieces)
+
+
+# ----------------------------------------------------------------------------- buckets
+def resolve_buckets(buckets: str | Sequence[int], max_num_tokens: int, max_batch_size: int) -> list[int]:
+    """Token counts to capture: `auto` = 1, 2, 4, ... up to min(max_num_tokens, AUTO_BUCKET_LIMIT),
+    plus max_batch_size (so full decode batches replay); or the given list, checked."""
+    if buckets == "auto":
+        out, b = set(), 1
+        while b <= min(max_num_tokens, AUTO_BUCKET_LIMIT):
+            out.add(b)
+            b *= 2
+        out.add(min(max_num_tokens, AUTO_BUCKET_LIMIT))
+        if max_batch_size <= max_num_tokens:
+            out.add(max_batch_size)
+        return sorted(out)
+    too_big = [b for b in buckets if b > max_num_tokens]
+    if too_big:
+        raise ValueError(
+            f"piecewise.buckets {too_big} exceed runtime.max_num_tokens={max_num_tokens}: a step never has "
+            "more tokens; drop them or raise max_num_tokens."
+        )
+    return sorted({int(b) for b in buckets})
+
+
+def bucket_for(buckets: Sequence[int], num_tokens: int, decode_only: bool, max_batch_size: int,
+               max_num_tokens: int) -> Optional[int]:
+    """The token count a step of `num_tokens` is padded to: the smallest bucket that holds it (a
+    decode-only step prefers one <= max_batch_size, so its padding is dummy decode sequences);
+    None when no bucket fits (the step runs unpadded)."""
+    fits = [b for b in buckets if num_tokens <= b <= max_num_tokens]
+    if decode_only:
+        seqs = [b for b in fits if b <= max_batch_size]
+        if seqs:
+            return min(seqs)
+    return min(fits, default=None)
 
 
 class _StaticPiece(nn.Module):
@@ -74,29 +162,32 @@ def _copy_graph(gm: torch.fx.GraphModule) -> torch.fx.Graph:
     return copy.deepcopy(gm.graph)
 
 
+def _fetch(mod: nn.Module, target: str) -> Any:
+    mod_path, _, attr = target.rpartition(".")
+    return getattr(mod.get_submodule(mod_path) if mod_path else mod, attr)
+
+
 class PiecewiseRunner:
     def __init__(
         self,
-        split: "SplitGraph",
-        seq_info: "SequenceInfo",
+        split: SplitGraph,
+        device: torch.device,
+        max_num_tokens: int,
         *,
         compile: str = "none",
         cuda_graphs: bool = True,
-        buckets: Optional[list[int]] = None,
+        buckets: Sequence[int] = (),
         decode_graph: bool = True,
-        report: Optional[list[dict]] = None,
     ) -> None:
-        from ..transforms.piecewise import STATIC
-
         self.split = split
-        self.seq_info = seq_info
-        self.device = torch.device(seq_info.device)
+        self.device = torch.device(device)
         self.compile = compile
-        self.report = report if report is not None else [p.to_dict() for p in split.pieces]
+        #: per piece: what it is and which buckets were captured (the build report shows it)
+        self.report = [p.to_dict() for p in split.pieces]
         why_not = cuda_graphs_available(self.device) if cuda_graphs else "cuda_graphs: false"
         self.graphs_off_reason = why_not
         self.use_graphs = why_not is None
-        self.buckets: list[int] = sorted({b for b in (buckets or []) if 1 <= b <= seq_info.max_num_tokens})
+        self.buckets: list[int] = sorted({b for b in buckets if 1 <= b <= max_num_tokens})
         self._bucket_set = frozenset(self.buckets) if self.use_graphs else frozenset()
         self.decode_graph = bool(decode_graph and split.decode_graph_safe and self.use_graphs)
         self.stats: Counter[str] = Counter()
@@ -127,17 +218,22 @@ class PiecewiseRunner:
                 graph_attrs[piece.name] = fn
         for node in top.graph.nodes:  # leftover top-level attributes (normally none)
             if node.op == "get_attr":
-                val = top
-                for part in node.target.split("."):
-                    val = getattr(val, part)
-                eager_attrs[node.target] = graph_attrs[node.target] = val
+                eager_attrs[node.target] = graph_attrs[node.target] = _fetch(top, node.target)
         self.eager_module = torch.fx.GraphModule(eager_attrs, _copy_graph(top), "PiecewiseEager")
         self.graph_module = torch.fx.GraphModule(graph_attrs, _copy_graph(top), "PiecewiseGraphs")
-        if self.use_graphs:
-            seq_info.token_buckets = tuple(self.buckets)
+
+    @property
+    def capture_buckets(self) -> tuple[int, ...]:
+        """Token counts this runner replays from CUDA graphs (empty when graphs are off)."""
+        return tuple(self.buckets) if self.use_graphs else ()
+
+    def graph_step(self, num_padded_tokens: int, decode_only: bool) -> bool:
+        """Whether a step of this shape may be replayed from (or captured into) a CUDA graph."""
+        return decode_only and num_padded_tokens in self._bucket_set
 
     # ------------------------------------------------------------------ stepping
-    def __call__(self, *args: Any) -> Any:
+    def __call__(self, step: StepDescriptor, *args: Any) -> Any:
+        """Run one step: (input_ids [1,T], position_ids [1,T], *metadata, *caches) -> outputs."""
         if not self.use_graphs:
             self.stats["eager"] += 1
             return self.eager_module(*args)
@@ -145,9 +241,7 @@ class PiecewiseRunner:
         if t not in self._bucket_set:
             self.stats["eager"] += 1
             return self.eager_module(*args)
-        info = self.seq_info
-        if (self.decode_graph and info.num_prefill_seqs == 0 and info.num_decode_seqs == t
-                and info.num_padded_tokens == t):
+        if self.decode_graph and step.decode_only and step.num_seqs == t and step.num_padded_tokens == t:
             out = self._run_decode_graph(t, args)
             if out is not None:
                 self.stats["decode_graph"] += 1
@@ -159,8 +253,6 @@ class PiecewiseRunner:
             self._bucket = None
         self.stats["piecewise"] += 1
         return out
-
-    __call__.__doc__ = "Run one step: (input_ids [1,T], position_ids [1,T], *metadata, *caches) -> outputs."
 
     # ------------------------------------------------------------------ capture
     def _run_decode_graph(self, t: int, args: tuple) -> Optional[Any]:

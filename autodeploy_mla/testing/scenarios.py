@@ -3,21 +3,24 @@ prefill, mixed prefill+decode, long decode) over a shuffled paged cache and comp
 output with the uncached `torch_mla` source op on the whole sequence.
 
 Used by the CPU tests of every backend, the GPU tests and the benchmarks, so all backends are held
-to the same oracle.
+to the same oracle. The backend runs as in a model: one session from `setup()`, prepared every step
+and published to the op with `using_sessions`.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Optional
 
 import torch
 
-from .custom_ops.backend_registry import MLABackend, get_backend
-from .custom_ops.mla_dims import MLADims
-from .runtime.page_allocator import PageAllocator
-from .runtime.sequence_info import SequenceInfo, StepSequence
+from ..custom_ops.backend_registry import BackendSession, MLABackend, SessionSpec, StepDescriptor, Target, get_backend
+from ..custom_ops.mla_dims import MLADims
+from ..custom_ops.step_context import using_sessions
+from ..runtime.page_allocator import PageAllocator
+from ..runtime.sequence_info import SequenceInfo, StepSequence
 
 
 @dataclass
@@ -54,6 +57,7 @@ class ScenarioResult:
     reference: dict[int, torch.Tensor]  # seq_id -> [S, N, Dv] from torch_mla (fp32 or fp64)
     cache: torch.Tensor
     steps: int = 0
+    session: Optional[BackendSession] = None
     extra: dict = field(default_factory=dict)
 
     def max_rel_error(self) -> float:
@@ -78,10 +82,16 @@ def run_scenario(
     ref_dtype: torch.dtype = torch.float64,
     pad_to: dict[int, int] | None = None,
     max_batch_size: int | None = None,
+    policy: Any = None,
+    graph_buckets: Collection[int] = (),
+    target: Optional[Target] = None,
 ) -> ScenarioResult:
     """Run `schedule` (one dict per step: seq_id -> new tokens this step) through `backend`.
 
     Sequence lengths are the sums over the schedule. `pad_to` maps step index -> padded token count.
+    `policy`: the backend's policy for its session. `graph_buckets`: decode-only steps padded to one
+    of these sizes are described to the session as CUDA-graph steps (as the model runner does).
+    `target`: default `Target.detect(device, page_size)`.
     """
     be = get_backend(backend) if isinstance(backend, str) else backend
     gen = torch.Generator().manual_seed(seed)
@@ -103,7 +113,9 @@ def run_scenario(
     info = SequenceInfo(bsz, max_tokens, max_seq_len, page_size, device)
     # Poisoned cache: a slot read before it is written shows up as NaN.
     cache = torch.full((num_pages, page_size, dims.latent_dim), float("nan"), dtype=dtype, device=device)
-    be.setup([dims], dtype, info)
+    target = target or Target.detect(device, page_size)
+    session = be.setup(SessionSpec((dims,), dtype, torch.device(device), target, bsz, max_tokens,
+                                   info.max_pages_per_seq), policy)
 
     done = {sid: 0 for sid in lengths}
     outs = {sid: [] for sid in lengths}
@@ -111,7 +123,7 @@ def run_scenario(
         alloc.ensure_many({sid: done[sid] + n for sid, n in step.items()})
         seqs = [StepSequence(sid, [0] * n, done[sid]) for sid, n in step.items()]
         order = info.prepare_step(seqs, alloc.pages_of, pad_to=(pad_to or {}).get(k))
-        be.prepare(info)
+        session.prepare(info, step_descriptor(info, graph_buckets))
         t_pad = info.num_padded_tokens
 
         def flat(attr: str) -> torch.Tensor:
@@ -124,7 +136,8 @@ def run_scenario(
 
         args = [flat("q_nope"), flat("q_pe"), flat("compressed_kv"), flat("kpe"), w]
         args += [info.get(m) for m in be.metadata]
-        out = be.cached_op(*args, cache, scale)
+        with using_sessions({be.name: session}):
+            out = be.cached_op(*args, cache, scale)
         off = 0
         for sid in order:
             outs[sid].append(out[0, off : off + step[sid]])
@@ -139,7 +152,16 @@ def run_scenario(
             w.to(ref_dtype), True, scale, "bsnd",
         )
         ref[sid] = r[0]
-    return ScenarioResult({sid: torch.cat(o) for sid, o in outs.items()}, ref, cache, len(schedule))
+    return ScenarioResult({sid: torch.cat(o) for sid, o in outs.items()}, ref, cache, len(schedule), session)
+
+
+def step_descriptor(info: SequenceInfo, graph_buckets: Collection[int] = ()) -> StepDescriptor:
+    """The StepDescriptor the model runner would give this step (CUDA-graph step: a decode-only step
+    padded to one of `graph_buckets` with dummy sequences)."""
+    num_seqs = info.num_prefill_seqs + info.num_decode_seqs
+    decode_only = info.num_prefill_seqs == 0 and info.num_decode_seqs > 0
+    graph = decode_only and num_seqs == info.num_padded_tokens and info.num_padded_tokens in graph_buckets
+    return StepDescriptor(info.num_tokens, info.num_padded_tokens, num_seqs, decode_only, graph)
 
 
 # Schedules every backend is tested on: name -> list of steps.
@@ -151,24 +173,3 @@ STANDARD_SCHEDULES: dict[str, list[dict[int, int]]] = {
     "mixed": [{0: 6}, {0: 1, 1: 7}, {0: 1, 1: 1, 2: 5}, {2: 4, 0: 1, 1: 1}, {0: 1, 1: 1, 2: 1}],
     "long_decode": [{0: 3, 1: 2, 2: 1}] + [{0: 1, 1: 1, 2: 1}] * 14,
 }
-
-
-@torch.no_grad()
-def hf_greedy_generate(model: torch.nn.Module, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
-    """Greedy tokens from the eager HF model with its own KV cache, no eos handling.
-
-    `model.generate` would stop at (or, with min_new_tokens, suppress) the eos token, which a
-    random-weight model may pick at any step; this loop makes the comparison exact.
-    """
-    device = next(model.parameters()).device
-    ids = torch.tensor([list(prompt)], device=device)
-    out = model(input_ids=ids, use_cache=True)
-    past, new = out.past_key_values, []
-    for _ in range(max_new_tokens):
-        tok = int(out.logits[0, -1].argmax())
-        new.append(tok)
-        if len(new) == max_new_tokens:
-            break
-        out = model(input_ids=torch.tensor([[tok]], device=device), past_key_values=past, use_cache=True)
-        past = out.past_key_values
-    return new

@@ -14,9 +14,12 @@ from typing import Any, Optional, Union
 
 import torch
 
-from .collectives import count_all_reduces
-from .env import MULTICAST_OFF_ENV, env_info
-from .loading import graph_tensor, is_placeholder, is_skeleton
+from ..api import optimize
+from ..cli import build, build_parser
+from ..distributed.env import MULTICAST_OFF_ENV, env_info
+from ..models.checkpoint import module_tensor
+from ..models.skeleton import is_placeholder, is_skeleton
+from ..transforms.shard import count_all_reduces
 
 
 @dataclass
@@ -44,14 +47,10 @@ def rank_overrides() -> list[str]:
 
 
 def probe_rank(rank: int, jobs: Sequence[ProbeJob]) -> dict[str, dict[str, Any]]:
-    from ..api import optimize
-
     out: dict[str, dict[str, Any]] = {}
     for job in jobs:
         if job.cli_argv is not None:
-            from ..cli import _parser, build
-
-            out[job.name] = {"rank": rank, "rc": build(_parser().parse_args(list(job.cli_argv)))}
+            out[job.name] = {"rank": rank, "rc": build(build_parser().parse_args(list(job.cli_argv)))}
             continue
         model = job.model() if callable(job.model) else job.model
         if isinstance(model, torch.nn.Module) and torch.cuda.is_available() and env_info().world_size > 1:
@@ -68,7 +67,7 @@ def probe_rank(rank: int, jobs: Sequence[ProbeJob]) -> dict[str, dict[str, Any]]
         weights = {}
         for n in om.gm.graph.nodes:
             if n.op == "get_attr":
-                t = graph_tensor(om.gm, n.target)
+                t = module_tensor(om.gm, n.target)
                 if isinstance(t, torch.Tensor):
                     weights[n.target] = (tuple(t.shape), is_placeholder(t))
         rep = om.report()

@@ -16,9 +16,11 @@ import torch
 import yaml
 from transformers import AutoConfig, PreTrainedModel
 
-from .factory import causal_lm_class, model_config_path
+from ..config.families import available_model_configs, model_config_path
+from ..models.factory import causal_lm_class
 
-FAMILIES = ("deepseek_v3", "deepseek_v2", "glm_4_7_flash", "mistral_small_4", "minicpm3")
+#: Every family in model_configs/ (the embedded `default` is a tiny DeepSeek-V3 too, not a family).
+FAMILIES = tuple(f for f in available_model_configs() if f != "default")
 
 
 def _load(family: str) -> dict:

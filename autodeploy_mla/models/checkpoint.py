@@ -1,25 +1,14 @@
-"""Sharded weight loading: each rank reads only its slices of a safetensors checkpoint.
+"""Reading a safetensors checkpoint by slices, and filling a module's weights from it.
 
-How a checkpoint model is built for tensor parallelism (`transforms.shard` enabled, world_size > 1,
-`model.path` set):
+`CheckpointReader` opens a checkpoint directory (single file or index + shards) and reads any
+slice of a tensor without loading the rest. Checkpoint layouts that differ from the module's
+parameters are described as virtual tensors: transformers' fused MoE expert weights
+(`experts.gate_up_proj [E, 2I, H]`, `experts.down_proj [E, H, I]`) are stacks/concatenations of the
+per-expert `experts.{e}.gate_proj/up_proj/down_proj.weight` tensors that HF checkpoints hold; a
+slice of the fused weight reads only the matching rows of each expert tensor.
 
-1. `build_skeleton` builds the HF model with every *parameter* replaced by a placeholder: a
-   zero-stride view of one element (`torch.empty(()).expand(shape)`) on the target device, so the
-   whole model costs a few bytes per parameter. Buffers are real (RoPE `inv_freq` is computed at
-   construction and is not in checkpoints). The placeholders carry the right shapes and dtypes, so
-   `torch.export` traces the skeleton exactly like the real model.
-2. The passes run on the skeleton's graph; the `shard` pass decides a `ShardSpec` (dim + index
-   ranges) per weight, and then calls `load_graph_weights`, which fills every graph weight from
-   the checkpoint: `safe_open(...).get_slice(key)[...]` reads only the rank's ranges, for sharded
-   weights; replicated weights and persistent buffers are read whole.
-3. Checkpoint layouts that differ from the module's parameters are described as virtual tensors:
-   transformers' fused MoE expert weights (`experts.gate_up_proj [E, 2I, H]`,
-   `experts.down_proj [E, H, I]`) are stacks/concatenations of the per-expert
-   `experts.{e}.gate_proj/up_proj/down_proj.weight` tensors that HF checkpoints hold; a slice of
-   the fused weight reads only the matching rows of each expert tensor.
-
-Random-weight models (`model.hf_config`) have no checkpoint: every rank builds the full model from
-the same seed and the shard pass slices it (the full model stays as the HF reference).
+`ShardSpec` says which part of a weight one tensor-parallel rank keeps; `load_graph_weights` fills
+a (skeleton's) graph from the checkpoint, reading only those parts.
 """
 
 from __future__ import annotations
@@ -27,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -35,135 +24,13 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
-from ..config.schema import AppConfig, ModelConfig
-from ..models.factory import ModelLoadError, build_model, causal_lm_class
+from .factory import ModelLoadError
+from .skeleton import is_placeholder, placeholder, skeleton_info
 
 Range = tuple[int, int]
 Selection = tuple[Optional[tuple[Range, ...]], ...]  # per dim: None (all) or index ranges, concatenated
 
 
-# ----------------------------------------------------------------------------- the skeleton
-@dataclass(frozen=True)
-class SkeletonInfo:
-    """Marks a weightless model: which names are placeholders and where the weights are."""
-
-    checkpoint: Path
-    params: frozenset[str]
-    persistent_buffers: frozenset[str]
-    aliases: dict[str, tuple[str, ...]] = field(default_factory=dict)  # tied parameters: every name
-
-
-def is_skeleton(model: Optional[nn.Module]) -> bool:
-    return model is not None and getattr(model, "_autodeploy_skeleton", None) is not None
-
-
-def skeleton_info(model: nn.Module) -> SkeletonInfo:
-    return model._autodeploy_skeleton  # type: ignore[attr-defined,no-any-return]
-
-
-def placeholder(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A tensor of `shape` that owns one element (zero strides)."""
-    return torch.zeros((), dtype=dtype, device=device).expand(*shape)
-
-
-def is_placeholder(t: torch.Tensor) -> bool:
-    return t.numel() > 1 and all(s == 0 for s in t.stride())
-
-
-@contextlib.contextmanager
-def _parameters_on_meta() -> Iterator[None]:
-    """Modules constructed inside register their parameters on the meta device (buffers stay real)."""
-    original = nn.Module.register_parameter
-
-    def register(self: nn.Module, name: str, param: Optional[nn.Parameter]) -> None:
-        original(self, name, param)
-        p = self._parameters.get(name)
-        if p is not None and p.device.type != "meta":
-            self._parameters[name] = nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
-
-    nn.Module.register_parameter = register  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = original  # type: ignore[method-assign]
-
-
-def build_skeleton(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> nn.Module:
-    """The HF model of the checkpoint at `cfg.path`, weightless (see module doc)."""
-    import transformers
-
-    if cfg.path is None:
-        raise ModelLoadError("build_skeleton needs model.path (a checkpoint directory)")
-    path = Path(cfg.path)
-    if not (path / "config.json").is_file():
-        raise ModelLoadError(f"model.path {cfg.path!r} has no config.json; expected an HF checkpoint directory")
-    try:
-        config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
-        with _parameters_on_meta():
-            model = causal_lm_class(config)._from_config(
-                config, dtype=torch.float32, attn_implementation=cfg.attn_implementation
-            )
-    except ModelLoadError:
-        raise
-    except Exception as exc:
-        raise ModelLoadError(f"building the model skeleton for {path} failed: {type(exc).__name__}: {exc}") from exc
-    model.to(dtype)  # floating buffers follow the model dtype, as in build_model; parameters stay meta
-    params: set[str] = set()
-    memo: dict[int, nn.Parameter] = {}  # tied parameters stay tied
-    names_of: dict[int, list[str]] = {}
-    persistent: set[str] = set()
-    for mod_name, mod in model.named_modules(remove_duplicate=False):
-        prefix = f"{mod_name}." if mod_name else ""
-        for name, p in list(mod._parameters.items()):
-            if p is None:
-                continue
-            if id(p) not in memo:
-                memo[id(p)] = nn.Parameter(placeholder(p.shape, p.dtype, device), requires_grad=False)
-            names_of.setdefault(id(memo[id(p)]), []).append(prefix + name)
-            mod._parameters[name] = memo[id(p)]
-            params.add(prefix + name)
-        for name, b in list(mod._buffers.items()):
-            if b is None:
-                continue
-            mod._buffers[name] = b.to(device)
-            if name not in mod._non_persistent_buffers_set:
-                persistent.add(prefix + name)
-    model.eval()
-    aliases = {n: tuple(ns) for ns in names_of.values() if len(ns) > 1 for n in ns}
-    model._autodeploy_skeleton = SkeletonInfo(  # type: ignore[attr-defined]
-        path.resolve(), frozenset(params), frozenset(persistent), aliases
-    )
-    return model
-
-
-def wants_skeleton(cfg: AppConfig) -> bool:
-    """True when the shard pass will load this rank's weight slices from a checkpoint itself."""
-    from ..transforms.shard import resolve_world
-
-    raw = cfg.transforms.get("shard")
-    if raw is None or not raw.get("enabled", False) or cfg.model.path is None:
-        return False
-    if raw.get("load") == "full":
-        return False
-    world, _ = resolve_world(raw.get("world_size"), raw.get("rank"))
-    return world > 1
-
-
-def build_eager_model(cfg: AppConfig, device: torch.device, dtype: torch.dtype) -> nn.Module:
-    """`optimize()`'s model builder: the full HF model, or a skeleton when sharded loading applies."""
-    if wants_skeleton(cfg):
-        return build_skeleton(cfg.model, device, dtype)
-    return build_model(cfg.model, device, dtype)
-
-
-def reference_model(model: nn.Module, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> nn.Module:
-    """A model with real weights for verification: `model` itself, or (skeleton) the full HF model."""
-    if not is_skeleton(model):
-        return model
-    return build_model(cfg, device, dtype)
-
-
-# ----------------------------------------------------------------------------- checkpoint reading
 class CheckpointReader:
     """Tensors of a safetensors checkpoint directory (single file or index + shards), by slices."""
 
@@ -357,16 +224,19 @@ class ShardSpec:
         return tuple(s)
 
     def slice(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's part of `t`; a placeholder of the sliced shape when `t` is one (skeletons)."""
+        if is_placeholder(t):
+            return placeholder(self.shape(t.shape), t.dtype, t.device)
         if self.zero:
             return torch.zeros(self.shape(t.shape), dtype=t.dtype, device=t.device)
         parts = [t.narrow(self.dim, a, b - a) for a, b in self.ranges]
         return (parts[0] if len(parts) == 1 else torch.cat(parts, self.dim)).contiguous()
 
 
-def set_graph_tensor(gm: torch.fx.GraphModule, target: str, value: torch.Tensor) -> None:
-    """Replace the parameter/buffer/attribute `target` of `gm` (its get_attr nodes see the new one)."""
+def set_module_tensor(root: nn.Module, target: str, value: torch.Tensor) -> None:
+    """Replace the parameter/buffer/attribute at dotted path `target` (a graph's get_attr nodes see the new one)."""
     mod_path, _, attr = target.rpartition(".")
-    mod = gm.get_submodule(mod_path) if mod_path else gm
+    mod = root.get_submodule(mod_path) if mod_path else root
     if attr in mod._parameters:
         mod._parameters[attr] = nn.Parameter(value, requires_grad=False)
     elif attr in mod._buffers:
@@ -375,9 +245,10 @@ def set_graph_tensor(gm: torch.fx.GraphModule, target: str, value: torch.Tensor)
         setattr(mod, attr, value)
 
 
-def graph_tensor(gm: torch.fx.GraphModule, target: str) -> Any:
+def module_tensor(root: nn.Module, target: str) -> Any:
+    """The attribute at dotted path `target` of `root` (parameter, buffer or plain attribute)."""
     mod_path, _, attr = target.rpartition(".")
-    mod = gm.get_submodule(mod_path) if mod_path else gm
+    mod = root.get_submodule(mod_path) if mod_path else root
     return getattr(mod, attr)
 
 
@@ -390,17 +261,21 @@ def model_name(target: str, names: Union[set[str], frozenset[str]]) -> Optional[
 
 
 def load_graph_weights(
-    gm: torch.fx.GraphModule, model: nn.Module, specs: dict[str, ShardSpec], device: torch.device
+    gm: nn.Module, model: nn.Module, specs: dict[str, ShardSpec], device: torch.device,
+    targets: Optional[Iterable[str]] = None,
 ) -> dict[str, Any]:
-    """Fill every placeholder weight (and persistent buffer) of `gm` from the skeleton's checkpoint,
-    reading only `specs[target]`'s slices of sharded weights. Returns what was read."""
+    """Fill every weight (and persistent buffer) of `gm` (`targets`: its get_attr targets; default:
+    all of a GraphModule's) from the checkpoint of the skeleton `model`, reading only `specs[target]`'s
+    slices of sharded weights. Returns what was read."""
     info = skeleton_info(model)
     known = set(info.params) | set(info.persistent_buffers)
-    targets = list(dict.fromkeys(n.target for n in gm.graph.nodes if n.op == "get_attr"))
+    if targets is None:
+        targets = [n.target for n in gm.graph.nodes if n.op == "get_attr"]  # type: ignore[union-attr]
+    targets = list(dict.fromkeys(targets))
     loaded, kept, full_bytes = 0, [], 0
     with CheckpointReader(info.checkpoint) as reader:
         for target in targets:
-            cur = graph_tensor(gm, target)
+            cur = module_tensor(gm, target)
             if not isinstance(cur, torch.Tensor):
                 continue
             name = model_name(target, known)
@@ -408,12 +283,13 @@ def load_graph_weights(
                 if is_placeholder(cur):
                     raise ModelLoadError(f"graph weight {target} is a placeholder with no model name to load it by")
                 continue
-            shape = tuple(cur.shape)
+            # The model's (unsharded) shape: the graph may already hold this rank's slice.
+            full = tuple((model.get_parameter(name) if name in info.params else model.get_buffer(name)).shape)
             candidates = info.aliases.get(name, (name,))
             src = None
             for cand in candidates:
                 try:
-                    src = source_for(reader, cand, shape)
+                    src = source_for(reader, cand, full)
                     break
                 except ModelLoadError:
                     if cand == candidates[-1] and name in info.params:
@@ -422,15 +298,18 @@ def load_graph_weights(
                 kept.append(name)
                 continue
             spec = specs.get(target)
-            full_bytes += cur.numel() * cur.element_size()
+            full_bytes += cur.element_size() * int(torch.Size(full).numel())
             if spec is not None and spec.zero:
-                t = torch.zeros(spec.shape(shape), dtype=cur.dtype)
+                t = torch.zeros(spec.shape(full), dtype=cur.dtype)
             else:
-                t = read_source(reader, src, spec.selection(len(shape)) if spec else (None,) * len(shape))
-            set_graph_tensor(gm, target, t.to(device=device, dtype=cur.dtype).contiguous())
+                t = read_source(reader, src, spec.selection(len(full)) if spec else (None,) * len(full))
+            if tuple(t.shape) != tuple(cur.shape):
+                raise ModelLoadError(f"graph weight {target}: read {list(t.shape)} from the checkpoint, the graph "
+                                     f"expects {list(cur.shape)} (shard spec: {spec})")
+            set_module_tensor(gm, target, t.to(device=device, dtype=cur.dtype).contiguous())
             loaded += 1
         bytes_read = reader.bytes_read
-    left = [t for t in targets if isinstance(graph_tensor(gm, t), torch.Tensor) and is_placeholder(graph_tensor(gm, t))]
+    left = [t for t in targets if isinstance(module_tensor(gm, t), torch.Tensor) and is_placeholder(module_tensor(gm, t))]
     if left:
         raise ModelLoadError(f"weights still unloaded after reading the checkpoint: {', '.join(left[:5])}")
     return {"checkpoint": str(info.checkpoint), "tensors": loaded, "bytes_read": bytes_read,

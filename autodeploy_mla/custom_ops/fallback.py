@@ -1,0 +1,53 @@
+"""Running one step of a node on another registered backend's cached op.
+
+FlashInfer's backends hand some steps, whole, to another op (prefill steps their kernel must not
+run, or that another kernel runs faster). `resolve_fallback` picks that op once per config at
+setup — the first backend of an order that is registered, takes a subset of the caller's metadata
+and accepts every node — and `call_fallback` runs it with the caller's inputs unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from .backend_registry import Target, all_backends
+from .mla_dims import MLADims
+from .op_contract import MLAInputs
+
+
+@dataclass(frozen=True)
+class Fallback:
+    name: str
+    op: Any
+    metadata: tuple[str, ...]
+
+
+def resolve_fallback(dims_list: Sequence[MLADims], dtype: torch.dtype, target: Target, order: Sequence[str],
+                     available_metadata: Sequence[str]) -> Fallback:
+    """First backend of `order` that is registered, takes a subset of `available_metadata` and accepts
+    every node; ValueError listing why each was passed over otherwise."""
+    registry = all_backends()
+    tried = []
+    for name in order:
+        be = registry.get(name)
+        if be is None:
+            tried.append(f"{name}: not registered")
+            continue
+        if not set(be.metadata) <= set(available_metadata):
+            tried.append(f"{name}: needs metadata {sorted(set(be.metadata) - set(available_metadata))}")
+            continue
+        bad = [r.reason for d in dims_list if not (r := be.check(d, dtype, target)).ok]
+        if bad:
+            tried.append(f"{name}: {bad[0]}")
+            continue
+        return Fallback(name, be.cached_op, tuple(be.metadata))
+    raise ValueError("no fallback backend for the steps this backend hands off: " + ("; ".join(tried) or "none given"))
+
+
+def call_fallback(fb: Fallback, x: MLAInputs, meta: Mapping[str, torch.Tensor], mla_cache: torch.Tensor,
+                  scale: Optional[float]) -> torch.Tensor:
+    return fb.op(*x, *(meta[m] for m in fb.metadata), mla_cache, scale)

@@ -1,0 +1,96 @@
+"""What both FlashInfer backends share: the lazy import, the metadata they take, plan keys, and the
+set-up of their per-config fallback ops.
+
+Nothing here imports FlashInfer at module load: the project runs (and its CPU tests run) without it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .backend_registry import MLABackend, SessionSpec
+from .fallback import Fallback, resolve_fallback
+from .flashinfer_metadata import StepCounts
+from .mla_dims import MLADims
+
+#: SequenceInfo fields both FlashInfer ops take: what FlashInfer needs (batch_info_host and the CSR
+#: sources) plus everything the fallback ops take (torch reference and Triton), so a step can be
+#: handed to either unchanged.
+FI_METADATA: tuple[str, ...] = (
+    "batch_info_host",
+    "max_seq_info_host",
+    "cu_seqlen_host",
+    "input_pos_host",
+    "cu_seqlen",
+    "input_pos",
+    "seq_len_with_cache",
+    "page_table",
+    "batch_idx",
+    "cache_loc",
+)
+#: Default order in which a fallback op is looked for (first registered backend accepting the node).
+DEFAULT_FALLBACK_ORDER: tuple[str, ...] = ("triton", "torch")
+
+
+class FlashInferUnavailable(RuntimeError):
+    """FlashInfer is not installed or lacks the API this backend calls."""
+
+
+def import_flashinfer_module(name: str) -> Any:
+    """Import `flashinfer` or one of its submodules lazily (the project runs without FlashInfer)."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as e:
+        raise FlashInferUnavailable(
+            f"{name} could not be imported ({e}). Install flashinfer-python (>= 0.6.18) to use the "
+            "FlashInfer MLA backends, or choose backend 'triton' / 'torch'."
+        ) from e
+
+
+@dataclass(frozen=True)
+class PlanKey:
+    """What a FlashInfer MLA plan depends on (besides the batch): heads, latent/rope widths, dtype."""
+
+    num_heads: int
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, dims: MLADims, dtype: torch.dtype) -> "PlanKey":
+        return cls(dims.num_heads, dims.kv_lora_rank, dims.qk_rope_head_dim, dtype)
+
+    def short(self) -> str:
+        return f"N={self.num_heads} R={self.kv_lora_rank} Dr={self.qk_rope_head_dim} {str(self.dtype).replace('torch.', '')}"
+
+
+def plan_configs(backend: MLABackend, spec: SessionSpec, fallback_order: Sequence[str]) -> dict[PlanKey, Fallback]:
+    """Check every node of `spec` (ValueError naming the first refused one), group the nodes by plan
+    key, and resolve each group's fallback op."""
+    backend.check_all(spec)
+    groups: dict[PlanKey, list[MLADims]] = {}
+    for d in spec.dims:
+        groups.setdefault(PlanKey.of(d, spec.dtype), []).append(d)
+    return {k: resolve_fallback(ds, spec.dtype, spec.target, fallback_order, backend.metadata)
+            for k, ds in groups.items()}
+
+
+def unknown_config_error(op: str, key: PlanKey, served: Sequence[PlanKey]) -> RuntimeError:
+    names = ", ".join(k.short() for k in served) or "none"
+    return RuntimeError(
+        f"{op}: this model's session was not set up for {key.short()} (it serves: {names}). The backend's "
+        "setup(spec) must list every node the op runs on; setup validates each with check()."
+    )
+
+
+def unprepared_step_error(op: str, counts: StepCounts, last: Any) -> RuntimeError:
+    return RuntimeError(
+        f"{op}: the step's batch ({counts}) was not prepared (last prepared: {last}). Call the session's "
+        "prepare(metadata, step) after SequenceInfo.prepare_step and before running the graph, every step "
+        "(ModelRunner does this)."
+    )

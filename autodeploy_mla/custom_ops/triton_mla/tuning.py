@@ -1,0 +1,186 @@
+"""Tuning of the Triton MLA kernels: limits, the prefill cost rule, launch configs and split-K.
+
+Every constant here cites the H200 sweep it came from (`benchmarks/bench_mla_kernels.py --tune`,
+docs/benchmarks/mla_kernels.md, docs/triton_backend.md). Pure functions of dims, dtypes and sizes:
+nothing here launches a kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..backend_registry import EMULATED_SM_COUNT
+from ..mla_dims import MLADims
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# ----------------------------------------------------------------------------- limits (check())
+#: Largest latent / rope width one program holds in registers (the accumulator is [rows, R] fp32).
+MAX_KV_LORA_RANK = 1024
+MAX_ROPE_DIM = 256
+#: Largest head dims of the expanded prefill kernel; above them prefill always takes "absorb".
+MAX_EXPAND_HEAD_DIM = 256
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def validate_dims(dims: MLADims, dtype: torch.dtype) -> Optional[str]:
+    """Why these dims/dtype cannot run on the Triton kernels (None = they can)."""
+    if dtype not in _DTYPES:
+        return f"dtype {dtype} unsupported (expected one of float16, bfloat16, float32)"
+    if not 1 <= dims.kv_lora_rank <= MAX_KV_LORA_RANK:
+        return (f"kv_lora_rank R={dims.kv_lora_rank} outside [1, {MAX_KV_LORA_RANK}] "
+                "(the absorbed kernel keeps a [rows, R] fp32 accumulator in registers)")
+    if dims.qk_rope_head_dim > MAX_ROPE_DIM:
+        return f"qk_rope_head_dim Dr={dims.qk_rope_head_dim} over {MAX_ROPE_DIM}"
+    return None
+
+
+def expansion_supported(dims: MLADims) -> bool:
+    return max(dims.qk_nope_head_dim, dims.v_head_dim) <= MAX_EXPAND_HEAD_DIM
+
+
+# ----------------------------------------------------------------------------- cost rule
+#: How many times more FLOP/s the expanded path sustains than the absorbed one on H200 (bf16):
+#: expansion is one cuBLAS GEMM + a FlashAttention kernel on wgmma tiles with head dims <= 256; the
+#: absorbed kernel carries a [rows, R] fp32 accumulator and reaches ~100 TFLOP/s. Measured ratio
+#: 3.3-4.3 (docs/benchmarks/mla_kernels.md, prefill T=128/2048); 3 is the conservative end.
+ABSORB_SLOWDOWN = 3.0
+
+
+def prefill_costs(dims: MLADims, new_tokens: int, prefix_tokens: int, causal_pairs: int) -> tuple[float, float]:
+    """(expand, absorb) FLOPs per head / 2 of one step's prefill part (docs/triton_backend.md).
+
+    Per (query, key) pair the expanded attention costs Dn+Dr+Dv multiply-adds, the absorbed one
+    2R+Dr. Expansion also runs kv_b_proj over every history token (R·(Dn+Dv) per token: prefix P and
+    new T), absorption runs q_abs and W_v over the new tokens only (the same R·(Dn+Dv) per token).
+    """
+    r, dn, dv, dr = dims.kv_lora_rank, dims.qk_nope_head_dim, dims.v_head_dim, dims.qk_rope_head_dim
+    proj = r * (dn + dv)
+    expand = (prefix_tokens + new_tokens) * proj + causal_pairs * (dn + dr + dv)
+    absorb = new_tokens * proj + causal_pairs * (2 * r + dr)
+    return float(expand), float(absorb)
+
+
+def choose_prefill_path(dims: MLADims, new_tokens: int, prefix_tokens: int, causal_pairs: int) -> str:
+    """'expand' or 'absorb' for the prefill part of a step: expand iff
+        FLOPs_expand < ABSORB_SLOWDOWN * FLOPs_absorb        (prefill_costs).
+    A fresh prefill (P = 0) always expands (2R+Dr > Dn+Dr+Dv for every MLA model). A chunk of T new
+    tokens on a long prefix P (pairs ~ T·P) expands iff T > R(Dn+Dv) / (k(2R+Dr) - (Dn+Dr+Dv)) with
+    k = ABSORB_SLOWDOWN: 45 tokens for DeepSeek-V3, 33 Mistral-Small-4, 83 GLM-4.7-Flash, 22 MiniCPM3
+    (171 / 154 / 398 / 85 on raw FLOPs, k = 1). Decode-like chunks stay absorbed: expanding a long
+    prefix for a few queries is mostly the kv_b_proj GEMM over the whole history.
+    """
+    if not expansion_supported(dims):
+        return "absorb"
+    expand, absorb = prefill_costs(dims, new_tokens, prefix_tokens, causal_pairs)
+    return "expand" if expand < ABSORB_SLOWDOWN * absorb else "absorb"
+
+
+# ----------------------------------------------------------------------------- launch configs
+@dataclass(frozen=True)
+class AbsorbedConfig:
+    block_h: int
+    block_q: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def pow2(x: int, lo: int = 16) -> int:
+    """Next power of two >= x, at least `lo` (tl.dot needs dims >= 16 when compiled)."""
+    return max(lo, 1 << (max(1, x) - 1).bit_length())
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+#: Split-K policy: split a launch until it has about this many programs per SM ...
+SPLIT_PROGRAMS_PER_SM = 4
+#: ... but never into chunks shorter than this many kv positions (per-chunk overhead + reduce).
+#: H200 sweep: B=1 kv=8192 best at 64 splits, B=8 kv=2048 at 16 (docs/benchmarks/mla_kernels.md).
+MIN_SPLIT_CHUNK = 128
+
+
+def _target_programs(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8  # interpreter: a few programs, so split-K paths get exercised on CPU too
+    return SPLIT_PROGRAMS_PER_SM * num_sms(device)
+
+
+@dataclass(frozen=True)
+class ExpandConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def decode_config(dims: MLADims, dtype: torch.dtype) -> AbsorbedConfig:
+    """One query token x BLOCK_H heads per program. BLOCK_H=64 lets Triton use Hopper wgmma (many
+    heads: compute-heavy); 16/32 keep the wasted rows of small N low (memory-bound). Every choice
+    compiles for sm_90 without spills (ptxas); each is the fastest of the H200 sweep for its class
+    (`bench_mla_kernels.py --tune`, docs/benchmarks/mla_kernels.md). Large KV tiles (64 tokens) and
+    3 stages keep more bytes in flight, which is what these memory-bound loops need."""
+    n, r = dims.num_heads, dims.kv_lora_rank
+    if r > 256:
+        if n > 32:
+            return AbsorbedConfig(64, 1, 32, 8, 3)
+        if n <= 16:
+            return AbsorbedConfig(16, 1, 64, 8, 3)
+        return AbsorbedConfig(32, 1, 64, 8, 3)
+    if n <= 16:
+        return AbsorbedConfig(16, 1, 64, 8, 2)
+    if n <= 32:
+        return AbsorbedConfig(32, 1, 64, 8, 2)
+    return AbsorbedConfig(64, 1, 64, 8, 2)
+
+
+def absorb_prefill_config(dims: MLADims, dtype: torch.dtype) -> AbsorbedConfig:
+    """BLOCK_Q query tokens x BLOCK_H heads (64 rows) per program: every row shares each KV tile."""
+    block_h = min(pow2(dims.num_heads), 64)
+    return AbsorbedConfig(block_h, 64 // block_h, 32, 8, 2)
+
+
+def expand_config(dims: MLADims, dtype: torch.dtype, programs_at_128: Optional[int] = None,
+                  sms: int = EMULATED_SM_COUNT) -> ExpandConfig:
+    """FlashAttention tiles for the expanded prefill (H200 sweep, T=2048). `programs_at_128`: the
+    grid size with 128-query blocks; below one wave (short prefills of few heads, e.g. GLM T=128:
+    20 programs) use 64-query blocks, which double the programs."""
+    dmax = max(pow2(dims.qk_nope_head_dim), pow2(dims.v_head_dim))
+    small = programs_at_128 is not None and programs_at_128 < sms
+    if dmax <= 128:
+        return ExpandConfig(64, 64, 4, 2) if small else ExpandConfig(128, 64, 8, 2)
+    return ExpandConfig(64, 32, 4, 3) if small else ExpandConfig(128, 32, 8, 3)
+
+
+def split_plan(progs: int, kv_bound: int, block_n: int, forced: int, device: torch.device) -> tuple[int, int]:
+    """(num_splits, chunk) covering kv positions [0, kv_bound) in `num_splits` chunks of `chunk`."""
+    kv_bound = max(1, kv_bound)
+    if forced > 0:
+        splits = forced
+    else:
+        splits = min(-(-_target_programs(device) // max(1, progs)), -(-kv_bound // min_chunk(device)))
+    splits = max(1, min(splits, -(-kv_bound // block_n)))
+    chunk = -(-(-(-kv_bound // splits)) // block_n) * block_n
+    return -(-kv_bound // chunk), chunk
+
+
+def min_chunk(device: torch.device) -> int:
+    return MIN_SPLIT_CHUNK if device.type == "cuda" else 4
+
+
+def num_sms(device: torch.device) -> int:
+    """SMs of a CUDA device; the emulated count under the interpreter (CPU)."""
+    if device.type != "cuda":
+        return EMULATED_SM_COUNT
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())

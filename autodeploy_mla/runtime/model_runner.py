@@ -1,0 +1,261 @@
+"""`ModelRunner`: how a compiled graph becomes a model that steps (vLLM's GPU model runner).
+
+Built from a `CompiledModel` (the passes' typed hand-off) and the runtime config, it owns:
+- the step metadata (`SequenceInfo`), the paged caches and the page allocator;
+- one backend session per backend the graph uses (`MLABackend.setup`), published to the ops for
+  the duration of each step (`step_context.using_sessions`);
+- the step runner: the graph itself, or a `PiecewiseRunner` (compiled pieces, CUDA graphs);
+- the graph-input binding, **by name**: every placeholder of the graph is a token input, a
+  metadata field or a cache named in the `GraphSignature`; metadata and caches keep fixed
+  addresses, so they are bound once, and only the `[1, T]` token views change per step.
+
+A step: pad the batch to a CUDA-graph bucket (the runner's policy), build the metadata, describe
+the step (`StepDescriptor`), let every session prepare (FlashInfer plans), run the graph, and
+return one row of logits per sequence (under tensor parallelism, rank 0's rows on every rank).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..config.schema import RuntimeConfig
+from ..custom_ops.backend_registry import BackendSession, SessionSpec, StepDescriptor, Target, get_backend
+from ..custom_ops.step_context import using_sessions
+from .artifacts import CompiledModel
+from .errors import CapacityError, OutOfPagesError
+from .kv_cache import CacheLayout, MLACacheManager, plan_num_pages
+from .page_allocator import PageAllocator
+from .piecewise import PiecewiseRunner, bucket_for
+from .sequence_info import SequenceInfo, StepSequence
+
+PagesOf = Callable[[int], Sequence[int]]
+
+
+def rows_from_rank0(rows: torch.Tensor) -> torch.Tensor:
+    """Under tensor parallelism every rank samples from rank 0's logits rows (bitwise-equal rows on
+    every rank are the norm, but a rank that differs in the last bit must not pick another token)."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return rows
+    rows = rows.contiguous()
+    with torch.inference_mode():
+        dist.broadcast(rows, src=0)
+    return rows
+
+
+class BindingError(RuntimeError):
+    """The graph's inputs do not match the signature the passes declared."""
+
+
+class ModelRunner:
+    def __init__(self, compiled: CompiledModel, runtime: RuntimeConfig, device: torch.device, dtype: torch.dtype,
+                 target: Target, policies: Optional[Mapping[str, Any]] = None) -> None:
+        self.compiled = compiled
+        self.gm = compiled.gm
+        self.device, self.dtype = torch.device(device), dtype
+        self.runtime = runtime
+        rt = runtime
+        self.seq_info = SequenceInfo(rt.max_batch_size, rt.max_num_tokens, rt.max_seq_len, rt.page_size, self.device)
+        sig = compiled.signature
+        layouts = [CacheLayout(c.name, c.layer, c.spec) for c in sig.caches]
+        num_pages = plan_num_pages(layouts, rt.page_size, rt.max_batch_size, rt.max_seq_len, self.device,
+                                   rt.num_pages, rt.free_memory_fraction)
+        self.caches = MLACacheManager(layouts, num_pages, rt.page_size, self.device)
+        self.allocator = PageAllocator(num_pages, rt.page_size, self.seq_info.max_pages_per_seq)
+        self.sessions: dict[str, BackendSession] = {}
+        for name, dims in sig.backends().items():
+            spec = SessionSpec(dims, dtype, self.device, target, rt.max_batch_size, rt.max_num_tokens,
+                               self.seq_info.max_pages_per_seq)
+            self.sessions[name] = get_backend(name).setup(spec, (policies or {}).get(name))
+        self.piecewise: Optional[PiecewiseRunner] = None
+        if compiled.split is not None:
+            if compiled.split.source is not self.gm:
+                raise BindingError("the split graph was made from another graph than the one to run; "
+                                   "`piecewise` must be the last pass that rewrites the graph")
+            opts = compiled.runner
+            assert opts is not None
+            self.piecewise = PiecewiseRunner(compiled.split, self.device, rt.max_num_tokens, compile=opts.compile,
+                                             cuda_graphs=opts.cuda_graphs, buckets=opts.buckets,
+                                             decode_graph=opts.decode_graph)
+        self._bind()
+        self.warmup_report: Optional[dict[str, Any]] = None
+
+    # ------------------------------------------------------------------ binding
+    def _bind(self) -> None:
+        """Resolve every graph input by name once: metadata and caches have fixed addresses."""
+        sig = self.compiled.signature
+        names = [n.target for n in self.gm.graph.nodes if n.op == "placeholder"]
+        if self.piecewise is not None:
+            top = [n.target for n in self.piecewise.split.module.graph.nodes if n.op == "placeholder"]
+            if top != names:
+                raise BindingError(f"the split graph's inputs {top} differ from the graph's {names}")
+        declared = set(sig.names())
+        unknown = [n for n in names if n not in declared]
+        missing = [n for n in declared if n not in names]
+        if unknown or missing:
+            raise BindingError(
+                f"graph inputs and signature disagree: inputs not in the signature {unknown}, signature entries "
+                f"with no input {missing}. A pass added or removed a graph input without declaring it."
+            )
+        fixed: list[Optional[torch.Tensor]] = []
+        for n in names:
+            if n in sig.tokens:
+                fixed.append(None)
+            elif n in sig.metadata:
+                fixed.append(self.seq_info.get(n))
+            else:
+                fixed.append(self.caches.caches[n])
+        self._input_names = names
+        self._fixed = fixed
+        self._token_slots = [(i, sig.tokens.index(n)) for i, n in enumerate(names) if n in sig.tokens]
+
+    def graph_inputs(self) -> list[torch.Tensor]:
+        """This step's graph inputs, in placeholder order (tokens as [1, T] views)."""
+        tokens = self.seq_info.graph_inputs()
+        args = list(self._fixed)
+        for i, k in self._token_slots:
+            args[i] = tokens[k]
+        return args  # type: ignore[return-value]
+
+    @property
+    def input_names(self) -> list[str]:
+        return list(self._input_names)
+
+    # ------------------------------------------------------------------ one step
+    @property
+    def capture_buckets(self) -> tuple[int, ...]:
+        return self.piecewise.capture_buckets if self.piecewise is not None else ()
+
+    def _pad_to(self, seqs: Sequence[StepSequence]) -> Optional[int]:
+        buckets = self.capture_buckets
+        if not buckets or not seqs:
+            return None
+        n = sum(len(s.token_ids) for s in seqs)
+        return bucket_for(buckets, n, all(s.is_decode for s in seqs), self.seq_info.max_batch_size,
+                          self.seq_info.max_num_tokens)
+
+    def _descriptor(self) -> StepDescriptor:
+        info = self.seq_info
+        num_seqs = info.num_prefill_seqs + info.num_decode_seqs
+        decode_only = info.num_prefill_seqs == 0 and info.num_decode_seqs > 0
+        graph = (self.piecewise is not None and decode_only and num_seqs == info.num_padded_tokens
+                 and self.piecewise.graph_step(info.num_padded_tokens, decode_only))
+        return StepDescriptor(info.num_tokens, info.num_padded_tokens, num_seqs, decode_only, graph)
+
+    def forward(self, seqs: Sequence[StepSequence], pages_of: PagesOf, logits_for: str = "last"
+                ) -> tuple[list[int], torch.Tensor]:
+        """Build the step's metadata and run the graph: (sequence ids in flat-batch order, the graph's
+        logits output). Pages must already be allocated."""
+        order = self.seq_info.prepare_step(seqs, pages_of, self._pad_to(seqs), logits_for)
+        step = self._descriptor()
+        for sess in self.sessions.values():
+            sess.prepare(self.seq_info, step)
+        args = self.graph_inputs()
+        with torch.inference_mode(), using_sessions(self.sessions):
+            out = self.piecewise(step, *args) if self.piecewise is not None else self.gm(*args)
+        return order, (out[0] if isinstance(out, (tuple, list)) else out)
+
+    def step(self, seqs: Sequence[StepSequence], pages_of: PagesOf) -> tuple[list[int], torch.Tensor]:
+        """One engine step: (sequence ids in flat-batch order, next-token logits [num_seqs, V])."""
+        order, logits = self.forward(seqs, pages_of)
+        nb = len(order)
+        if self.compiled.logits is not None:  # the graph already returns one row per sequence
+            rows = logits[0, :nb]
+        else:
+            rows = logits[0].index_select(0, self.seq_info.dev["last_token"][:nb])
+        tp = self.compiled.tp
+        if tp is not None and tp.world_size > 1:
+            rows = rows_from_rank0(rows)
+        return order, rows
+
+    def prefill_logits(self, prompt: Sequence[int]) -> torch.Tensor:
+        """Logits [S, V] of every prompt position, prefilled in chunks (pages freed afterwards).
+
+        Chunks are max_num_tokens long, or max_batch_size when gather_logits is on (the graph then
+        returns at most that many rows, here one per token of the chunk)."""
+        rid = -1
+        gathered = self.compiled.logits is not None
+        chunk = self.seq_info.max_num_tokens
+        if gathered:
+            chunk = min(chunk, self.seq_info.max_batch_size)
+        self.allocator.ensure(rid, len(prompt))
+        outs = []
+        try:
+            for start in range(0, len(prompt), chunk):
+                toks = list(prompt[start : start + chunk])
+                _, logits = self.forward([StepSequence(rid, toks, start)], self.allocator.pages_of,
+                                         logits_for="all" if gathered else "last")
+                outs.append(logits[0, : len(toks)].float())
+        finally:
+            self.allocator.free(rid)
+        return torch.cat(outs)
+
+    # ------------------------------------------------------------------ warm-up
+    def warmup(self) -> dict[str, Any]:
+        """Capture every CUDA-graph bucket now (decode graphs and piecewise pieces), on dummy
+        sequences that borrow cache pages and return them, so that no later step pays for a capture.
+        A no-op without CUDA graphs. Idempotent; returns what was done."""
+        if self.warmup_report is not None:
+            return self.warmup_report
+        t0 = time.perf_counter()
+        done, skipped = [], {}
+        buckets = self.capture_buckets
+        info = self.seq_info
+        for b in buckets:
+            shapes = [("decode", b)] if b <= info.max_batch_size else []
+            shapes.append(("prefill", b))
+            for kind, n in shapes:
+                try:
+                    self._warm_step(kind, n)
+                    done.append(f"{kind}:{n}")
+                except (CapacityError, OutOfPagesError) as exc:
+                    skipped[f"{kind}:{n}"] = str(exc)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.warmup_report = {"seconds": time.perf_counter() - t0, "steps": done, "skipped": skipped,
+                              "captured": self.piecewise.captured() if self.piecewise is not None else {}}
+        return self.warmup_report
+
+    def _warm_step(self, kind: str, n: int) -> None:
+        info = self.seq_info
+        ids: list[int] = []
+        try:
+            if kind == "decode":  # n sequences with one cached token each, one new token each
+                ids = [-2 - i for i in range(n)]
+                self.allocator.ensure_many({i: 2 for i in ids})
+                seqs = [StepSequence(i, [0], 1) for i in ids]
+            else:  # n prefill tokens over as few sequences as the limits allow
+                per = info.max_seq_len
+                count = -(-n // per)
+                if count > info.max_batch_size:
+                    raise CapacityError(f"{n} prefill tokens need {count} sequences of <= {per} tokens")
+                lens = [per] * (count - 1) + [n - per * (count - 1)]
+                ids = [-2 - i for i in range(count)]
+                self.allocator.ensure_many(dict(zip(ids, lens)))
+                seqs = [StepSequence(i, [0] * ln, 0) for i, ln in zip(ids, lens)]
+            self.forward(seqs, self.allocator.pages_of)
+        finally:
+            for i in ids:
+                self.allocator.free(i)
+
+    # ------------------------------------------------------------------ report
+    def report(self) -> dict[str, Any]:
+        caches = self.caches
+        return {
+            "cache": {
+                "num_pages": caches.num_pages,
+                "page_size": caches.page_size,
+                "layers": len(caches.caches),
+                "bytes_per_layer": {n: t.numel() * t.element_size() for n, t in caches.caches.items()},
+                "total_bytes": caches.total_bytes,
+            },
+            "graph_inputs": self.input_names,
+            "sessions": {name: s.stats() for name, s in self.sessions.items()},
+            "pieces": self.piecewise.report if self.piecewise is not None else None,
+            "piecewise_runner": self.piecewise.summary() if self.piecewise is not None else None,
+            "warmup": self.warmup_report,
+        }

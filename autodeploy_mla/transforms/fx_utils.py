@@ -1,0 +1,89 @@
+"""FX vocabulary the passes share: op sets, node predicates, shapes, module paths, graph tensors,
+and fake-tensor shape propagation. One definition each, instead of a private copy per pass."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.fx import GraphModule, Node
+
+from ..models.checkpoint import module_tensor, set_module_tensor  # noqa: F401  (re-exported)
+
+aten = torch.ops.aten
+TORCH_MLA = torch.ops.autodeploy.torch_mla.default
+RESHAPES = frozenset({aten.view.default, aten.reshape.default, aten._unsafe_view.default})
+#: export's `_assert_tensor_metadata` checks (no-ops when run; never data users)
+ASSERT_METADATA = aten._assert_tensor_metadata.default
+
+
+def is_op(node: Any, targets: Iterable[Any]) -> bool:
+    """`node` is a call_function node whose target is one of `targets`."""
+    return isinstance(node, Node) and node.op == "call_function" and node.target in targets
+
+
+def skip(node: Any, targets: Iterable[Any]) -> Any:
+    """Follow first arguments back through ops in `targets` (casts, views, ...)."""
+    targets = set(targets)
+    while is_op(node, targets):
+        node = node.args[0]
+    return node
+
+
+def val(node: Any) -> Any:
+    """The fake value export recorded for `node` (None for non-nodes or nodes without one)."""
+    return node.meta.get("val") if isinstance(node, Node) else None
+
+
+def shape(node: Any) -> tuple[Any, ...]:
+    """The recorded shape of `node`, () when it has none (ints, or SymInts for dynamic dims)."""
+    v = val(node)
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else ()
+
+
+def module_stack(node: Node) -> list[tuple[str, Any]]:
+    """(module path, module class) from the root to the innermost module that produced `node`.
+
+    export_model makes the paths the model's own module names ("model.layers.3.self_attn")."""
+    return [(p, c) for p, c in (node.meta.get("nn_module_stack") or {}).values()]
+
+
+def module_path(node: Node) -> str:
+    """The innermost module path that produced `node` (the node's name when computed at the root)."""
+    stack = module_stack(node)
+    return (stack[-1][0] or node.name) if stack else node.name
+
+
+def placeholders(gm: GraphModule) -> list[Node]:
+    return [n for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def refresh_shapes(gm: GraphModule) -> None:
+    """Re-run fake-tensor propagation over the whole graph (new shapes after a rewrite that changed
+    weights or shape literals), from the fake inputs export recorded."""
+    from torch._guards import detect_fake_mode
+
+    vals = [n.meta.get("val") for n in placeholders(gm)]
+    mode = detect_fake_mode(vals)
+    if mode is None:
+        raise ValueError("the graph has no fake values on its inputs (was it exported?)")
+
+    class _Prop(torch.fx.Interpreter):
+        def run_node(self, n: Node) -> Any:
+            if n.op == "placeholder":
+                return n.meta.get("val")
+            if n.op == "get_attr":
+                t = self.fetch_attr(n.target)
+                out = mode.from_tensor(t, static_shapes=True) if isinstance(t, torch.Tensor) else t
+            elif n.op == "call_module":
+                out = None  # export's input guards: nothing to propagate
+            else:
+                with mode:
+                    out = super().run_node(n)
+            if out is not None and n.op != "output":
+                n.meta["val"] = out
+            return out
+
+    with torch.no_grad():
+        _Prop(gm).run(*vals)
