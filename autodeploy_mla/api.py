@@ -30,8 +30,9 @@ from .runtime.artifacts import TensorParallel
 from .runtime.engine import GenerationEngine, Request
 from .runtime.errors import CapacityError, RequestError
 from .runtime.model_runner import ModelRunner
+from .runtime.page_allocator import PageAllocator
 from .runtime.sampling import SamplingParams
-from .runtime.sequence_info import metadata_nbytes
+from .runtime.sequence_info import SequenceInfo, metadata_nbytes
 from .transforms.context import BuildContext, PassRecord
 from .transforms.pass_manager import Pipeline, parse_pipeline, run_pipeline
 from .transforms.shard import ShardOptions
@@ -141,11 +142,11 @@ class OptimizedModel:
         return self.runner.dtype
 
     @property
-    def allocator(self):  # noqa: ANN201 - runtime.PageAllocator
+    def allocator(self) -> PageAllocator:
         return self.runner.allocator
 
     @property
-    def seq_info(self):  # noqa: ANN201 - runtime.SequenceInfo
+    def seq_info(self) -> SequenceInfo:
         return self.runner.seq_info
 
     @property

@@ -15,6 +15,10 @@ Writes flashinfer_plan.json, flashinfer_plan.md and flashinfer_plan.png into --o
 
     python benchmarks/bench_flashinfer_plan.py --out docs/benchmarks
     python benchmarks/bench_flashinfer_plan.py --device cpu --fake --quick --out /tmp/x   # dry run, no GPU
+
+Every backend runs as in a model: a session from `setup(SessionSpec, policy)` sized to the step,
+prepared once per step (`session.prepare`), and published to the op with `using_sessions`. Steps with
+prefill tokens are timed on FlashInfer itself (`FlashInferPolicy(prefill="flashinfer")`), not routed.
 """
 
 from __future__ import annotations
@@ -26,17 +30,22 @@ import platform
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from autodeploy_mla.custom_ops import MLADims, all_backends, get_backend, library_versions
-from autodeploy_mla.custom_ops import flashinfer_mla as fm
+from autodeploy_mla.custom_ops import BackendSession, MLADims, SessionSpec, Target, all_backends, get_backend
 from autodeploy_mla.custom_ops.flashinfer_metadata import mla_csr
+from autodeploy_mla.custom_ops.flashinfer_mla import FlashInferPolicy
+from autodeploy_mla.custom_ops.step_context import using_sessions
 from autodeploy_mla.runtime import PageAllocator, SequenceInfo, StepSequence
+from autodeploy_mla.runtime.model_runner import step_descriptor
 
 BF16 = torch.bfloat16
 DS = lambda n: MLADims(n, 128, 64, 128, 512)  # noqa: E731  DeepSeek-V3 per-head dims
+#: plan/run/layers/route time FlashInfer itself: every step stays on it (no prefill routing to Triton).
+FI_ONLY = FlashInferPolicy(prefill="flashinfer")
 
 
 def _sync(dev):
@@ -94,13 +103,24 @@ class Step:
         w, cache = self.layers[layer]
         return (*self.x, w, *[self.info.get(m) for m in be.metadata], cache, None)
 
+    def target(self) -> Target:
+        return Target.detect(self.dev, self.info.page_size)
+
+    def session(self, name: str, policy=None) -> BackendSession:
+        """A session of backend `name` serving this step's dims, sized to the step and prepared for it."""
+        info = self.info
+        spec = SessionSpec((self.dims,), BF16, self.dev, self.target(), info.max_batch_size, info.max_num_tokens,
+                           info.max_pages_per_seq)
+        sess = get_backend(name).setup(spec, policy)
+        sess.prepare(info, step_descriptor(info))
+        return sess
+
 
 def rel_err(a, b):
     return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
 
 
 def bench_plan(dev, quick):
-    be = get_backend("flashinfer_mla")
     cases = [("decode", 128, [(1, 511)] * 32), ("decode", 128, [(1, 8191)]), ("decode", 128, [(1, 4095)] * 128),
              ("decode", 16, [(1, 4095)] * 64), ("mixed", 128, [(512, 0), (512, 1024)] + [(1, 2047)] * 62)]
     if quick:
@@ -108,11 +128,11 @@ def bench_plan(dev, quick):
     rows = []
     for kind, n, seqs in cases:
         s = Step(DS(n), seqs, dev)
-        be.setup([s.dims], BF16, s.info)
-        st = fm.state()
-        key = next(iter(st.configs))
-        w = st.eager[key]
+        sess = s.session("flashinfer_mla", FI_ONLY)
+        key = next(iter(sess.configs))
+        w = sess.eager[key]
         info = s.info
+        desc = step_descriptor(info)
         csr = mla_csr(info.get("cu_seqlen_host"), info.get("seq_len_with_cache_host"), info.get("page_table_host"),
                       len(seqs), info.page_size)
         reps = 10 if quick else 200
@@ -125,7 +145,7 @@ def bench_plan(dev, quick):
         row = {
             "kind": kind, "N": n, "batch": len(seqs), "tokens": s.num_tokens,
             "max_kv": max(a + b for a, b in seqs),
-            "prepare_ms": _host_median_ms(lambda: be.prepare(info), reps),
+            "prepare_ms": _host_median_ms(lambda: sess.prepare(info, desc), reps),
             "csr_ms": _host_median_ms(lambda: mla_csr(info.get("cu_seqlen_host"), info.get("seq_len_with_cache_host"),
                                                       info.get("page_table_host"), len(seqs), info.page_size), reps),
             "fi_plan_ms": _host_median_ms(raw_plan, reps),
@@ -146,26 +166,24 @@ def bench_run(dev, quick):
     rows = []
     for n, seqs in cases:
         s = Step(DS(n), seqs, dev)
-        be.setup([s.dims], BF16, s.info)
-        be.prepare(s.info)
-        st = fm.state()
-        key = next(iter(st.configs))
-        step = st.step
+        # strided / contiguous query and latent tensors: one session per FlashInferPolicy.strided_io
+        sessions = {strided: s.session("flashinfer_mla", replace(FI_ONLY, strided_io=strided))
+                    for strided in (True, False)}
+        key = next(iter(sessions[True].configs))
         w, cache = s.layers[0]
         ref_cache = cache.clone()
         small = s.ref_elems < 1e9
         out_ref = ref_be.cached_op(*s.x, w, *[s.info.get(m) for m in ref_be.metadata], ref_cache, None) if small else None
         res = {}
-        for strided in (True, False):
-            fm.STRIDED_IO = strided
+        for strided, sess in sessions.items():
             c2 = cache.clone()
-            out = be.cached_op(*s.x, w, *[s.info.get(m) for m in be.metadata], c2, None)
-            res[strided] = rel_err(out[0, : s.num_tokens], out_ref[0, : s.num_tokens]) if small else float("nan")
-            lab = "op_strided_us" if strided else "op_contiguous_us"
-            res[lab] = _device_median_us(lambda: be.cached_op(*s.x, w, *[s.info.get(m) for m in be.metadata], c2, None),
-                                         dev, quick)
-        fm.STRIDED_IO = True
-        wr = step.wrappers.get(key)
+            with using_sessions({"flashinfer_mla": sess}):
+                out = be.cached_op(*s.x, w, *[s.info.get(m) for m in be.metadata], c2, None)
+                res[strided] = rel_err(out[0, : s.num_tokens], out_ref[0, : s.num_tokens]) if small else float("nan")
+                lab = "op_strided_us" if strided else "op_contiguous_us"
+                res[lab] = _device_median_us(
+                    lambda: be.cached_op(*s.x, w, *[s.info.get(m) for m in be.metadata], c2, None), dev, quick)
+        wr = sessions[True].step.wrappers.get(key)
         t = s.num_tokens
         q_abs = torch.randn(t, n, 512, device=dev).to(BF16)
         q_pe = torch.randn(t, n, 64, device=dev).to(BF16)
@@ -188,47 +206,55 @@ def bench_run(dev, quick):
 
 
 def bench_61_layers(dev, quick):
-    be = get_backend("flashinfer_mla")
     layers = 4 if quick else 61
     cases = [(128, [(1, 2047)] * 64), (128, [(1, 511)] * 8), (16, [(1, 4095)] * 32)]
     if quick:
         cases = cases[:1]
     rows = []
     for n, seqs in cases:
-        s = Step(DS(n), seqs, dev, layers=layers)
-        be.setup([s.dims], BF16, s.info)
-        st = fm.state()
-        key = next(iter(st.configs))
-        info = s.info
-        csr = mla_csr(info.get("cu_seqlen_host"), info.get("seq_len_with_cache_host"), info.get("page_table_host"),
-                      len(seqs), info.page_size)
-        args = [s.args(be, i) for i in range(layers)]
+        row = _layers_case(dev, n, seqs, layers, reps=3 if quick else 40)
+        rows.append(row)
+        print(f"step  {layers} layers N={n:3d} batch={len(seqs):3d}: one plan + runs {row['one_plan_ms']:.2f} ms | "
+              f"plan per layer {row['per_layer_plans_ms']:.2f} ms | runs only {row['runs_only_ms']:.2f} ms", flush=True)
+    return rows
 
-        def one_plan():
-            be.prepare(info)
-            for a in args:
-                be.cached_op(*a)
-            _sync(dev)
 
-        def per_layer_plans():  # the naive alternative: plan before every layer's run
-            be.prepare(info)
-            w = st.step.wrappers[key]
-            for a in args:
-                w.plan(qo_indptr=csr.qo_indptr, kv_indptr=csr.kv_indptr, kv_indices=csr.kv_indices,
-                       kv_len_arr=csr.kv_len, num_heads=n, head_dim_ckv=512, head_dim_kpe=64,
-                       page_size=info.page_size, causal=True, sm_scale=1.0, q_data_type=BF16, kv_data_type=BF16)
-                be.cached_op(*a)
-            _sync(dev)
+def _layers_case(dev, n, seqs, layers, reps):
+    """One decode step of `layers` layers, wall clock: one plan + runs vs a plan per layer vs runs alone."""
+    be = get_backend("flashinfer_mla")
+    s = Step(DS(n), seqs, dev, layers=layers)
+    sess = s.session("flashinfer_mla", FI_ONLY)
+    key = next(iter(sess.configs))
+    info = s.info
+    desc = step_descriptor(info)
+    csr = mla_csr(info.get("cu_seqlen_host"), info.get("seq_len_with_cache_host"), info.get("page_table_host"),
+                  len(seqs), info.page_size)
+    layer_args = [s.args(be, i) for i in range(layers)]
 
-        def runs_only():
-            for a in args:
-                be.cached_op(*a)
-            _sync(dev)
+    def one_plan():
+        sess.prepare(info, desc)
+        for a in layer_args:
+            be.cached_op(*a)
+        _sync(dev)
 
-        be.prepare(info)
-        reps = 3 if quick else 40
-        variants = {"one_plan_ms": one_plan, "per_layer_plans_ms": per_layer_plans, "runs_only_ms": runs_only}
-        times: dict[str, list[float]] = {k: [] for k in variants}
+    def per_layer_plans():  # the naive alternative: plan before every layer's run
+        sess.prepare(info, desc)
+        w = sess.step.wrappers[key]
+        for a in layer_args:
+            w.plan(qo_indptr=csr.qo_indptr, kv_indptr=csr.kv_indptr, kv_indices=csr.kv_indices,
+                   kv_len_arr=csr.kv_len, num_heads=n, head_dim_ckv=512, head_dim_kpe=64,
+                   page_size=info.page_size, causal=True, sm_scale=1.0, q_data_type=BF16, kv_data_type=BF16)
+            be.cached_op(*a)
+        _sync(dev)
+
+    def runs_only():
+        for a in layer_args:
+            be.cached_op(*a)
+        _sync(dev)
+
+    variants = {"one_plan_ms": one_plan, "per_layer_plans_ms": per_layer_plans, "runs_only_ms": runs_only}
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    with using_sessions({"flashinfer_mla": sess}):
         for f in variants.values():
             f()  # warm-up
         for i in range(reps):  # interleaved, rotating order: host/GPU drift hits every variant alike
@@ -238,15 +264,10 @@ def bench_61_layers(dev, quick):
                 t0 = time.perf_counter()
                 variants[k]()
                 times[k].append((time.perf_counter() - t0) * 1e3)
-        row = {"N": n, "batch": len(seqs), "kv_len": seqs[0][0] + seqs[0][1], "layers": layers,
-               **{k: statistics.median(v) for k, v in times.items()},
-               **{k.replace("_ms", "_p10_p90_ms"): (sorted(v)[len(v) // 10], sorted(v)[(9 * len(v)) // 10])
-                  for k, v in times.items()}}
-        rows.append(row)
-        print(f"step  {layers} layers N={n:3d} batch={len(seqs):3d}: one plan + runs {row['one_plan_ms']:.2f} ms | "
-              f"plan per layer {row['per_layer_plans_ms']:.2f} ms | runs only {row['runs_only_ms']:.2f} ms", flush=True)
-        del s, args
-    return rows
+    return {"N": n, "batch": len(seqs), "kv_len": seqs[0][0] + seqs[0][1], "layers": layers,
+            **{k: statistics.median(v) for k, v in times.items()},
+            **{k.replace("_ms", "_p10_p90_ms"): (sorted(v)[len(v) // 10], sorted(v)[(9 * len(v)) // 10])
+               for k, v in times.items()}}
 
 
 ROUTE_CASES = [
@@ -263,7 +284,6 @@ def bench_route(dev, quick):
     """Steps with prefill tokens: FlashInfer's absorbed path vs the Triton op vs the torch reference (eager)."""
     rows = []
     cases = ROUTE_CASES if not quick else [("prefill 1x64", 16, [(64, 0)]), ("mixed", 16, [(16, 0), (1, 40)])]
-    fi = get_backend("flashinfer_mla")
     names = [b for b in ("torch", "flashinfer_mla", "triton") if b in all_backends()]
     for label, n, seqs in cases:
         s = Step(DS(n), seqs, dev)
@@ -275,27 +295,24 @@ def bench_route(dev, quick):
                 row["torch_why"] = "reference score grid too large"
                 continue
             be = get_backend(name)
-            chk = be.check(s.dims, BF16, fm.device_info(dev), fm.installed_versions(), s.info.page_size)
+            chk = be.check(s.dims, BF16, s.target())
             if not chk.ok:
                 row[f"{name}_us"], row[f"{name}_why"] = None, chk.reason
                 continue
-            if name == "flashinfer_mla":
-                fi.configure(prefill="flashinfer")  # time FlashInfer itself, not the routing
-            be.setup([s.dims], BF16, s.info)
-            be.prepare(s.info)
             w, cache = s.layers[0]
             c2 = cache.clone()
             try:
-                out = be.cached_op(*s.x, w, *[s.info.get(m) for m in be.metadata], c2, None)
-                if ref is None:
-                    ref, ref_name = out, name
-                row[f"{name}_rel_err"] = rel_err(out, ref)
-                row[f"{name}_us"] = _device_median_us(
-                    lambda: be.cached_op(*s.x, w, *[s.info.get(m) for m in be.metadata], c2, None), dev, quick)
+                # FlashInfer: time FlashInfer itself, not the routing; the others: their default policy
+                sess = s.session(name, FI_ONLY if name == "flashinfer_mla" else None)
+                with using_sessions({name: sess}):
+                    out = be.cached_op(*s.x, w, *[s.info.get(m) for m in be.metadata], c2, None)
+                    if ref is None:
+                        ref, ref_name = out, name
+                    row[f"{name}_rel_err"] = rel_err(out, ref)
+                    row[f"{name}_us"] = _device_median_us(
+                        lambda: be.cached_op(*s.x, w, *[s.info.get(m) for m in be.metadata], c2, None), dev, quick)
             except Exception as e:  # another engineer's backend may not handle this case yet: record, go on
                 row[f"{name}_us"], row[f"{name}_why"] = None, f"{type(e).__name__}: {e}"[:200]
-            finally:
-                fi.configure(prefill="auto")
         row["err_vs"] = ref_name
         rows.append(row)
         print("route " + " | ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
@@ -320,40 +337,35 @@ def bench_graph(dev, quick):
     if dev.type != "cuda":
         return []
     rows = []
-    fi = get_backend("flashinfer_mla")
+    # FlashInfer: fixed-buffer (CUDA-graph) wrappers for every decode step of the session
+    policies = {"flashinfer_mla": FlashInferPolicy(cuda_graph=True), "triton": None}
     cases = [(128, [(1, 511)] * 32, 1), (128, [(1, 4095)] * 128, 1), (16, [(1, 4095)] * 64, 1), (128, [(1, 2047)] * 64, 61)]
     if quick:
         cases = cases[:1]
     for n, seqs, layers in cases:
         row = {"N": n, "batch": len(seqs), "kv_len": seqs[0][0] + seqs[0][1], "layers": layers}
         s = Step(DS(n), seqs, dev, layers=layers)
-        for name in ("flashinfer_mla", "triton"):
+        for name, policy in policies.items():
             if name not in all_backends():
                 continue
             be = get_backend(name)
-            if not be.check(s.dims, BF16, fm.device_info(dev), fm.installed_versions(), s.info.page_size).ok:
-                continue
-            if name == "flashinfer_mla":
-                fi.configure(cuda_graph=True)
-            elif not be.decode_graph_safe:
+            if not be.decode_graph_safe or not be.check(s.dims, BF16, s.target()).ok:
                 continue
             try:
-                be.setup([s.dims], BF16, s.info)
-                be.prepare(s.info)
-                args = [s.args(be, i) for i in range(layers)]
+                sess = s.session(name, policy)
+                layer_args = [s.args(be, i) for i in range(layers)]
 
                 def step():
-                    for a in args:
+                    for a in layer_args:
                         be.cached_op(*a)
 
-                g = _capture(step, dev)
-                row[f"{name}_graph_us"] = _device_median_us(g.replay, dev, quick)
-                row[f"{name}_eager_us"] = _device_median_us(step, dev, quick)
+                with using_sessions({name: sess}):
+                    g = _capture(step, dev)
+                    row[f"{name}_graph_us"] = _device_median_us(g.replay, dev, quick)
+                    row[f"{name}_eager_us"] = _device_median_us(step, dev, quick)
                 del g
             except Exception as e:
                 row[f"{name}_why"] = f"{type(e).__name__}: {e}"[:200]
-            finally:
-                fi.configure(cuda_graph=False)
         rows.append(row)
         print("graph " + " | ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
               flush=True)
@@ -476,15 +488,13 @@ def main(argv=None):
         write_outputs(Path(a.out), json.loads(Path(a.replot).read_text()))
         return
     dev = torch.device(a.device)
-    if a.fake:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-        import test_flashinfer_backends as t  # noqa: E402
+    if a.fake:  # the tests' pure-torch FlashInfer; Target.detect then reports an SM90 GPU with 0.6.18.post1
+        import pytest
 
-        for k, v in t._fake_flashinfer("0.6.18.post1").items():
-            sys.modules[k] = v
-        fm.installed_versions = lambda: {"torch": torch.__version__, "triton": None, "flashinfer": "0.6.18.post1"}
-        fm.device_info = lambda d: t.DeviceInfo("cuda", (9, 0), "fake")
-    vers = fm.installed_versions() if a.fake else library_versions()
+        from autodeploy_mla.testing.fake_flashinfer import install_fake_flashinfer
+
+        install_fake_flashinfer(pytest.MonkeyPatch(), "0.6.18.post1")
+    vers = Target.detect(dev, 64).versions
     gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (fake FlashInfer)"
     sm = "".join(map(str, torch.cuda.get_device_capability(dev))) if dev.type == "cuda" else "-"
     driver = None
@@ -497,8 +507,6 @@ def main(argv=None):
         except Exception:
             pass
     skip = set(filter(None, a.skip.split(",")))
-    # plan/run/layers time FlashInfer itself: keep every step on it (no prefill routing to Triton).
-    get_backend("flashinfer_mla").configure(prefill="flashinfer")
     result = {
         "machine": {"gpu": gpu, "sm": sm, "driver": driver, "torch": torch.__version__, "flashinfer": vers.get("flashinfer"),
                     "triton": vers.get("triton"), "python": platform.python_version(), "host_cpus": os.cpu_count()},

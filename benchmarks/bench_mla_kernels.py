@@ -19,6 +19,7 @@ interpreter) to check the script itself. See benchmarks/README.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import math
@@ -34,11 +35,13 @@ if __name__ == "__main__" and "--smoke" in sys.argv and not __import__("torch").
 
 import torch  # noqa: E402
 
-import autodeploy_mla  # noqa: E402,F401
-from autodeploy_mla.custom_ops import MLADims, get_backend  # noqa: E402
+from autodeploy_mla.custom_ops import MLADims, SessionSpec, Target, get_backend  # noqa: E402
 from autodeploy_mla.custom_ops.mla_dims import resolve_scale  # noqa: E402
+from autodeploy_mla.custom_ops.step_context import using_sessions  # noqa: E402
+from autodeploy_mla.custom_ops.triton_mla import TritonPolicy, tuning  # noqa: E402
 from autodeploy_mla.custom_ops.triton_mla import op as top  # noqa: E402
 from autodeploy_mla.runtime import PageAllocator, SequenceInfo, StepSequence  # noqa: E402
+from autodeploy_mla.testing.scenarios import step_descriptor  # noqa: E402
 
 COPY_TBS = 4.3  # measured H200 device copy bandwidth, TB/s (DESIGN §12)
 BF16_TFLOPS = 790.0  # measured bf16 dense matmul, TFLOP/s
@@ -141,13 +144,21 @@ class Case:
         self.w = rnd(N * (dn + dv), r, scale=r**-0.5)
         self.scale = resolve_scale(dims, None)
 
-    def meta(self, backend: str) -> list[torch.Tensor]:
-        return [self.info.get(m) for m in get_backend(backend).metadata]
-
-    def op(self, backend: str, **kw):
+    @contextlib.contextmanager
+    def op(self, backend: str, policy=None):
+        """The backend's cached op on this step as a no-argument callable, run as in a model: a session
+        of its own (`policy`, e.g. TritonPolicy(prefill_mode="expand")) is prepared for the step and
+        active while the block runs (outside the timed calls)."""
         be = get_backend(backend)
-        meta = self.meta(backend)
-        return lambda: be.cached_op(*self.x, self.w, *meta, self.cache, None, **kw)
+        info = self.info
+        dev = torch.device(self.device)
+        spec = SessionSpec((self.dims,), self.dtype, dev, Target.detect(dev, info.page_size), info.max_batch_size,
+                           info.max_num_tokens, info.max_pages_per_seq)
+        sess = be.setup(spec, policy)
+        sess.prepare(info, step_descriptor(info))
+        meta = [info.get(m) for m in be.metadata]
+        with using_sessions({backend: sess}):
+            yield lambda: be.cached_op(*self.x, self.w, *meta, self.cache, None)
 
     @property
     def kv_tokens(self) -> int:
@@ -163,20 +174,21 @@ def decode_core_triton(case: Case, cfg=None, forced_splits: int = 0):
     info = case.info
     B = len(case.seqs)
     kv = max(c + n for c, n in case.seqs)
-    cfg = cfg or top.decode_config(d, case.dtype)
+    cfg = cfg or tuning.decode_config(d, case.dtype)
     top._launch_append(case.x[2], case.x[3], case.cache, info.get("cache_loc"), B, d)
+    # what the op runs with: the split count from the policy (0 = automatic), kernel variants loaded once
+    call = top._Call(TritonPolicy(decode_splits=forced_splits), warmed=set())
 
     def run():
         top._launch_absorbed(
-            q_abs, case.x[1], case.cache, info.get("page_table"), info.get("cu_seqlen"), info.get("input_pos"),
+            call, q_abs, case.x[1], case.cache, info.get("page_table"), info.get("cu_seqlen"), info.get("input_pos"),
             info.get("seq_len_with_cache"), latent, seq_base=0, n_seqs=B, tok_base=0, n_tok=B, abs_base=0,
-            max_q=1, kv_bound=kv, cfg=cfg, dims=d, qk_scale=case.scale * top.LOG2E, forced_splits=forced_splits,
+            max_q=1, kv_bound=kv, cfg=cfg, dims=d, qk_scale=case.scale * top.LOG2E,
         )
 
     def splits():
         num_hb = -(-N // cfg.block_h)
-        return top._split_plan(B * num_hb, kv, cfg.block_n, forced_splits, case.cache.device,
-                               top._min_chunk(case.cache.device))[0]
+        return tuning.split_plan(B * num_hb, kv, cfg.block_n, forced_splits, case.cache.device)[0]
 
     return run, q_abs, latent, splits()
 
@@ -259,8 +271,9 @@ def bench_decode(dims_name: str, d: MLADims, B: int, kv: int, dtype, dev, rep_ms
         traceback.print_exc()
         ref_latent = None
     try:
-        row["triton_op_us"], row["triton_op_how"] = time_us(case.op("triton"), graph=True, rep_ms=rep_ms)
-        row["triton_op_eager_us"], _ = time_us(case.op("triton"), graph=False, rep_ms=rep_ms)
+        with case.op("triton") as op:
+            row["triton_op_us"], row["triton_op_how"] = time_us(op, graph=True, rep_ms=rep_ms)
+            row["triton_op_eager_us"], _ = time_us(op, graph=False, rep_ms=rep_ms)
     except Exception as e:
         row["triton_op_err"] = _err(e)
         traceback.print_exc()
@@ -283,7 +296,8 @@ def bench_decode(dims_name: str, d: MLADims, B: int, kv: int, dtype, dev, rep_ms
         row["fi_skip"] = f"FlashInfer 0.6.x MLA supports (R, Dr)=(512, 64) only; R={d.kv_lora_rank} not launched"
     if B * kv <= TORCH_DECODE_MAX_TOKENS:
         try:
-            row["torch_op_us"], row["torch_op_how"] = time_us(case.op("torch"), graph=False, rep_ms=rep_ms)
+            with case.op("torch") as op:
+                row["torch_op_us"], row["torch_op_how"] = time_us(op, graph=False, rep_ms=rep_ms)
         except Exception as e:
             row["torch_err"] = _err(e)
     else:
@@ -305,16 +319,18 @@ def bench_prefill(dims_name: str, d: MLADims, T: int, prefix: int, dtype, dev, r
     N, r, dn, dv, dr = d.num_heads, d.kv_lora_rank, d.qk_nope_head_dim, d.v_head_dim, d.qk_rope_head_dim
     row["flops_expand"] = 2.0 * pairs * N * (dn + dr + dv) + 2.0 * (prefix + T) * N * r * (dn + dv)
     row["flops_absorb"] = 2.0 * pairs * N * (2 * r + dr) + 2.0 * T * N * r * (dn + dv)
-    row["rule"] = top.choose_prefill_path(d, T, prefix, pairs)
+    row["rule"] = tuning.choose_prefill_path(d, T, prefix, pairs)
     for mode in ("auto", "expand", "absorb"):
         try:
-            row[f"triton_{mode}_us"], _ = time_us(case.op("triton", prefill_mode=mode), graph=False, rep_ms=rep_ms)
+            with case.op("triton", TritonPolicy(prefill_mode=mode)) as op:
+                row[f"triton_{mode}_us"], _ = time_us(op, graph=False, rep_ms=rep_ms)
         except Exception as e:
             row[f"triton_{mode}_err"] = _err(e)
             traceback.print_exc()
     if N * T * (T + prefix) * 4 <= TORCH_PREFILL_MAX_SCORE_BYTES:
         try:
-            row["torch_op_us"], _ = time_us(case.op("torch"), graph=False, rep_ms=rep_ms)
+            with case.op("torch") as op:
+                row["torch_op_us"], _ = time_us(op, graph=False, rep_ms=rep_ms)
         except Exception as e:
             row["torch_err"] = _err(e)
     else:
@@ -343,6 +359,19 @@ TUNE_SPLIT_SHAPES = ((1, 8192), (8, 2048))
 TUNE_PREFILL = (2048, (4096, 128))  # T of the expand sweep; (prefix, T) of the absorb sweep
 
 
+@contextlib.contextmanager
+def op_launch_config(name: str, cfg):
+    """Make the Triton op launch its prefill kernels with `cfg`: `name` is the config function the op
+    calls (expand_config / absorb_prefill_config), replaced where op.py looks it up. TritonPolicy has
+    no launch-config knob, so the sweep swaps the function for the duration of the block."""
+    orig = getattr(top, name)
+    setattr(top, name, lambda *a, **k: cfg)
+    try:
+        yield
+    finally:
+        setattr(top, name, orig)
+
+
 def tune(dtype, dev, rep_ms: float, dims_names) -> dict:
     out: dict = {"decode": [], "splits": [], "expand": [], "absorb_prefill": []}
     for name in dims_names:
@@ -352,7 +381,7 @@ def tune(dtype, dev, rep_ms: float, dims_names) -> dict:
         for B, kv in TUNE_DECODE_SHAPES:
             case = Case(d, [(kv - 1, 1)] * B, dtype, dev, seed=1)
             for bh, bn, w, st in cands:
-                cfg = top.AbsorbedConfig(bh, 1, bn, w, st)
+                cfg = tuning.AbsorbedConfig(bh, 1, bn, w, st)
                 try:
                     run, *_ = decode_core_triton(case, cfg)
                     t, _ = time_us(run, graph=True, rep_ms=rep_ms)
@@ -377,32 +406,30 @@ def tune(dtype, dev, rep_ms: float, dims_names) -> dict:
                     print(f"tune splits {name:22s} B={B:3d} kv={kv:5d} splits={s:3d} (auto {auto}) -> {t}", flush=True)
                 del case
         case = Case(d, [(0, TUNE_PREFILL[0])], dtype, dev, seed=3)
-        orig = top.expand_config
         for bm, bn, w, st in EXPAND_CANDIDATES:
-            top.expand_config = lambda dd, dt, *a, c=top.ExpandConfig(bm, bn, w, st): c
             try:
-                t, _ = time_us(case.op("triton", prefill_mode="expand"), graph=False, rep_ms=rep_ms)
+                with (op_launch_config("expand_config", tuning.ExpandConfig(bm, bn, w, st)),
+                      case.op("triton", TritonPolicy(prefill_mode="expand")) as op):
+                    t, _ = time_us(op, graph=False, rep_ms=rep_ms)
             except Exception as e:
                 t = None
                 print("tune expand", _err(e))
-            top.expand_config = orig
             out["expand"].append({"dims": name, "T": TUNE_PREFILL[0], "cfg": [bm, bn, w, st], "us": t})
             print(f"tune expand {name:22s} cfg={(bm, bn, w, st)} -> {t}", flush=True)
         del case
         case = Case(d, [TUNE_PREFILL[1]], dtype, dev, seed=4)
-        orig = top.absorb_prefill_config
         bh = min(64, max(16, 1 << (d.num_heads - 1).bit_length()))
         for rows, bn in ((32, 32), (64, 16), (64, 32)):
             if rows < bh:
                 continue
-            cfg = top.AbsorbedConfig(bh, rows // bh, bn, 8, 2)
-            top.absorb_prefill_config = lambda dd, dt, c=cfg: c
+            cfg = tuning.AbsorbedConfig(bh, rows // bh, bn, 8, 2)
             try:
-                t, _ = time_us(case.op("triton", prefill_mode="absorb"), graph=False, rep_ms=rep_ms)
+                with (op_launch_config("absorb_prefill_config", cfg),
+                      case.op("triton", TritonPolicy(prefill_mode="absorb")) as op):
+                    t, _ = time_us(op, graph=False, rep_ms=rep_ms)
             except Exception as e:
                 t = None
                 print("tune absorb", _err(e))
-            top.absorb_prefill_config = orig
             out["absorb_prefill"].append({"dims": name, "prefix_T": list(TUNE_PREFILL[1]), "cfg": [bh, rows // bh, bn],
                                           "us": t})
             print(f"tune absorb-prefill {name:22s} cfg={cfg} -> {t}", flush=True)
@@ -494,7 +521,7 @@ def tune_section(res: dict) -> list[str]:
           "|---|---|" + "---|" * len(shapes)]
     for name in dict.fromkeys(r["dims"] for r in t["decode"]):
         d = DIMS.get(name)
-        cur = top.decode_config(d, torch.bfloat16) if d else None
+        cur = tuning.decode_config(d, torch.bfloat16) if d else None
         cfgs = list(dict.fromkeys(tuple(r["cfg"]) for r in t["decode"] if r["dims"] == name))
         for c in cfgs:
             cells = []

@@ -10,9 +10,13 @@ H2D copy, backend prepare hooks, launches) and the sampling sync (argmax -> host
 Variants:
   hf_eager            HF model(next_token, past_key_values=DynamicCache) (expanded K/V cache, cat per step)
   ours_eager[B]       our compiled graph (flat FX graph, backend B), every op launched eagerly
-  ours_cg[B]          piecewise runner: decode-only steps replay one whole-graph CUDA graph when every
-                      attention op is decode_graph_safe (triton), else static pieces replay per bucket
-                      and the attention op runs eagerly in between (flashinfer_mla, torch)
+                      (the model runner with its piecewise runner taken away: steps unpadded)
+  ours_cg[B]          the model runner as built (piecewise runner): decode-only steps replay one
+                      whole-graph CUDA graph when every attention op is decode_graph_safe (triton,
+                      flashinfer_mla), else static pieces replay per bucket and the attention op runs
+                      eagerly in between (torch)
+Both variants step through `ModelRunner.forward` (metadata build, backend session prepare hooks,
+graph); the batches are the runner's token buckets, so no step is padded.
 For ours_cg the sum of GPU kernel (+memcpy) times per step is read with torch.profiler, to show how
 close the step latency is to the device work.
 
@@ -29,7 +33,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import platform
 import statistics
 import sys
@@ -39,6 +42,7 @@ from typing import Any, Optional
 
 import torch
 from deepseek_shape import decode_runtime, deepseek_v3_shaped, extra_tokens  # benchmarks/ is sys.path[0] when run as a script
+
 
 DEFAULT_BATCHES = (1, 8, 32, 64)
 DEFAULT_CONTEXTS = (1024, 4096)
@@ -86,37 +90,53 @@ def build_ours(model, backend: str, args, device):
 
 
 def fill_ours(om, batch: int, context: int, extra: int) -> None:
-    om.allocator.free_all() if hasattr(om.allocator, "free_all") else None
-    for sid in list(getattr(om.allocator, "_owned", {}) or {}):
-        om.allocator.free(sid)
-    om.allocator.ensure_many({sid: context + extra for sid in range(batch)})
+    alloc = om.runner.allocator
+    for sid in alloc.owners():
+        alloc.free(sid)
+    alloc.ensure_many({sid: context + extra for sid in range(batch)})
     g = torch.Generator(device=om.device).manual_seed(batch * 7 + context)
-    for c in om.caches.caches.values():
+    for c in om.runner.caches.caches.values():
         c.normal_(generator=g)
 
 
-def run_ours(om, runner, batch: int, context: int, steps: int, warmup: int, profile: bool) -> dict[str, Any]:
+def decode_step(runner, batch: int, pos: int, tok: list[int], start: Optional["torch.cuda.Event"] = None) -> torch.Tensor:
+    """One decode step of `batch` sequences at position `pos` (token tok[s] for sequence s): the logits
+    rows [batch, V] they sample from (all decode: flat-batch order = sequence order). `start` is
+    recorded after the step's metadata is built and copied, before the backends' prepare hooks and
+    the first launch: where the step's device time starts (as ModelRunner.prepare does, in pieces)."""
+    from autodeploy_mla.runtime.model_runner import step_descriptor
     from autodeploy_mla.runtime.sequence_info import StepSequence
 
-    info, alloc = om.seq_info, om.allocator
-    saved, om.runner = om.runner, runner
+    seqs = [StepSequence(s, [tok[s]], pos) for s in range(batch)]
+    runner.seq_info.prepare_step(seqs, runner.allocator.pages_of, runner.padded_size(seqs))
+    if start is not None:
+        start.record()
+    step = step_descriptor(runner.seq_info, runner.capture_buckets)
+    for sess in runner.sessions.values():
+        sess.prepare(runner.seq_info, step)
+    return runner.execute(step)[0, :batch]
+
+
+def run_ours(om, piecewise, batch: int, context: int, steps: int, warmup: int, profile: bool) -> dict[str, Any]:
+    """Time decode steps with `piecewise` as the runner's step runner (None: the flat graph, eager)."""
+    runner = om.runner
+    saved_pw = runner.piecewise
+    cuda = om.device.type == "cuda"
     tok = [1] * batch
     ts: list[float] = []
     dev_ts: list[float] = []
-    cuda = om.device.type == "cuda"
     pos0 = context - warmup
     try:
+        runner.piecewise = piecewise
         for i in range(warmup + steps):
             _sync(om.device)
             t0 = time.perf_counter()
-            info.prepare_step([StepSequence(s, [tok[s]], pos0 + i) for s in range(batch)], alloc.pages_of)
+            ev0 = torch.cuda.Event(enable_timing=True) if cuda else None
+            rows = decode_step(runner, batch, pos0 + i, tok, ev0)
             if cuda:
-                ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                ev0.record()
-            logits = om.forward_step(info)
-            if cuda:
+                ev1 = torch.cuda.Event(enable_timing=True)
                 ev1.record()
-            tok = logits[0, :batch].argmax(-1).tolist()  # the sampling sync
+            tok = rows.argmax(-1).tolist()  # the sampling sync
             if i >= warmup:
                 ts.append((time.perf_counter() - t0) * 1e3)
                 if cuda:
@@ -125,10 +145,10 @@ def run_ours(om, runner, batch: int, context: int, steps: int, warmup: int, prof
         if dev_ts:
             # GPU time from the step's first launch to its last kernel's end (incl. launch gaps)
             res["device_ms"] = statistics.median(dev_ts)
-        if profile and om.device.type == "cuda":
+        if profile and cuda:
             res.update(profile_kernels(om, batch, pos0 + warmup + steps, tok))
     finally:
-        om.runner = saved
+        runner.piecewise = saved_pw
     return res
 
 
@@ -136,15 +156,10 @@ def profile_kernels(om, batch: int, pos: int, tok: list[int], steps: int = 5) ->
     """Sum of device-side event times (kernels, memcpy, memset) per step, from torch.profiler."""
     from torch.profiler import ProfilerActivity, profile
 
-    from autodeploy_mla.runtime.sequence_info import StepSequence
-
-    info, alloc = om.seq_info, om.allocator
     _sync(om.device)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for i in range(steps):
-            info.prepare_step([StepSequence(s, [tok[s]], pos + i) for s in range(batch)], alloc.pages_of)
-            logits = om.forward_step(info)
-            tok = logits[0, :batch].argmax(-1).tolist()
+            tok = decode_step(om.runner, batch, pos + i, tok).argmax(-1).tolist()
         _sync(om.device)
     total_us, n_kernels = 0.0, 0
     for e in prof.events():
@@ -240,17 +255,16 @@ def environment(device) -> dict[str, Any]:
 
 def backends_to_run(args, device) -> list[tuple[str, str]]:
     """[(backend, note)]: triton, flashinfer_mla if their check() accepts, else torch."""
-    from autodeploy_mla.custom_ops import DeviceInfo, MLADims, all_backends, get_backend, library_versions
+    from autodeploy_mla.custom_ops import MLADims, Target, all_backends, get_backend
 
     dims = MLADims(args.heads, 128, 64, 128, 512)
-    dev, vers = DeviceInfo.of(device), library_versions()
+    target = Target.detect(device, args.page_size)
     out = []
     for name in args.backends:
         if name not in all_backends():
             print(f"[skip] backend {name}: not registered", flush=True)
             continue
-        res = get_backend(name).check(dims, torch.bfloat16 if device.type == "cuda" else torch.float32, dev, vers,
-                                      args.page_size)
+        res = get_backend(name).check(dims, torch.bfloat16 if device.type == "cuda" else torch.float32, target)
         if res.ok:
             out.append((name, res.reason))
         else:
@@ -322,16 +336,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         t0 = time.perf_counter()
         om = build_ours(model, backend, args, device)
         build_s = time.perf_counter() - t0
-        runner = om.runner
+        piecewise = om.runner.piecewise
         print(f"[{backend}] built in {build_s:.1f}s: {om.history[-1].summary}", flush=True)
         result["notes"].append(f"{backend}: {why}; build {build_s:.1f}s; {om.history[-1].summary}")
         for context in args.contexts:
             for batch in args.batches:
                 fill_ours(om, batch, context, extra)
-                for variant, r in (("ours_eager", om.gm), ("ours_cg", runner)):
+                for variant, pw in (("ours_eager", None), ("ours_cg", piecewise)):
                     t1 = time.perf_counter()
                     try:
-                        res = run_ours(om, r, batch, context, args.steps, args.warmup, profile=variant == "ours_cg")
+                        res = run_ours(om, pw, batch, context, args.steps, args.warmup, profile=variant == "ours_cg")
                     except Exception as exc:  # noqa: BLE001 - record and go on
                         res = {"error": f"{type(exc).__name__}: {exc}"[:500]}
                     res.update({"variant": variant, "backend": backend, "batch": batch, "context": context,
@@ -345,9 +359,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                     save()
                 for sid in range(batch):
                     om.allocator.free(sid)
-        result["runners"][backend] = runner.summary() if hasattr(runner, "summary") else None
+        result["runners"][backend] = piecewise.summary() if piecewise is not None else None
         save()
-        del om, runner
+        del om, piecewise
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()

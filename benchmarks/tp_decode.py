@@ -6,10 +6,11 @@ routed experts than the real 256 x 2048), vocab 32768, random weights, bf16 - th
 benchmarks/e2e_decode.py. With 2 ranks every rank holds N/2 = 64 heads, half of every MLP/expert,
 the full latent cache, and runs one all-reduce per attention block and one per MLP/MoE block.
 
-One decode step = every sequence of the batch adds one token at context length C: host metadata,
-the graph (piecewise runner: CUDA graphs on by default, collectives captured inside them), the
-sampling sync (argmax -> host). Median over steps; for 2 ranks the slower rank's median is
-reported. Caches are filled with random latents (no prefill is timed).
+One decode step = every sequence of the batch adds one token at context length C, through
+`ModelRunner.forward`: host metadata, the graph (piecewise runner: CUDA graphs on by default,
+collectives captured inside them), the sampling sync (argmax of this rank's logits rows -> host; no
+rank-0 broadcast). Median over steps; for 2 ranks the slower rank's median is reported. Caches are
+filled with random latents (no prefill is timed).
 
     python benchmarks/tp_decode.py --out /tmp/tp            # on a 2-GPU host (nvidia-h200-x2)
     python benchmarks/tp_decode.py --render /tmp/tp/tp_decode.json   # markdown table + plot (CPU ok)
@@ -75,28 +76,33 @@ def bench_rank(rank: int, args: argparse.Namespace, device_type: str) -> dict[st
     om = optimize(None, cfg, overrides=sets)
     build_s = time.perf_counter() - t0
     dev = om.device
+    runner = om.runner
     shard = next((r.summary for r in om.history if r.name == "shard" and r.enabled), "")
     backends = sorted({lay["backend"] for lay in om.report()["layers"]})
     heads = om.report()["layers"][0]["dims"]["num_heads"]
     mem_gb = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
     rows = []
     extra = extra_tokens(args, PROFILE_STEPS)
+
+    def step_paths() -> Counter:
+        """How the piecewise runner has run steps so far (decode_graph, piecewise, eager)."""
+        return Counter(runner.piecewise.stats) if runner.piecewise is not None else Counter()
+
     for context in args.contexts:
         for batch in args.batches:
-            om.allocator.ensure_many({sid: context + extra for sid in range(batch)})
+            runner.allocator.ensure_many({sid: context + extra for sid in range(batch)})
             g = torch.Generator(device=dev).manual_seed(batch * 7 + context)
-            for c in om.caches.caches.values():
+            for c in runner.caches.caches.values():
                 c.normal_(generator=g)
             tok, ts = [1] * batch, []
             pos0 = context - args.warmup
             err, paths = None, {}
-            paths0 = Counter(getattr(om.runner, "stats", {}))
+            paths0 = step_paths()
 
             def step(i: int) -> None:
                 nonlocal tok
-                om.seq_info.prepare_step([StepSequence(s, [tok[s]], pos0 + i) for s in range(batch)],
-                                         om.allocator.pages_of)
-                logits = om.forward_step(om.seq_info)
+                seqs = [StepSequence(s, [tok[s]], pos0 + i) for s in range(batch)]
+                _, logits = runner.forward(seqs, runner.allocator.pages_of)  # all decode: order = seqs
                 tok = logits[0, :batch].argmax(-1).tolist()  # the sampling sync
 
             try:
@@ -105,16 +111,16 @@ def bench_rank(rank: int, args: argparse.Namespace, device_type: str) -> dict[st
                     t1 = time.perf_counter()
                     step(i)
                     if i == args.warmup - 1:
-                        paths0 = Counter(getattr(om.runner, "stats", {}))
+                        paths0 = step_paths()
                     if i >= args.warmup:
                         ts.append((time.perf_counter() - t1) * 1e3)
-                paths = dict(Counter(getattr(om.runner, "stats", {})) - paths0)
+                paths = dict(step_paths() - paths0)
                 if args.profile == [context, batch]:
                     profile_steps(step, args.warmup + args.steps, Path(args.out) / f"profile_w{world}_r{rank}.txt")
             except Exception as exc:  # noqa: BLE001 - recorded; every rank fails the same way
                 err = f"{type(exc).__name__}: {exc}"[:400]
             for sid in range(batch):
-                om.allocator.free(sid)
+                runner.allocator.free(sid)
             row: dict[str, Any] = {"world_size": world, "batch": batch, "context": context,
                                    # how the timed steps ran: decode_graph (one CUDA graph), piecewise, eager
                                    "paths": paths}

@@ -26,7 +26,7 @@ def test_layering_order_and_no_mutation():
     assert json.dumps(user, sort_keys=True) == snapshot
     assert cfg.runtime.page_size == 16  # --set wins over the user YAML
     assert cfg.model.hf_config["model_type"] == "deepseek_v2"  # from the model YAML
-    assert list(cfg.transforms)[:4] == ["export", "match_mla", "shard", "insert_cached_mla_attention"]  # default order
+    assert list(cfg.transforms)[:5] == ["export", "match_mla", "shard", "load_weights", "insert_cached_mla_attention"]
     assert cfg.transforms["insert_cached_mla_attention"]["backend"] == "torch"
     assert cfg.transforms["insert_cached_mla_attention"]["preference"]["cpu"] == ["torch"]  # deep-merged
 

@@ -20,7 +20,6 @@ DIM_SETS = {
 def plain_mla(q_nope, q_pe, ckv, kpe, w, causal, scale):
     """Loop-over-heads float64 MLA, written from the definition (bsnd)."""
     b, s, n, dn = q_nope.shape
-    r = ckv.shape[-1]
     dv = w.shape[0] // n - dn
     out = torch.empty(b, s, n, dv, dtype=torch.float64)
     for h in range(n):

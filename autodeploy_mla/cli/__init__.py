@@ -19,7 +19,7 @@ from ..config.loader import ConfigError
 from ..distributed.env import DistributedError
 from ..models.factory import ModelLoadError
 from ..runtime.errors import CapacityError
-from .build import CliError, build
+from .build_command import CliError, build
 from .report import list_backends, list_models
 
 
@@ -74,7 +74,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.cmd == "backends":
             return list_backends(console)
     except (ConfigError, ModelLoadError, CapacityError, DistributedError, CliError, ValueError) as exc:
-        console.print(f"[red]error:[/] {exc}")
+        console.print(f"[red]error:[/] {exc}", soft_wrap=True)  # no line breaks inside paths and values
         return 2
     return 0
 

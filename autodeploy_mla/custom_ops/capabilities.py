@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Optional
 
 import torch
@@ -36,14 +37,14 @@ from .mla_dims import MLADims
 
 Version = tuple[int, int, int]
 
-SOURCES: dict[str, str] = {
+SOURCES: Mapping[str, str] = MappingProxyType({
     "DESIGN8": "DESIGN §8 capability table + §12 H200 measurements (2026-11-21)",
     "FI_0618_SRC": "FlashInfer 0.6.18.post1 wheel source (mla/_core.py, scheduler.cuh MLAPlan, mla_hopper.cuh)",
     "FI_MAIN_SRC": "FlashInfer newer planner source (mla/_batch_mla/_backends/_fa_common.py: _validate_generated_fa_plan, "
     "_fa_plan_work_count, _validate_fa_causal_tile_bound)",
     "FI_TESTS": "FlashInfer tests/attention/test_deepseek_mla.py",
     "H200_RUN": "this project's H200 runs (docs/flashinfer_backends.md)",
-}
+})
 
 
 @dataclass(frozen=True)

@@ -60,8 +60,36 @@ def infer_dims(
 ) -> tuple[MLADims, int, int]:
     """Validate the five MLA inputs and return (dims, batch, seq).
 
-    Runs on shapes only (no data access), so it is safe in fake/meta mode and costs no sync.
+    Runs on shapes only (no data access), so it is safe in fake/meta mode and costs no sync. Every
+    cached op calls it on every call, so valid inputs take a fast path that builds nothing; only a
+    failing check goes through `_explain` for the message.
     """
+    if layout == "bsnd" and q_nope.dim() == 4 and q_pe.dim() == 4 and kpe.dim() == 4 \
+            and compressed_kv.dim() == 3 and kv_b_proj_weight.dim() == 2:
+        b, s, n, dn = q_nope.shape
+        dr = q_pe.shape[-1]
+        r = compressed_kv.shape[2]
+        rows, wr = kv_b_proj_weight.shape
+        dt = q_nope.dtype
+        if (q_pe.shape[:3] == q_nope.shape[:3] and kpe.shape[0] == b and kpe.shape[1] == s and kpe.shape[2] == 1
+                and kpe.shape[3] == dr and compressed_kv.shape[0] == b and compressed_kv.shape[1] == s and wr == r
+                and n != 0 and rows % n == 0 and rows // n > dn and dt.is_floating_point
+                and q_pe.dtype == dt and compressed_kv.dtype == dt and kpe.dtype == dt and kv_b_proj_weight.dtype == dt):
+            return MLADims(n, dn, dr, rows // n - dn, r), b, s
+    return _explain(op, q_nope, q_pe, compressed_kv, kpe, kv_b_proj_weight, layout)
+
+
+def _explain(
+    op: str,
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    compressed_kv: torch.Tensor,
+    kpe: torch.Tensor,
+    kv_b_proj_weight: torch.Tensor,
+    layout: str,
+) -> tuple[MLADims, int, int]:
+    """The full check, one rule at a time: raises MLAShapeError naming the first broken rule (or
+    returns the dims, for layouts the fast path does not cover)."""
     if layout not in ("bsnd", "bnsd"):
         _fail(op, "layout", "'bsnd' or 'bnsd'", repr(layout))
     for name, t, nd in (

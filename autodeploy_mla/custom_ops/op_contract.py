@@ -80,13 +80,13 @@ def define_cached_op(name: str, metadata: tuple[str, ...], impl: CachedImpl) -> 
 
     def kernel(*args: Any, **kwargs: Any) -> torch.Tensor:
         # The dispatcher passes what the caller passed: a trailing default may be absent.
-        x = MLAInputs(*args[:5])
+        x = tuple.__new__(MLAInputs, args[:5])
         meta = dict(zip(metadata, args[5:cache_at]))
         scale = args[cache_at + 1] if len(args) > cache_at + 1 else kwargs.get("scale")
         return impl(x, meta, args[cache_at], scale)
 
     def fake(*args: Any, **kwargs: Any) -> torch.Tensor:
-        x = MLAInputs(*args[:5])
+        x = tuple.__new__(MLAInputs, args[:5])
         dims = check_cached_inputs(name, x, args[cache_at])
         return x.q_nope.new_empty(1, x.q_nope.shape[1], dims.num_heads, dims.v_head_dim)
 

@@ -10,24 +10,33 @@ is needed only when an op actually executes: eagerly, or while a graph is being 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
-from contextvars import ContextVar
-from typing import Optional
+from collections.abc import Mapping
+from contextvars import ContextVar, Token
+from typing import Any, Optional
 
 from .backend_registry import BackendSession
 
 _SESSIONS: ContextVar[Optional[Mapping[str, BackendSession]]] = ContextVar("autodeploy_mla_sessions", default=None)
 
 
-@contextmanager
-def using_sessions(sessions: Mapping[str, BackendSession]) -> Iterator[None]:
-    """Make `sessions` (backend name -> session) the ones ops see until the block ends."""
-    token = _SESSIONS.set(sessions)
-    try:
-        yield
-    finally:
-        _SESSIONS.reset(token)
+class using_sessions:  # noqa: N801 - used like a function: `with using_sessions(...):`
+    """Make `sessions` (backend name -> session) the ones ops see until the block ends.
+
+    A plain class rather than a generator-based context manager: it is entered once per step."""
+
+    __slots__ = ("_sessions", "_token")
+
+    def __init__(self, sessions: Mapping[str, BackendSession]) -> None:
+        self._sessions = sessions
+        self._token: Optional[Token] = None
+
+    def __enter__(self) -> None:
+        self._token = _SESSIONS.set(self._sessions)
+
+    def __exit__(self, *exc: Any) -> None:
+        assert self._token is not None
+        _SESSIONS.reset(self._token)
+        self._token = None
 
 
 def active_session(backend: str) -> Optional[BackendSession]:

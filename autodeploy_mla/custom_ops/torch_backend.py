@@ -42,8 +42,8 @@ def _torch_mla_with_cache(x: MLAInputs, meta: Mapping[str, torch.Tensor], mla_ca
     t_all = x.q_nope.shape[1]
     out = x.q_nope.new_zeros(1, t_all, n, dv)
     # Host metadata (CPU tensors): reading them never waits for the GPU.
-    n_pre, n_pre_tok, n_dec = (int(v) for v in meta["batch_info_host"])
-    max_q, max_kv = (int(v) for v in meta["max_seq_info_host"])
+    n_pre, n_pre_tok, n_dec = meta["batch_info_host"].tolist()
+    max_q, max_kv = meta["max_seq_info_host"].tolist()
     nb, num_tok = n_pre + n_dec, n_pre_tok + n_dec
     if nb == 0 or num_tok == 0:
         return out

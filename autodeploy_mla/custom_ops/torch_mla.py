@@ -7,6 +7,7 @@ through kv_b_proj) so that it is an independent oracle for the absorbed cached o
 
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -73,8 +74,8 @@ def _torch_mla_fake(q_nope, q_pe, compressed_kv, kpe, kv_b_proj_weight, is_causa
 
 
 _SCHEMA = torch.ops.autodeploy.torch_mla.default._schema
-_ARG_INDEX = {a.name: i for i, a in enumerate(_SCHEMA.arguments)}
-_ARG_DEFAULT = {a.name: a.default_value for a in _SCHEMA.arguments if a.has_default_value()}
+_ARG_INDEX = MappingProxyType({a.name: i for i, a in enumerate(_SCHEMA.arguments)})
+_ARG_DEFAULT = MappingProxyType({a.name: a.default_value for a in _SCHEMA.arguments if a.has_default_value()})
 
 
 def source_arg(node: "torch.fx.Node", name: str) -> Any:

@@ -56,10 +56,18 @@ class MLACacheManager:
         self.layouts = list(layouts)
         self.num_pages = num_pages
         self.page_size = page_size
-        self.caches: dict[str, torch.Tensor] = {
-            lay.name: torch.zeros(num_pages, page_size, lay.spec.width, dtype=lay.spec.dtype, device=device)
-            for lay in self.layouts
-        }
+        need = num_pages * page_bytes(self.layouts, page_size)
+        try:
+            self.caches: dict[str, torch.Tensor] = {
+                lay.name: torch.zeros(num_pages, page_size, lay.spec.width, dtype=lay.spec.dtype, device=device)
+                for lay in self.layouts
+            }
+        except (torch.OutOfMemoryError, RuntimeError) as exc:
+            raise CapacityError(
+                f"the paged caches ({len(self.layouts)} layers x {num_pages} pages x {page_size} tokens = "
+                f"{need / 2**30:.2f} GiB on {device}) could not be allocated ({type(exc).__name__}: {exc}). "
+                "Lower runtime.num_pages or runtime.free_memory_fraction, or max_batch_size / max_seq_len."
+            ) from None
 
     @property
     def total_bytes(self) -> int:

@@ -36,6 +36,15 @@ from .sequence_info import SequenceInfo, StepSequence
 PagesOf = Callable[[int], Sequence[int]]
 
 
+def step_descriptor(info: SequenceInfo, graph_buckets: Sequence[int] = ()) -> StepDescriptor:
+    """Describe the step `info` holds. A CUDA-graph step is a decode-only step padded (with dummy
+    sequences) to one of `graph_buckets`: it may be replayed from a whole-graph decode graph."""
+    num_seqs = info.num_prefill_seqs + info.num_decode_seqs
+    decode_only = info.num_prefill_seqs == 0 and info.num_decode_seqs > 0
+    graph = decode_only and num_seqs == info.num_padded_tokens and info.num_padded_tokens in graph_buckets
+    return StepDescriptor(info.num_tokens, info.num_padded_tokens, num_seqs, decode_only, graph)
+
+
 def rows_from_rank0(rows: torch.Tensor) -> torch.Tensor:
     """Under tensor parallelism every rank samples from rank 0's logits rows (bitwise-equal rows on
     every rank are the norm, but a rank that differs in the last bit must not pick another token)."""
@@ -130,7 +139,8 @@ class ModelRunner:
     def capture_buckets(self) -> tuple[int, ...]:
         return self.piecewise.capture_buckets if self.piecewise is not None else ()
 
-    def _pad_to(self, seqs: Sequence[StepSequence]) -> Optional[int]:
+    def padded_size(self, seqs: Sequence[StepSequence]) -> Optional[int]:
+        """The token count a step of `seqs` runs as: the CUDA-graph bucket that holds it, or None."""
         buckets = self.capture_buckets
         if not buckets or not seqs:
             return None
@@ -138,26 +148,31 @@ class ModelRunner:
         return bucket_for(buckets, n, all(s.is_decode for s in seqs), self.seq_info.max_batch_size,
                           self.seq_info.max_num_tokens)
 
-    def _descriptor(self) -> StepDescriptor:
-        info = self.seq_info
-        num_seqs = info.num_prefill_seqs + info.num_decode_seqs
-        decode_only = info.num_prefill_seqs == 0 and info.num_decode_seqs > 0
-        graph = (self.piecewise is not None and decode_only and num_seqs == info.num_padded_tokens
-                 and self.piecewise.graph_step(info.num_padded_tokens, decode_only))
-        return StepDescriptor(info.num_tokens, info.num_padded_tokens, num_seqs, decode_only, graph)
-
-    def forward(self, seqs: Sequence[StepSequence], pages_of: PagesOf, logits_for: str = "last"
-                ) -> tuple[list[int], torch.Tensor]:
-        """Build the step's metadata and run the graph: (sequence ids in flat-batch order, the graph's
-        logits output). Pages must already be allocated."""
-        order = self.seq_info.prepare_step(seqs, pages_of, self._pad_to(seqs), logits_for)
-        step = self._descriptor()
+    def prepare(self, seqs: Sequence[StepSequence], pages_of: PagesOf, logits_for: str = "last",
+                pad_to: Optional[int] = None) -> tuple[list[int], StepDescriptor]:
+        """The host half of a step: pad to a CUDA-graph bucket (unless `pad_to` is given), build the
+        metadata (one H2D copy), describe the step, and let every backend session prepare (FlashInfer
+        plans). Returns (sequence ids in flat-batch order, the step's descriptor). Pages must already
+        be allocated."""
+        order = self.seq_info.prepare_step(seqs, pages_of, self.padded_size(seqs) if pad_to is None else pad_to,
+                                           logits_for)
+        step = step_descriptor(self.seq_info, self.capture_buckets)
         for sess in self.sessions.values():
             sess.prepare(self.seq_info, step)
+        return order, step
+
+    def execute(self, step: StepDescriptor) -> torch.Tensor:
+        """The device half of a prepared step: run the graph (its logits output)."""
         args = self.graph_inputs()
         with torch.inference_mode(), using_sessions(self.sessions):
             out = self.piecewise(step, *args) if self.piecewise is not None else self.gm(*args)
-        return order, (out[0] if isinstance(out, (tuple, list)) else out)
+        return out[0] if isinstance(out, (tuple, list)) else out
+
+    def forward(self, seqs: Sequence[StepSequence], pages_of: PagesOf, logits_for: str = "last"
+                ) -> tuple[list[int], torch.Tensor]:
+        """`prepare` then `execute`: (sequence ids in flat-batch order, the graph's logits output)."""
+        order, step = self.prepare(seqs, pages_of, logits_for)
+        return order, self.execute(step)
 
     def step(self, seqs: Sequence[StepSequence], pages_of: PagesOf) -> tuple[list[int], torch.Tensor]:
         """One engine step: (sequence ids in flat-batch order, next-token logits [num_seqs, V])."""

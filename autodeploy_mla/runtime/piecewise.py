@@ -227,10 +227,6 @@ class PiecewiseRunner:
         """Token counts this runner replays from CUDA graphs (empty when graphs are off)."""
         return tuple(self.buckets) if self.use_graphs else ()
 
-    def graph_step(self, num_padded_tokens: int, decode_only: bool) -> bool:
-        """Whether a step of this shape may be replayed from (or captured into) a CUDA graph."""
-        return decode_only and num_padded_tokens in self._bucket_set
-
     # ------------------------------------------------------------------ stepping
     def __call__(self, step: StepDescriptor, *args: Any) -> Any:
         """Run one step: (input_ids [1,T], position_ids [1,T], *metadata, *caches) -> outputs."""

@@ -16,9 +16,10 @@ from typing import Any, Optional
 
 import torch
 
-from ..custom_ops.backend_registry import BackendSession, MLABackend, SessionSpec, StepDescriptor, Target, get_backend
+from ..custom_ops.backend_registry import BackendSession, MLABackend, SessionSpec, Target, get_backend
 from ..custom_ops.mla_dims import MLADims
 from ..custom_ops.step_context import using_sessions
+from ..runtime.model_runner import step_descriptor
 from ..runtime.page_allocator import PageAllocator
 from ..runtime.sequence_info import SequenceInfo, StepSequence
 
@@ -153,15 +154,6 @@ def run_scenario(
         )
         ref[sid] = r[0]
     return ScenarioResult({sid: torch.cat(o) for sid, o in outs.items()}, ref, cache, len(schedule), session)
-
-
-def step_descriptor(info: SequenceInfo, graph_buckets: Collection[int] = ()) -> StepDescriptor:
-    """The StepDescriptor the model runner would give this step (CUDA-graph step: a decode-only step
-    padded to one of `graph_buckets` with dummy sequences)."""
-    num_seqs = info.num_prefill_seqs + info.num_decode_seqs
-    decode_only = info.num_prefill_seqs == 0 and info.num_decode_seqs > 0
-    graph = decode_only and num_seqs == info.num_padded_tokens and info.num_padded_tokens in graph_buckets
-    return StepDescriptor(info.num_tokens, info.num_padded_tokens, num_seqs, decode_only, graph)
 
 
 # Schedules every backend is tested on: name -> list of steps.

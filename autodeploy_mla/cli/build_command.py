@@ -16,7 +16,7 @@ from typing import Any, Optional
 import torch
 from rich.console import Console
 
-from ..api import build_config, optimize
+from ..api import build_config, check_runtime_capacity, optimize
 from ..config.schema import AppConfig
 from ..distributed.env import is_rank0
 from ..models.skeleton import reference_model
@@ -97,6 +97,7 @@ def _build(args: argparse.Namespace, prompt_ids: list[list[int]], rank_sets: lis
     if args.dtype:
         sets.append(f"model.dtype={args.dtype}")
     cfg, _ = build_config(args.model or "default", args.config, [*sets, *rank_sets])
+    check_runtime_capacity(cfg.runtime)
     if args.max_new_tokens >= cfg.runtime.max_seq_len:
         raise CliError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt: runtime.max_seq_len="
                        f"{cfg.runtime.max_seq_len} (prompt + generated tokens). Lower it or raise max_seq_len.")
