@@ -270,6 +270,8 @@ def child_main(args: argparse.Namespace) -> None:
 
     device = args.device
     dtype = getattr(torch, args.dtype)
+    if args.pin_cpu >= 0 and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {args.pin_cpu})  # one core for every root and round: less scheduling noise
     if device == "cpu" and args.cpu_threads:
         torch.set_num_threads(args.cpu_threads)
     registry = all_backends()
@@ -340,7 +342,7 @@ def run_root(root: Path, args: argparse.Namespace) -> dict[str, Any]:
                "--device", args.device, "--dtype", args.dtype, "--backends", *args.backends,
                "--shapes", *args.shapes, "--calls", str(args.calls), "--warmup", str(args.warmup),
                "--calls-per-step", str(args.calls_per_step), "--cpu-threads", str(args.cpu_threads),
-               "--result-file", str(result)]
+               "--pin-cpu", str(args.pin_cpu), "--result-file", str(result)]
         # cwd outside the repo: nothing but PYTHONPATH can provide `autodeploy_mla`.
         proc = subprocess.run(cmd, env=env, cwd=tmp, check=False)
         if proc.returncode != 0:
@@ -349,13 +351,19 @@ def run_root(root: Path, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_rounds(roots: dict[str, Path], args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
-    """label -> one result per round; root order alternates (A B, B A, ...) against drift."""
+    """label -> one result per round; root order alternates (A B, B A, ...) against drift. With
+    --out, every finished round is saved at once (op_host_cost_rounds.json), so a run cut short by a
+    time limit keeps what it measured."""
     runs: dict[str, list[dict[str, Any]]] = {label: [] for label in roots}
     labels = list(roots)
     for k in range(args.rounds):
         for label in (labels if k % 2 == 0 else labels[::-1]):
             print(f"--- round {k + 1}/{args.rounds}: {label} code ({roots[label]})", file=sys.stderr, flush=True)
             runs[label].append(run_root(roots[label], args))
+            if args.out:
+                out = Path(args.out)
+                out.mkdir(parents=True, exist_ok=True)
+                (out / "op_host_cost_rounds.json").write_text(json.dumps(runs))
     return runs
 
 
@@ -394,8 +402,12 @@ def build_rows(results: dict[str, dict], labels: list[str]) -> list[dict[str, An
         for label in labels:
             row[label] = results[label].get((backend, shape), {"error": "not measured"})
         if len(labels) == 2 and all("call" in row[lb] for lb in labels):
-            a, b = (row[lb]["call"]["median"] for lb in labels)
+            # Rounds differ far more than the versions do (a fresh process lands on other caches,
+            # clocks and neighbours), so compare per-round medians: their median, and the best round.
+            a, b = (statistics.median(row[lb]["round_medians"]) for lb in labels)
             row["ratio"], row["delta_us"] = b / a, b - a
+            a, b = (min(row[lb]["round_medians"]) for lb in labels)
+            row["best_ratio"], row["best_delta_us"] = b / a, b - a
         rows.append(row)
     return rows
 
@@ -409,17 +421,24 @@ def fmt(stats: dict[str, float] | None, spread: bool = False) -> str:
 
 
 def table(rows: list[dict[str, Any]], labels: list[str]) -> list[str]:
-    head = ["backend", "shape"] + [f"{lb} µs/call (p10-p90)" for lb in labels]
+    head = ["backend", "shape"] + [f"{lb} µs/call: median of rounds (pooled p10-p90)" for lb in labels]
     if len(labels) == 2:
-        head += [f"{labels[1]}/{labels[0]}", f"{labels[1]}-{labels[0]} µs"]
+        head += [f"{labels[1]}/{labels[0]}", f"{labels[1]}-{labels[0]} µs",
+                 f"best round {labels[0]} / {labels[1]} µs", f"best-round {labels[1]}/{labels[0]}"]
     ctx_labels = [lb for lb in labels if any(r[lb].get("context") for r in rows)]  # new code only
     head += [f"{lb} prepare µs/step" for lb in labels] + [f"{lb} context µs/step" for lb in ctx_labels]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * 2 + "---:|" * (len(head) - 2)]
     for r in rows:
         cells = [r["backend"], SHAPES[r["shape"]].label]
-        cells += [r[lb].get("error", "")[:60] if "call" not in r[lb] else fmt(r[lb]["call"], True) for lb in labels]
+        cells += [r[lb].get("error", "")[:60] if "call" not in r[lb] else
+                  f"{statistics.median(r[lb]['round_medians']):.1f} [{r[lb]['call']['p10']:.1f}-{r[lb]['call']['p90']:.1f}]"
+                  for lb in labels]
         if len(labels) == 2:
-            cells += [f"{r['ratio']:.3f}", f"{r['delta_us']:+.1f}"] if "ratio" in r else ["-", "-"]
+            if "ratio" in r:
+                best = " / ".join(f"{min(r[lb]['round_medians']):.1f}" for lb in labels)
+                cells += [f"{r['ratio']:.3f}", f"{r['delta_us']:+.1f}", best, f"{r['best_ratio']:.3f}"]
+            else:
+                cells += ["-"] * 4
         cells += [fmt(r[lb].get("prepare")) for lb in labels]
         cells += [fmt(r[lb].get("context")) for lb in ctx_labels]
         lines.append("| " + " | ".join(cells) + " |")
@@ -438,7 +457,9 @@ def write_markdown(path: Path, rows, labels, meta, runs) -> list[str]:
         f"dtype {meta['dtype']}, dims N={DIMS['num_heads']} Dn={DIMS['qk_nope_head_dim']} "
         f"Dr={DIMS['qk_rope_head_dim']} Dv={DIMS['v_head_dim']} R={DIMS['kv_lora_rank']}, page size {PAGE_SIZE}; "
         f"{meta['calls']} timed calls after {meta['warmup']} warm-up calls, {meta['calls_per_step']} calls per "
-        f"step, {meta['rounds']} round(s) per root (samples pooled)"
+        f"step, {meta['rounds']} round(s) per root (ABBA order), every process pinned to CPU "
+        f"{meta.get('pin_cpu', -1)} (-1: none). Versions are compared on per-round medians: a fresh process lands on "
+        "other caches, clocks and neighbours, so rounds of the same code differ more than the versions do"
         + (f", torch CPU threads {meta['cpu_threads'] or 'default'}" if meta["cpu_threads"] is not None else "")
         + ".", "",
         ("Per call: wall-clock time of `be.cached_op.default(*args)` alone (no synchronize inside; on CUDA the device runs "
@@ -530,7 +551,7 @@ def parent_main(args: argparse.Namespace) -> None:
     meta = {"command": "python " + " ".join(sys.argv), "date": datetime.datetime.now().astimezone().isoformat(
         timespec="seconds"), "machine": runs[labels[0]][0]["machine"], "roots": {lb: str(r) for lb, r in roots.items()},
             "git": git_state(), "device": args.device, "dtype": args.dtype, "calls": args.calls,
-            "warmup": args.warmup, "calls_per_step": args.calls_per_step, "rounds": args.rounds,
+            "warmup": args.warmup, "calls_per_step": args.calls_per_step, "rounds": args.rounds, "pin_cpu": args.pin_cpu,
             "cpu_threads": args.cpu_threads if args.device == "cpu" else None}
     lines = table(rows, labels)
     if args.out:
@@ -563,7 +584,10 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--calls", type=int, default=200, help="timed calls per case (>= 200)")
     ap.add_argument("--warmup", type=int, default=20, help="warm-up calls per case (>= 20)")
     ap.add_argument("--calls-per-step", type=int, default=10, help="op calls per step (layers)")
-    ap.add_argument("--rounds", type=int, default=2, help="subprocess runs per root, alternating")
+    ap.add_argument("--rounds", type=int, default=4, help="subprocess runs per root, alternating")
+    ap.add_argument("--pin-cpu", type=int, default=-1,
+                    help="pin every child process to this CPU (-1, default: no pinning; pinning puts torch's whole "
+                         "intra-op thread pool on one core, which made FlashInfer's host planning 100x slower)")
     ap.add_argument("--cpu-threads", type=int, default=1,
                     help="torch threads on --device cpu (0 = torch's default); 1 keeps a shared CPU quieter")
     ap.add_argument("--out", default=None, help="directory for op_host_cost.{json,md,png}")
