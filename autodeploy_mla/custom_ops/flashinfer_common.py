@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .backend_registry import MLABackend, SessionSpec
+from .backend_registry import BackendSession, MLABackend, SessionSpec
 from .fallback import Fallback, resolve_fallback
 from .flashinfer_metadata import StepCounts
 from .mla_dims import MLADims
@@ -80,17 +80,30 @@ def plan_configs(backend: MLABackend, spec: SessionSpec, fallback_order: Sequenc
             for k, ds in groups.items()}
 
 
-def unknown_config_error(op: str, key: PlanKey, served: Sequence[PlanKey]) -> RuntimeError:
-    names = ", ".join(k.short() for k in served) or "none"
-    return RuntimeError(
-        f"{op}: this model's session was not set up for {key.short()} (it serves: {names}). The backend's "
-        "setup(spec) must list every node the op runs on; setup validates each with check()."
-    )
+class FlashInferSession(BackendSession):
+    """What both FlashInfer sessions hold: the policy, one fallback op per plan key, and the guards
+    that an op call is for a config this session was set up with, in a step it prepared."""
 
+    op: str = ""
 
-def unprepared_step_error(op: str, counts: StepCounts, last: Any) -> RuntimeError:
-    return RuntimeError(
-        f"{op}: the step's batch ({counts}) was not prepared (last prepared: {last}). Call the session's "
-        "prepare(metadata, step) after SequenceInfo.prepare_step and before running the graph, every step "
-        "(ModelRunner does this)."
-    )
+    def __init__(self, spec: SessionSpec, policy: Any, configs: dict[PlanKey, Fallback]) -> None:
+        super().__init__(spec)
+        self.policy = policy
+        self.configs = configs
+
+    def require_config(self, key: PlanKey) -> Fallback:
+        fb = self.configs.get(key)
+        if fb is None:
+            names = ", ".join(k.short() for k in self.configs) or "none"
+            raise RuntimeError(
+                f"{self.op}: this model's session was not set up for {key.short()} (it serves: {names}). The "
+                "backend's setup(spec) must list every node the op runs on; setup validates each with check()."
+            )
+        return fb
+
+    def unprepared(self, counts: StepCounts, last: Any) -> RuntimeError:
+        return RuntimeError(
+            f"{self.op}: the step's batch ({counts}) was not prepared (last prepared: {last}). Call the session's "
+            "prepare(metadata, step) after SequenceInfo.prepare_step and before running the graph, every step "
+            "(ModelRunner does this)."
+        )

@@ -50,7 +50,6 @@ import torch
 
 from .backend_registry import (
     SCRATCH_PAGE,
-    BackendSession,
     CheckResult,
     MLABackend,
     SessionSpec,
@@ -64,12 +63,11 @@ from .fallback import Fallback, call_fallback
 from .flashinfer_common import (
     DEFAULT_FALLBACK_ORDER,
     FI_METADATA,
+    FlashInferSession,
     FlashInferUnavailable,
     PlanKey,
     import_flashinfer_module,
     plan_configs,
-    unknown_config_error,
-    unprepared_step_error,
 )
 from .flashinfer_metadata import MLACsr, StepCounts, fa_plan_work_bound, fa_plan_work_count, mla_csr
 from .mla_dims import MLADims, resolve_scale
@@ -148,15 +146,15 @@ def _wrapper_cls() -> Any:
     return cls
 
 
-class FlashInferMLASession(BackendSession):
+class FlashInferMLASession(FlashInferSession):
     """One model's FlashInfer MLA state: configs, wrappers, plans, buffers, policy and counters."""
 
     backend = "flashinfer_mla"
+    op = OP
+    policy: FlashInferPolicy
 
     def __init__(self, spec: SessionSpec, policy: FlashInferPolicy, configs: dict[PlanKey, Fallback]) -> None:
-        super().__init__(spec)
-        self.policy = policy
-        self.configs = configs
+        super().__init__(spec, policy, configs)
         self.device = spec.device
         self.kernel = fa_kernel_for(spec.target.device) or "fa2"
         self.num_sm = spec.target.device.num_sms
@@ -272,12 +270,11 @@ class FlashInferMLASession(BackendSession):
             self.routed_steps += routed
 
     def step_for(self, key: PlanKey, batch_info_host: torch.Tensor) -> StepPlan:
-        if key not in self.configs:
-            raise unknown_config_error(OP, key, list(self.configs))
+        self.require_config(key)
         counts = StepCounts.of(batch_info_host)
         plan = self.step
         if plan is None or plan.counts != counts:
-            raise unprepared_step_error(OP, counts, None if plan is None else plan.counts)
+            raise self.unprepared(counts, None if plan is None else plan.counts)
         return plan
 
     def stats(self) -> dict[str, Any]:

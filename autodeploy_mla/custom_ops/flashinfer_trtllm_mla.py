@@ -25,7 +25,6 @@ from typing import Any, Optional
 import torch
 
 from .backend_registry import (
-    BackendSession,
     CheckResult,
     MLABackend,
     SessionSpec,
@@ -39,12 +38,11 @@ from .fallback import Fallback, call_fallback
 from .flashinfer_common import (
     DEFAULT_FALLBACK_ORDER,
     FI_METADATA,
+    FlashInferSession,
     FlashInferUnavailable,
     PlanKey,
     import_flashinfer_module,
     plan_configs,
-    unknown_config_error,
-    unprepared_step_error,
 )
 from .flashinfer_metadata import StepCounts, fill_trtllm_block_table, trtllm_block_table_width
 from .mla_dims import MLADims, resolve_scale
@@ -85,15 +83,14 @@ class TrtllmPolicy:
     fallback_order: tuple[str, ...] = DEFAULT_FALLBACK_ORDER
 
 
-class TrtllmMLASession(BackendSession):
+class TrtllmMLASession(FlashInferSession):
     """One model's TRT-LLM-gen MLA state: configs, workspace, block table, counters."""
 
     backend = "flashinfer_trtllm_mla"
+    op = OP
 
     def __init__(self, spec: SessionSpec, policy: TrtllmPolicy, configs: dict[PlanKey, Fallback]) -> None:
-        super().__init__(spec)
-        self.policy = policy
-        self.configs = configs
+        super().__init__(spec, policy, configs)
         self.workspace: Optional[torch.Tensor] = None
         self.block_table: Optional[torch.Tensor] = None  # [max_batch, W] int32, W % (128 / page_size) == 0
         self.counts: Optional[StepCounts] = None
@@ -118,11 +115,10 @@ class TrtllmMLASession(BackendSession):
         self.counts = counts
 
     def check_step(self, key: PlanKey, batch_info_host: torch.Tensor) -> StepCounts:
-        if key not in self.configs:
-            raise unknown_config_error(OP, key, list(self.configs))
+        self.require_config(key)
         counts = StepCounts.of(batch_info_host)
         if self.counts != counts:
-            raise unprepared_step_error(OP, counts, self.counts)
+            raise self.unprepared(counts, self.counts)
         return counts
 
     def stats(self) -> dict[str, Any]:
