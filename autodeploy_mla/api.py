@@ -164,7 +164,7 @@ class OptimizedModel:
     # ------------------------------------------------------------------ generation
     def engine(self) -> GenerationEngine:
         return GenerationEngine(self.runner, self.runner.allocator, vocab_size=self.vocab_size,
-                                eos_token_ids=self.eos_token_ids)
+                                eos_token_ids=self.eos_token_ids, overlap=self.config.runtime.overlap)
 
     def warmup(self) -> dict[str, Any]:
         """Capture the CUDA graphs of every token bucket now (no-op without CUDA graphs)."""

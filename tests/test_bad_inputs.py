@@ -142,15 +142,15 @@ def test_a_failing_step_leaks_no_pages(om, monkeypatch):
     """If a model step raises anyway, the step's requests fail, the rest of the run is cancelled,
     and every page is returned before the error propagates."""
     calls = {"n": 0}
-    real = om.runner.step
+    real = om.runner.launch
 
-    def flaky(seqs, pages_of):
+    def flaky(seqs, pages_of, specs):
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("device fell over")
-        return real(seqs, pages_of)
+        return real(seqs, pages_of, specs)
 
-    monkeypatch.setattr(om.runner, "step", flaky)
+    monkeypatch.setattr(om.runner, "launch", flaky)
     eng = om.engine()
     prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [3, 4], [5, 6, 7], [9, 9]]  # 4 requests, 3 slots
     with pytest.raises(RuntimeError, match="device fell over"):

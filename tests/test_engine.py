@@ -1,11 +1,10 @@
 """Generation engine behaviour: batching, limits, failures isolated per request, sampling, streaming."""
 
 import pytest
-import torch
 
 from autodeploy_mla import optimize
 from autodeploy_mla.runtime import CapacityError
-from autodeploy_mla.runtime.sampling import SamplingParams, sample
+from autodeploy_mla.runtime.sampling import SamplingParams
 from autodeploy_mla.testing import hf_greedy_generate
 
 BASE = ["model.device=cpu", "model.dtype=float32", "runtime.page_size=4", "runtime.max_seq_len=40",
@@ -72,13 +71,24 @@ def test_seeded_sampling_is_reproducible(om):
     assert a[0] == b
 
 
-def test_sampling_filters():
-    logits = torch.tensor([0.0, 5.0, 4.0, -1.0])
-    assert sample(logits, SamplingParams(), None) == 1
-    g = torch.Generator().manual_seed(0)
-    draws = {sample(logits, SamplingParams(temperature=1.0, top_k=2), g) for _ in range(200)}
-    assert draws == {1, 2}
-    draws = {sample(logits, SamplingParams(temperature=1.0, top_p=0.5), g) for _ in range(100)}
-    assert draws == {1}
-    with pytest.raises(ValueError, match="top_p"):
-        SamplingParams(top_p=0)
+def test_overlap_gives_the_same_tokens_and_steps_fewer_waits(om):
+    """Overlapped scheduling (step i+1 queued before step i's tokens are read) changes no token:
+    greedy and seeded sampling equal the synchronous engine's, stop tokens included."""
+    prompts = [list(range(i + 1, 2 * i + 4)) for i in range(6)]
+    news = [3, 7, 1, 5, 6, 2]
+    greedy = [SamplingParams(max_new_tokens=n) for n in news]
+    sampled = [SamplingParams(max_new_tokens=n, temperature=0.9, top_k=30, top_p=0.95, seed=11 + i)
+               for i, n in enumerate(news)]
+    for params in (greedy, sampled):
+        sync = om.engine()
+        sync.overlap = False
+        want = [r.generated for r in sync.run(prompts, params)]
+        eng = om.engine()
+        assert eng.overlap
+        got = [r.generated for r in eng.run(prompts, params)]
+        assert got == want
+    assert want != [hf_greedy_generate(om.eager_model, p, n) for p, n in zip(prompts, news)]  # really sampled
+    ref = hf_greedy_generate(om.eager_model, prompts[1], 7)
+    req = om.engine().run([prompts[1]], SamplingParams(max_new_tokens=7, stop_token_ids=(ref[1],)))[0]
+    assert req.generated == ref[:2] and req.finish_reason == "stop"
+    assert om.allocator.num_free == om.allocator.num_usable

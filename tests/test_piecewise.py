@@ -129,14 +129,14 @@ def test_padded_buckets_keep_generation_identical(om4, monkeypatch):
     prompts = [[5, 6, 7], [3, 4], [9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 12]]
     monkeypatch.setattr(PiecewiseRunner, "capture_buckets", property(lambda self: (2, 4, 8)))
     padded = []
-    orig = om4.runner.forward
+    orig = om4.runner.prepare
 
     def spy(*a, **k):
         out = orig(*a, **k)
         padded.append(om4.seq_info.num_padded_tokens - om4.seq_info.num_tokens)
         return out
 
-    monkeypatch.setattr(om4.runner, "forward", spy)
+    monkeypatch.setattr(om4.runner, "prepare", spy)
     got = om4.generate(prompts, max_new_tokens=5)
     assert any(padded)  # some steps really were padded
     for p, g in zip(prompts, got):

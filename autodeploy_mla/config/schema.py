@@ -46,6 +46,9 @@ class RuntimeConfig(_Strict):
     free_memory_fraction: float = Field(
         0.85, gt=0, le=1, description="on CUDA without num_pages: fraction of free memory for caches"
     )
+    overlap: bool = Field(
+        True, description="schedule and launch step i+1 before waiting for step i's sampled tokens"
+    )
 
 
 class AppConfig(_Strict):

@@ -1,4 +1,5 @@
-"""Generation engine: continuous batching over the paged cache (DESIGN §1, §7).
+"""Generation engine: continuous batching over the paged cache (DESIGN §1, §7), with the host's
+work for the next step overlapped with the device's work on the current one.
 
 Every step mixes work: running sequences decode one token each (scheduled first: they hold pages
 and latency matters), then waiting prompts prefill in chunks that fill the rest of the
@@ -6,6 +7,15 @@ and latency matters), then waiting prompts prefill in chunks that fill the rest 
 when admitted, so a running request never runs out of cache mid-generation; a request that cannot
 fit even into an empty cache fails alone with OutOfPagesError, the others go on. Finished requests
 return their pages at once.
+
+Overlap (`overlap=True`, the default). The runner's `launch` queues a whole step on the device —
+metadata copy, backend prepare, the graph, sampling, and an async copy of the sampled ids to the
+host — without waiting. The engine then schedules and launches the next step *before* it waits for
+the current one's ids: a decode token sampled by a step still in flight is taken from the device
+(`StepSequence.src_row`), so scheduling, metadata building and FlashInfer planning run while the GPU
+computes, and each step costs one host wait (`collect`). A request that stops at a stop token in
+step i has one token of step i+1 computed for nothing; it is discarded. Freeing its pages at once
+is safe: every later use of those pages is queued on the same stream after step i+1.
 
 Requests are checked when they arrive — an empty prompt, a token id outside the vocabulary, or a
 prompt + max_new_tokens over max_seq_len fails that request alone, with a message naming the value
@@ -21,27 +31,27 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Optional, Protocol
+from typing import Any, Optional, Protocol
 
 import torch
 
 from .errors import CapacityError, OutOfPagesError, RequestError
 from .page_allocator import PageAllocator
-from .sampling import SamplingParams, sample
+from .sampling import RowSpec, SamplingParams
 from .sequence_info import SequenceInfo, StepSequence
 
 
 class StepRunner(Protocol):
-    """What the engine steps: ModelRunner implements it (tests may use a fake)."""
+    """What the engine steps: ModelRunner implements it."""
 
     seq_info: SequenceInfo
 
-    def step(self, seqs: Sequence[StepSequence], pages_of: Callable[[int], Sequence[int]]
-             ) -> tuple[list[int], torch.Tensor]:
-        """Run one step; (sequence ids in flat-batch order, next-token logits [num_seqs, V])."""
-        ...
+    def launch(self, seqs: Sequence[StepSequence], pages_of: Callable[[int], Sequence[int]],
+               specs: Mapping[int, RowSpec]) -> Any: ...
+
+    def collect(self, launched: Any) -> list[int]: ...
 
 
 @dataclass
@@ -49,11 +59,12 @@ class Request:
     id: int
     prompt: list[int]
     params: SamplingParams
+    seed: int = 0
     generated: list[int] = field(default_factory=list)
-    num_cached: int = 0
+    num_scheduled: int = 0  # tokens of the sequence queued so far (in the cache, or being written)
+    pending: int = 0  # tokens sampled by steps still in flight
     finish_reason: Optional[str] = None  # "length" | "stop" | "error" | "cancelled"
     error: Optional[str] = None
-    generator: Optional[torch.Generator] = None
     stop_ids: frozenset[int] = frozenset()
 
     @property
@@ -68,6 +79,11 @@ class Request:
     def total_len(self) -> int:
         return len(self.prompt) + self.params.max_new_tokens
 
+    @property
+    def num_cached(self) -> int:
+        """Tokens of the sequence in the cache once the steps in flight are done."""
+        return self.num_scheduled
+
 
 @dataclass
 class StepStats:
@@ -76,19 +92,29 @@ class StepStats:
     num_seqs: int
 
 
+@dataclass
+class _InFlight:
+    launched: Any
+    rows: dict[int, tuple[Request, bool]]  # seq id -> (request, whether this step samples for it)
+
+
 class GenerationEngine:
     def __init__(self, runner: StepRunner, allocator: PageAllocator, *, vocab_size: Optional[int] = None,
-                 eos_token_ids: Sequence[int] = ()) -> None:
+                 eos_token_ids: Sequence[int] = (), overlap: bool = True) -> None:
         self.runner = runner
         self.seq_info = runner.seq_info
         self.allocator = allocator
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
+        self.overlap = overlap
         self._ids = itertools.count()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admitted: pages reserved, prefilling or decoding
         self.done: dict[int, Request] = {}
         self.steps: list[StepStats] = []
+        self._inflight: Optional[_InFlight] = None
+        #: called with each step's new (request id, token) pairs, and with each finished request
+        self.on_finish: Optional[Callable[[Request], None]] = None
 
     # ------------------------------------------------------------------ requests
     def validate(self, prompt: Sequence[int], params: SamplingParams) -> list[int]:
@@ -117,8 +143,9 @@ class GenerationEngine:
     def add_request(self, prompt: Sequence[int], params: SamplingParams = SamplingParams()) -> int:
         """Queue a request (raises RequestError / CapacityError if it is invalid); returns its id."""
         prompt = self.validate(prompt, params)
-        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        req = Request(next(self._ids), prompt, params, generator=gen,
+        # Unseeded requests draw a seed from the process RNG (identically seeded on every TP rank).
+        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
+        req = Request(next(self._ids), prompt, params, seed=seed,
                       stop_ids=frozenset(params.stop_ids(self.eos_token_ids)))
         self.waiting.append(req)
         return req.id
@@ -134,7 +161,8 @@ class GenerationEngine:
         return req.id
 
     def cancel(self, request_id: int, reason: str = "cancelled") -> bool:
-        """Finish a waiting or running request now and return its pages; False if it is not active."""
+        """Finish a waiting or running request now and return its pages; False if it is not active.
+        A step in flight that holds it still completes; its token for this request is discarded."""
         for r in list(self.waiting):
             if r.id == request_id:
                 self.waiting.remove(r)
@@ -147,7 +175,7 @@ class GenerationEngine:
         return False
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._inflight)
 
     # ------------------------------------------------------------------ scheduling
     def _admit(self) -> None:
@@ -164,49 +192,71 @@ class GenerationEngine:
             self.waiting.popleft()
             self.running.append(req)
 
-    def _schedule(self) -> list[tuple[Request, list[int]]]:
+    def _schedule(self) -> list[tuple[Request, StepSequence, bool]]:
+        """The next step: (request, its share, whether the step samples a token for it)."""
         budget = self.seq_info.max_num_tokens
-        batch: list[tuple[Request, list[int]]] = []
-        decoding = [r for r in self.running if r.num_cached >= len(r.prompt)]
-        prefilling = [r for r in self.running if r.num_cached < len(r.prompt)]
-        for r in decoding:
+        out: list[tuple[Request, StepSequence, bool]] = []
+        prev = self._inflight.rows if self._inflight is not None else {}
+        prev_row = {sid: b for b, sid in enumerate(self._inflight.launched.order)} if self._inflight else {}
+        for r in self.running:
             if budget == 0:
                 break
-            batch.append((r, [r.tokens[-1]]))
+            if r.num_scheduled < len(r.prompt) or len(r.generated) + r.pending >= r.params.max_new_tokens:
+                continue
+            if r.pending:  # its last token is being sampled by the step in flight: take it on the device
+                assert r.id in prev and prev[r.id][1]
+                seq = StepSequence(r.id, [0], r.num_scheduled, src_row=prev_row[r.id])
+            else:
+                seq = StepSequence(r.id, [r.tokens[-1]], r.num_scheduled)
+            out.append((r, seq, True))
             budget -= 1
-        for r in prefilling:
+        for r in self.running:
             if budget == 0:
                 break
-            chunk = r.prompt[r.num_cached : r.num_cached + budget]
-            batch.append((r, chunk))
+            if r.num_scheduled >= len(r.prompt):
+                continue
+            chunk = r.prompt[r.num_scheduled : r.num_scheduled + budget]
+            ends_prompt = r.num_scheduled + len(chunk) == len(r.prompt)
+            out.append((r, StepSequence(r.id, chunk, r.num_scheduled), ends_prompt))
             budget -= len(chunk)
-        return batch
+        return out
 
     # ------------------------------------------------------------------ stepping
-    def step(self) -> list[tuple[int, int]]:
-        """Run one engine step; returns the (request id, new token) pairs sampled in it."""
+    def _launch(self) -> Optional[_InFlight]:
         self._admit()
         batch = self._schedule()
         if not batch:
-            return []
-        by_id = {r.id: (r, toks) for r, toks in batch}
-        seqs = [StepSequence(r.id, toks, r.num_cached) for r, toks in batch]
+            return None
+        specs = {r.id: RowSpec.of(r.params, r.seed, len(r.generated) + r.pending) for r, _, samples in batch
+                 if samples}
         try:
-            order, rows = self.runner.step(seqs, self.allocator.pages_of)
-            last = rows.float().cpu()
+            launched = self.runner.launch([seq for _, seq, _ in batch], self.allocator.pages_of, specs)
         except Exception as exc:
-            for r, _ in batch:  # their cache content is now unknown: fail them, keep the rest
+            for r, _, _ in batch:  # their cache content is now unknown: fail them, keep the rest
                 self._finish(r, "error", error=f"{type(exc).__name__}: {exc}")
             raise
-        info = self.seq_info
-        self.steps.append(StepStats(info.num_prefill_tokens, info.num_decode_seqs, len(order)))
+        for r, seq, samples in batch:
+            r.num_scheduled += len(seq.token_ids)
+            r.pending += int(samples)
+        self.steps.append(StepStats(launched.num_prefill_tokens, launched.num_decode_seqs, len(batch)))
+        return _InFlight(launched, {r.id: (r, samples) for r, _, samples in batch})
+
+    def _complete(self, step: _InFlight) -> list[tuple[int, int]]:
+        try:
+            ids = self.runner.collect(step.launched)
+        except Exception as exc:
+            for r, _ in step.rows.values():
+                if not r.finished:
+                    self._finish(r, "error", error=f"{type(exc).__name__}: {exc}")
+            raise
         out: list[tuple[int, int]] = []
-        for b, rid in enumerate(order):
-            r, toks = by_id[rid]
-            r.num_cached += len(toks)
-            if r.num_cached < len(r.prompt):
-                continue  # mid-prompt chunk: nothing to sample yet
-            tok = sample(last[b], r.params, r.generator)
+        for sid, tok in zip(step.launched.order, ids):
+            r, samples = step.rows[sid]
+            if not samples:
+                continue
+            r.pending -= 1
+            if r.finished:  # stopped or cancelled after this step was queued: its token is not used
+                continue
             r.generated.append(tok)
             out.append((r.id, tok))
             if tok in r.stop_ids:
@@ -215,12 +265,32 @@ class GenerationEngine:
                 self._finish(r, "length")
         return out
 
+    def step(self) -> list[tuple[int, int]]:
+        """Advance by one step; returns the (request id, new token) pairs that became known.
+
+        With overlap, this queues the next step and then completes the one in flight, so a step's
+        tokens are returned by the call after the one that queued it."""
+        if not self.overlap:
+            launched = self._launch()
+            return self._complete(launched) if launched is not None else []
+        nxt = self._launch()
+        prev, self._inflight = self._inflight, nxt
+        return self._complete(prev) if prev is not None else []
+
     def _finish(self, r: Request, reason: str, error: Optional[str] = None) -> None:
         r.finish_reason, r.error = reason, error
         self.allocator.free(r.id)
         if r in self.running:
             self.running.remove(r)
         self.done[r.id] = r
+        if self.on_finish is not None:
+            self.on_finish(r)
+
+    def drain(self) -> None:
+        """Complete the step in flight (its tokens are applied; nothing new is queued)."""
+        step, self._inflight = self._inflight, None
+        if step is not None:
+            self._complete(step)
 
     def run(
         self,
@@ -248,7 +318,12 @@ class GenerationEngine:
                 new = self.step()
                 if on_tokens is not None and new:
                     on_tokens(new)
+                if not new and self._inflight is None and not self.waiting and not self.running:
+                    stuck = [i for i in ids if i not in self.done]
+                    raise RuntimeError(f"engine stalled with requests {stuck} unfinished and nothing to run")
+            self.drain()
         except BaseException as exc:
+            self._inflight = None
             for i in ids:
                 if i not in self.done:
                     self.cancel(i, reason=f"cancelled: the run stopped ({type(exc).__name__}: {exc})")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -31,6 +32,7 @@ from .errors import CapacityError, OutOfPagesError
 from .kv_cache import CacheLayout, MLACacheManager, plan_num_pages
 from .page_allocator import PageAllocator
 from .piecewise import PiecewiseRunner, bucket_for
+from .sampling import GREEDY, BatchSampler, RowSpec
 from .sequence_info import SequenceInfo, StepSequence
 
 PagesOf = Callable[[int], Sequence[int]]
@@ -54,6 +56,17 @@ def rows_from_rank0(rows: torch.Tensor) -> torch.Tensor:
     with torch.inference_mode():
         dist.broadcast(rows, src=0)
     return rows
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose work is queued on the device: its sequences, and where its sampled ids land."""
+
+    order: list[int]  # sequence ids in flat-batch order (row b sampled for order[b])
+    ids: torch.Tensor  # host view [num_seqs]: the sampled ids, valid once `done` has fired
+    done: Optional[Any]  # CUDA event after the ids' copy to the host (None: already there)
+    num_prefill_tokens: int
+    num_decode_seqs: int
 
 
 class BindingError(RuntimeError):
@@ -92,6 +105,13 @@ class ModelRunner:
                                              decode_graph=opts.decode_graph)
         self._bind()
         self.warmup_report: Optional[dict[str, Any]] = None
+        self.sampler = BatchSampler(rt.max_batch_size, self.device)
+        # Sampled ids: the previous launched step's (on the device: the next step's decode tokens may
+        # come from it), and two pinned host slots, so one step's ids can land while the next is queued.
+        self._prev_ids: Optional[torch.Tensor] = None
+        pin = self.device.type == "cuda"
+        self._ids_host = [torch.zeros(rt.max_batch_size, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self._ids_slot = 0
 
     # ------------------------------------------------------------------ binding
     def _bind(self) -> None:
@@ -156,10 +176,25 @@ class ModelRunner:
         be allocated."""
         order = self.seq_info.prepare_step(seqs, pages_of, self.padded_size(seqs) if pad_to is None else pad_to,
                                            logits_for)
+        if self.seq_info.num_device_tokens:
+            self._fill_device_tokens()
         step = step_descriptor(self.seq_info, self.capture_buckets)
         for sess in self.sessions.values():
             sess.prepare(self.seq_info, step)
         return order, step
+
+    def _fill_device_tokens(self) -> None:
+        """Decode tokens sampled by the previous step are still on the device: copy them into
+        input_ids there (queued after that step's sampling and this step's metadata copy)."""
+        if self._prev_ids is None:
+            raise RuntimeError("a step asks for tokens sampled on the device, but no step was launched before it")
+        info = self.seq_info
+        t = info.num_padded_tokens
+        src = info.dev["input_src"][:t]
+        ids = info.dev["input_ids"][:t]
+        prev = self._prev_ids
+        with torch.inference_mode():
+            ids.copy_(torch.where(src >= 0, prev.index_select(0, src.clamp(min=0, max=prev.numel() - 1)), ids))
 
     def execute(self, step: StepDescriptor) -> torch.Tensor:
         """The device half of a prepared step: run the graph (its logits output)."""
@@ -186,6 +221,41 @@ class ModelRunner:
         if tp is not None and tp.world_size > 1:
             rows = rows_from_rank0(rows)
         return order, rows
+
+    def launch(self, seqs: Sequence[StepSequence], pages_of: PagesOf, specs: Mapping[int, RowSpec]
+               ) -> LaunchedStep:
+        """Queue one generation step without waiting for it: metadata, backend prepare, the graph,
+        sampling on the device (`specs`: sequence id -> how its row samples; others greedy), and an
+        async copy of the sampled ids to a pinned host slot. `collect` waits for them."""
+        order, step = self.prepare(seqs, pages_of)
+        logits = self.execute(step)
+        nb = len(order)
+        with torch.inference_mode():
+            if self.compiled.logits is not None:  # the graph already returns one row per sequence
+                rows = logits[0, :nb]
+            else:
+                rows = logits[0].index_select(0, self.seq_info.dev["last_token"][:nb])
+            ids = self.sampler.sample(rows, [specs.get(sid, GREEDY) for sid in order])
+            tp = self.compiled.tp
+            if tp is not None and tp.world_size > 1:
+                ids = rows_from_rank0(ids)  # every rank continues with rank 0's tokens
+            self._prev_ids = ids
+            slot = self._ids_host[self._ids_slot]
+            self._ids_slot ^= 1
+            slot[:nb].copy_(ids, non_blocking=True)
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        info = self.seq_info
+        return LaunchedStep(order, slot[:nb], done, info.num_prefill_tokens, info.num_decode_seqs)
+
+    @staticmethod
+    def collect(launched: LaunchedStep) -> list[int]:
+        """The launched step's sampled ids on the host (waits for that step, not for later ones)."""
+        if launched.done is not None:
+            launched.done.synchronize()
+        return launched.ids.tolist()
 
     def prefill_logits(self, prompt: Sequence[int]) -> torch.Tensor:
         """Logits [S, V] of every prompt position, prefilled in chunks (pages freed afterwards).

@@ -18,6 +18,8 @@ Fields (device tensors; `<name>_host` is the host mirror of the same bytes):
     batch_idx         int32[T]    sequence slot of each token
     cache_loc         int32[T]    flat cache slot (page * page_size + offset) of each token
     input_ids         int64[T]    token ids (graph input, viewed as [1, T])
+    input_src         int64[T]    -1, or the row of the previous step's sampled ids that holds this
+                                  token (a decode token sampled by a step still on the device)
     position_ids      int64[T]    absolute positions (graph input, viewed as [1, T])
     last_token        int64[B]    flat index of each sequence's last token
     logits_index      int64[B]    flat tokens whose logits the graph returns when the gather_logits
@@ -36,6 +38,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 import torch
@@ -51,6 +54,9 @@ class StepSequence:
     seq_id: int
     token_ids: Sequence[int]
     num_cached: int
+    #: The new token is the one the previous step sampled for row `src_row` (still on the device):
+    #: token_ids holds one placeholder, the model runner fills the id in on the device.
+    src_row: Optional[int] = None
 
     @property
     def is_decode(self) -> bool:
@@ -72,6 +78,7 @@ def _layout(b: int, t: int, p: int) -> list[tuple[str, torch.dtype, tuple[int, .
         ("batch_idx", torch.int32, (t,)),
         ("cache_loc", torch.int32, (t,)),
         ("input_ids", torch.int64, (t,)),
+        ("input_src", torch.int64, (t,)),
         ("position_ids", torch.int64, (t,)),
         ("last_token", torch.int64, (b,)),
         ("logits_index", torch.int64, (b,)),
@@ -135,6 +142,7 @@ class SequenceInfo:
         self.num_padded_tokens = 0  # tokens the graph runs (>= num_tokens)
         self.num_prefill_seqs = 0
         self.num_decode_seqs = 0
+        self.num_device_tokens = 0  # tokens whose id the previous step sampled on the device
         self.clear()
 
     # ------------------------------------------------------------------ access
@@ -204,6 +212,9 @@ class SequenceInfo:
             if s.seq_id in seen:
                 raise ValueError(f"sequence {s.seq_id} appears twice in one step.")
             seen.add(s.seq_id)
+            if s.src_row is not None and len(s.token_ids) != 1:
+                raise ValueError(f"sequence {s.seq_id}: a token sampled on the device (src_row) is one decode "
+                                 f"token, got {len(s.token_ids)} tokens.")
             if len(s.token_ids) < 1 or s.num_cached < 0:
                 raise ValueError(
                     f"sequence {s.seq_id}: needs >= 1 new token and num_cached >= 0, got "
@@ -268,6 +279,14 @@ class SequenceInfo:
         tok_pos = np.arange(num_tokens) - np.repeat(cu[:n_seq], lens_np) + np.repeat(cached_np, lens_np)
         for name in ("batch_idx", "cache_loc", "input_ids", "position_ids"):
             h_np[name][:] = 0
+        h_np["input_src"][:] = -1
+        self.num_device_tokens = 0
+        off = 0
+        for s_, n in zip(ordered, lens):
+            if s_.src_row is not None:
+                h_np["input_src"][off] = s_.src_row
+                self.num_device_tokens += 1
+            off += n
         h_np["batch_idx"][:num_tokens] = tok_seq
         h_np["cache_loc"][:num_tokens] = pt[tok_seq, tok_pos // ps].astype(np.int64) * ps + tok_pos % ps
         h_np["input_ids"][:num_tokens] = np.fromiter(
