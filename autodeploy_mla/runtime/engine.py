@@ -90,12 +90,14 @@ class StepStats:
     num_prefill_tokens: int
     num_decode_tokens: int
     num_seqs: int
+    device_ms: Optional[float] = None  # set when the step completes, if the runner times steps
 
 
 @dataclass
 class _InFlight:
     launched: Any
     rows: dict[int, tuple[Request, bool]]  # seq id -> (request, whether this step samples for it)
+    stats: Optional[StepStats] = None
 
 
 class GenerationEngine:
@@ -113,6 +115,8 @@ class GenerationEngine:
         self.done: dict[int, Request] = {}
         self.steps: list[StepStats] = []
         self._inflight: Optional[_InFlight] = None
+        #: device time of the completed steps, when the runner times them (ModelRunner.time_steps)
+        self.gpu_busy_ms = 0.0
         #: called with each step's new (request id, token) pairs, and with each finished request
         self.on_finish: Optional[Callable[[Request], None]] = None
 
@@ -238,8 +242,9 @@ class GenerationEngine:
         for r, seq, samples in batch:
             r.num_scheduled += len(seq.token_ids)
             r.pending += int(samples)
-        self.steps.append(StepStats(launched.num_prefill_tokens, launched.num_decode_seqs, len(batch)))
-        return _InFlight(launched, {r.id: (r, samples) for r, _, samples in batch})
+        stats = StepStats(launched.num_prefill_tokens, launched.num_decode_seqs, len(batch))
+        self.steps.append(stats)
+        return _InFlight(launched, {r.id: (r, samples) for r, _, samples in batch}, stats)
 
     def _complete(self, step: _InFlight) -> list[tuple[int, int]]:
         try:
@@ -249,6 +254,11 @@ class GenerationEngine:
                 if not r.finished:
                     self._finish(r, "error", error=f"{type(exc).__name__}: {exc}")
             raise
+        device_ms = getattr(step.launched, "device_ms", None)
+        if device_ms is not None and (ms := device_ms()) is not None:
+            self.gpu_busy_ms += ms
+            if step.stats is not None:
+                step.stats.device_ms = ms
         out: list[tuple[int, int]] = []
         for sid, tok in zip(step.launched.order, ids):
             r, samples = step.rows[sid]
@@ -285,6 +295,16 @@ class GenerationEngine:
         self.done[r.id] = r
         if self.on_finish is not None:
             self.on_finish(r)
+
+    def abandon_inflight(self, error: str) -> None:
+        """After a failed step: fail the requests of the step still in flight (its results are not
+        trusted) and forget it, so the engine can go on with the others."""
+        step, self._inflight = self._inflight, None
+        if step is None:
+            return
+        for r, _ in step.rows.values():
+            if not r.finished:
+                self._finish(r, "error", error=error)
 
     def drain(self) -> None:
         """Complete the step in flight (its tokens are applied; nothing new is queued)."""

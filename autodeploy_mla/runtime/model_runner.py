@@ -67,6 +67,17 @@ class LaunchedStep:
     done: Optional[Any]  # CUDA event after the ids' copy to the host (None: already there)
     num_prefill_tokens: int
     num_decode_seqs: int
+    start: Optional[Any] = None  # CUDA timing event before the step's first device work (time_steps)
+
+    def device_ms(self) -> Optional[float]:
+        """Device time of the step, from its first kernel to its ids' copy, once collected (with
+        `ModelRunner.time_steps`). Both events are stamped when the GPU reaches them, so a step
+        queued while the previous one still runs starts when that one ends: the sum over steps is
+        the GPU's busy time (launch gaps inside a step count as busy; the metadata copies of
+        prepare, microseconds, do not)."""
+        if self.start is None or self.done is None:
+            return None
+        return float(self.start.elapsed_time(self.done))
 
 
 class BindingError(RuntimeError):
@@ -112,6 +123,8 @@ class ModelRunner:
         pin = self.device.type == "cuda"
         self._ids_host = [torch.zeros(rt.max_batch_size, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self._ids_slot = 0
+        #: record CUDA timing events around every launched step (LaunchedStep.device_ms)
+        self.time_steps = False
 
     # ------------------------------------------------------------------ binding
     def _bind(self) -> None:
@@ -227,7 +240,11 @@ class ModelRunner:
         """Queue one generation step without waiting for it: metadata, backend prepare, the graph,
         sampling on the device (`specs`: sequence id -> how its row samples; others greedy), and an
         async copy of the sampled ids to a pinned host slot. `collect` waits for them."""
+        timed = self.time_steps and self.device.type == "cuda"
         order, step = self.prepare(seqs, pages_of)
+        start = torch.cuda.Event(enable_timing=True) if timed else None
+        if start is not None:  # after the host work of prepare: an idle GPU waiting for it is not busy
+            start.record()
         logits = self.execute(step)
         nb = len(order)
         with torch.inference_mode():
@@ -245,10 +262,10 @@ class ModelRunner:
             slot[:nb].copy_(ids, non_blocking=True)
         done = None
         if self.device.type == "cuda":
-            done = torch.cuda.Event()
+            done = torch.cuda.Event(enable_timing=timed)
             done.record()
         info = self.seq_info
-        return LaunchedStep(order, slot[:nb], done, info.num_prefill_tokens, info.num_decode_seqs)
+        return LaunchedStep(order, slot[:nb], done, info.num_prefill_tokens, info.num_decode_seqs, start)
 
     @staticmethod
     def collect(launched: LaunchedStep) -> list[int]:
@@ -282,8 +299,9 @@ class ModelRunner:
     # ------------------------------------------------------------------ warm-up
     def warmup(self) -> dict[str, Any]:
         """Capture every CUDA-graph bucket now (decode graphs and piecewise pieces), on dummy
-        sequences that borrow cache pages and return them, so that no later step pays for a capture.
-        A no-op without CUDA graphs. Idempotent; returns what was done."""
+        sequences that borrow cache pages and return them, so that no later step pays for a capture;
+        on CUDA also one eager step of max_num_tokens (fresh prefill and continuation) when that is
+        past the top bucket. Idempotent; returns what was done."""
         if self.warmup_report is not None:
             return self.warmup_report
         t0 = time.perf_counter()
@@ -299,6 +317,17 @@ class ModelRunner:
                     done.append(f"{kind}:{n}")
                 except (CapacityError, OutOfPagesError) as exc:
                     skipped[f"{kind}:{n}"] = str(exc)
+        # The largest steps run eagerly past the top bucket: run them once too, fresh and as a
+        # continuation over cached tokens, so that kernels compiled or tuned per shape on first use
+        # (Triton specialisations, cuBLAS heuristics) are not paid by the first long prompt.
+        top = info.max_num_tokens
+        if self.device.type == "cuda" and (not buckets or top > max(buckets)):
+            for kind in ("prefill", "chunk"):
+                try:
+                    self._warm_step(kind, top)
+                    done.append(f"{kind}:{top}")
+                except (CapacityError, OutOfPagesError) as exc:
+                    skipped[f"{kind}:{top}"] = str(exc)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.warmup_report = {"seconds": time.perf_counter() - t0, "steps": done, "skipped": skipped,
@@ -313,6 +342,13 @@ class ModelRunner:
                 ids = [-2 - i for i in range(n)]
                 self.allocator.ensure_many({i: 2 for i in ids})
                 seqs = [StepSequence(i, [0], 1) for i in ids]
+            elif kind == "chunk":  # one sequence continuing after a page of cached tokens
+                cached = min(self.seq_info.page_size, info.max_seq_len - n)
+                if cached < 1:
+                    raise CapacityError(f"a {n}-token continuation does not fit max_seq_len {info.max_seq_len}")
+                ids = [-2]
+                self.allocator.ensure_many({-2: cached + n})
+                seqs = [StepSequence(-2, [0] * n, cached)]
             else:  # n prefill tokens over as few sequences as the limits allow
                 per = info.max_seq_len
                 count = -(-n // per)
