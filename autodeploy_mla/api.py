@@ -162,9 +162,11 @@ class OptimizedModel:
         return self.ctx.history
 
     # ------------------------------------------------------------------ generation
-    def engine(self) -> GenerationEngine:
+    def engine(self, overlap: Optional[bool] = None) -> GenerationEngine:
+        """A generation engine over this model's runner and cache (`overlap`: default runtime.overlap)."""
         return GenerationEngine(self.runner, self.runner.allocator, vocab_size=self.vocab_size,
-                                eos_token_ids=self.eos_token_ids, overlap=self.config.runtime.overlap)
+                                eos_token_ids=self.eos_token_ids,
+                                overlap=self.config.runtime.overlap if overlap is None else overlap)
 
     def warmup(self) -> dict[str, Any]:
         """Capture the CUDA graphs of every token bucket now (no-op without CUDA graphs)."""

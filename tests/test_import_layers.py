@@ -14,8 +14,9 @@ Layers, lowest first. A module may import its own layer or any lower one, never 
     4 transforms  autodeploy_mla/transforms/**
     5 distributed autodeploy_mla/distributed/**   (imported only by api, cli, testing and itself)
     6 api         autodeploy_mla/api.py, autodeploy_mla/verify.py, autodeploy_mla/__init__.py
-    7 cli         autodeploy_mla/cli/**
-    8 testing     autodeploy_mla/testing/**       (test support; no product module imports it)
+    7 serving     autodeploy_mla/serving/**       (HTTP server, engine thread, workloads, bench)
+    8 cli         autodeploy_mla/cli/**
+    9 testing     autodeploy_mla/testing/**       (test support; no product module imports it)
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ PKG = "autodeploy_mla"
 PKG_DIR = Path(__file__).resolve().parents[1] / PKG
 REPO_ROOT = PKG_DIR.parent
 
-LAYER_NAMES = ("config", "models", "custom_ops", "runtime", "transforms", "distributed", "api", "cli", "testing")
+LAYER_NAMES = ("config", "models", "custom_ops", "runtime", "transforms", "distributed", "api", "serving", "cli",
+               "testing")
 LAYER = {name: i for i, name in enumerate(LAYER_NAMES)}
 # Top-level modules (not subpackages) that form the api layer; the package root is api too.
 API_MODULES = {PKG, f"{PKG}.api", f"{PKG}.verify"}
