@@ -11,12 +11,13 @@ import argparse
 import json
 import os
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any, Optional
 
 import torch
 from rich.console import Console
 
-from ..api import build_config, check_runtime_capacity, optimize
+from ..api import OptimizedModel, build_config, check_runtime_capacity, optimize
 from ..config.schema import AppConfig
 from ..distributed.env import is_rank0
 from ..models.skeleton import reference_model
@@ -80,6 +81,32 @@ def _default_prompts(vocab: int, cfg: AppConfig, max_new: int, seed: int) -> lis
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
+def config_from_args(args: argparse.Namespace, extra_sets: Sequence[str] = ()) -> AppConfig:
+    """The validated config that the model flags (--model, --config, --set, --device, --dtype) name."""
+    sets = list(args.set)
+    if args.device:
+        sets.append(f"model.device={args.device}")
+    if args.dtype:
+        sets.append(f"model.dtype={args.dtype}")
+    cfg, _ = build_config(args.model or "default", args.config, [*sets, *extra_sets])
+    check_runtime_capacity(cfg.runtime)
+    return cfg
+
+
+def build_with_progress(cfg: AppConfig, console: Console) -> OptimizedModel:
+    """optimize() with one line per pass and a spinner, then warm-up (CUDA graphs)."""
+    with console.status("building...") as status:
+        def on_pass(rec):
+            mark = "[green]✓[/]" if rec.enabled else "[dim]-[/]"
+            console.print(f"  {mark} {rec.name:<30} {rec.seconds:7.2f}s  {rec.summary}")
+            status.update(f"pass {rec.name} done")
+
+        om = optimize(None, cfg, on_pass=on_pass)
+    with console.status("warming up (CUDA graphs)..."):
+        om.warmup()
+    return om
+
+
 def build(args: argparse.Namespace) -> int:
     check_report_path(args.report)
     prompt_ids = parse_prompt_ids(args.prompt_ids)
@@ -91,26 +118,14 @@ def build(args: argparse.Namespace) -> int:
 
 def _build(args: argparse.Namespace, prompt_ids: list[list[int]], rank_sets: list[str]) -> int:
     console = Console(quiet=not is_rank0())
-    sets = list(args.set)
-    if args.device:
-        sets.append(f"model.device={args.device}")
-    if args.dtype:
-        sets.append(f"model.dtype={args.dtype}")
-    cfg, _ = build_config(args.model or "default", args.config, [*sets, *rank_sets])
-    check_runtime_capacity(cfg.runtime)
+    cfg = config_from_args(args, rank_sets)
     if args.max_new_tokens >= cfg.runtime.max_seq_len:
         raise CliError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt: runtime.max_seq_len="
                        f"{cfg.runtime.max_seq_len} (prompt + generated tokens). Lower it or raise max_seq_len.")
     tokenizer = load_tokenizer(cfg) if args.prompt else None
     console.print(f"[bold]autodeploy build[/] model={args.model or 'default'} device={cfg.model.device} "
                   f"dtype={cfg.model.dtype}")
-    with console.status("building...") as status:
-        def on_pass(rec):
-            mark = "[green]✓[/]" if rec.enabled else "[dim]-[/]"
-            console.print(f"  {mark} {rec.name:<30} {rec.seconds:7.2f}s  {rec.summary}")
-            status.update(f"pass {rec.name} done")
-
-        om = optimize(None, cfg, on_pass=on_pass)
+    om = build_with_progress(cfg, console)
     prompts = list(prompt_ids)
     if tokenizer is not None:
         prompts += [tokenizer(p)["input_ids"] for p in args.prompt]
@@ -118,8 +133,6 @@ def _build(args: argparse.Namespace, prompt_ids: list[list[int]], rank_sets: lis
         prompts = _default_prompts(om.vocab_size, cfg, args.max_new_tokens, args.seed)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
-    with console.status("warming up (CUDA graphs)..."):
-        om.warmup()
     with console.status("generating..."):
         reqs = om.generate_requests(prompts, params)
     outs = [r.generated for r in reqs]
