@@ -1,0 +1,401 @@
+"""Whole-model decode and prefill against the hardware floor (issue 13).
+
+For each model config (bf16, random weights) and each variant of the passes (`--compile`: the
+static pieces eager or Inductor-compiled), after `om.warmup()`:
+
+- decode, batch B x context C (every sequence adds one token; caches filled with random latents):
+  median wall time per step through `ModelRunner` (metadata, plans, graph or CUDA-graph replay, the
+  argmax sync) and the step's device time (CUDA events). Floor = bytes / measured copy bandwidth,
+  bytes = the weights the step reads (every non-expert weight, the lm_head, the embedding rows, and
+  per MoE layer the routed experts a batch of B tokens is expected to touch under uniform routing,
+  E * (1 - (1 - k/E)^B)) + the latent cache (B * C * (R + Dr) * 2 bytes per layer).
+- prefill, one fresh sequence of T tokens in one step: median wall time; floor = FLOPs / measured
+  bf16 GEMM peak, FLOPs = 2 * T * (non-expert weights without the embedding table and lm_head +
+  k routed experts per MoE layer) + the lm_head for one row + causal attention in the expanded form,
+  2 * N * T(T+1)/2 * (Dn + Dr + Dv) per layer. `% of peak` = floor / measured.
+
+Peaks are measured in the same process: copy bandwidth as 2 x bytes / time of a 4 GiB device-to-
+device copy (read + write), bf16 peak as an 8192^3 matmul; both the median of 20 runs.
+
+    python benchmarks/e2e_roofline.py --out /tmp/roofline                        # on the GPU
+    python benchmarks/e2e_roofline.py --render docs/benchmarks/e2e_roofline.json # md + png (CPU ok)
+    python benchmarks/e2e_roofline.py --quick --device cpu --out /tmp/roofline   # plumbing dry run
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import platform
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from e2e_decode import decode_step, fill_ours  # noqa: E402
+from serving import V2_LITE, v3_4layer  # noqa: E402
+
+# GLM-4.7-Flash (glm4_moe_lite): MLA dims from the family YAML (N 20, q_lora 768, R 512, Dr 64,
+# Dn 192, Dv 256), hidden 2048, 47 layers (first dense), 64 routed experts x 1536 top-4, 1 shared,
+# vocab 154880: 29.9 B parameters, the figure issue 13 quotes.
+GLM_47_FLASH = {
+    "model_type": "glm4_moe_lite",
+    "vocab_size": 154880,
+    "hidden_size": 2048,
+    "intermediate_size": 10240,
+    "moe_intermediate_size": 1536,
+    "num_hidden_layers": 47,
+    "num_attention_heads": 20,
+    "num_key_value_heads": 20,
+    "q_lora_rank": 768,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 192,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 256,
+    "n_routed_experts": 64,
+    "num_experts_per_tok": 4,
+    "n_shared_experts": 1,
+    "first_k_dense_replace": 1,
+    "mlp_layer_types": ["dense"] + ["sparse"] * 46,
+    "rope_interleave": True,
+    "max_position_embeddings": 202752,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+    "tie_word_embeddings": False,
+}
+
+MODELS = {"v2_lite": lambda: V2_LITE, "glm_4_7_flash": lambda: GLM_47_FLASH, "v3_4layer": v3_4layer}
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _median_ms(fn, dev: torch.device, reps: int = 20, warm: int = 3) -> float:
+    for _ in range(warm):
+        fn()
+    _sync(dev)
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        _sync(dev)
+        ts.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(ts)
+
+
+def measure_peaks(dev: torch.device, quick: bool) -> dict[str, float]:
+    """Copy bandwidth (GB/s, read + write) and bf16 matmul TFLOP/s on this device."""
+    nbytes = (64 if quick else 4096) * 2**20
+    src = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    ms = _median_ms(lambda: dst.copy_(src), dev)
+    bw = 2 * nbytes / (ms / 1e3) / 1e9
+    n = 512 if quick else 8192
+    dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    a = torch.randn(n, n, dtype=dt, device=dev)
+    b = torch.randn(n, n, dtype=dt, device=dev)
+    ms = _median_ms(lambda: a @ b, dev)
+    return {"copy_gb_s": bw, "matmul_tflops": 2 * n**3 / (ms / 1e3) / 1e12, "matmul_n": n}
+
+
+# ----------------------------------------------------------------------------- model accounting
+def weight_accounting(model: torch.nn.Module, hf: dict[str, Any]) -> dict[str, float]:
+    """Bytes and parameter counts the floors need, from the eager model's parameters."""
+    cfg = model.config
+    n_exp = getattr(cfg, "n_routed_experts", None) or 0
+    out = {"total_bytes": 0, "expert_bytes_per_expert_layer": [], "embed_row_bytes": 0, "lm_head_bytes": 0,
+           "dense_bytes": 0, "dense_params_no_vocab": 0, "expert_params_per_expert": []}
+    per_layer: dict[str, int] = {}
+    for name, p in model.named_parameters():
+        nb = p.numel() * p.element_size()
+        out["total_bytes"] += nb
+        if name.endswith("embed_tokens.weight"):
+            out["embed_row_bytes"] = p.shape[1] * p.element_size()
+            continue
+        if name.startswith("lm_head"):
+            out["lm_head_bytes"] = nb
+            out["lm_head_params"] = p.numel()
+            continue
+        if ".mlp.experts." in name and n_exp and p.shape[0] == n_exp:
+            layer = name.split(".mlp.experts.")[0]
+            per_layer[layer] = per_layer.get(layer, 0) + p.numel()
+            continue
+        out["dense_bytes"] += nb
+        out["dense_params_no_vocab"] += p.numel()
+    elem = next(model.parameters()).element_size()
+    out["expert_params_per_expert"] = [v / n_exp for v in per_layer.values()]
+    out["expert_bytes_per_expert_layer"] = [v / n_exp * elem for v in per_layer.values()]
+    out["n_experts"] = n_exp
+    out["top_k"] = getattr(cfg, "num_experts_per_tok", 0) or 0
+    out["elem"] = elem
+    return out
+
+
+def mla_dims_of(model: torch.nn.Module) -> dict[str, int]:
+    c = model.config
+    return {"N": c.num_attention_heads, "R": c.kv_lora_rank, "Dr": c.qk_rope_head_dim, "Dn": c.qk_nope_head_dim,
+            "Dv": c.v_head_dim, "layers": c.num_hidden_layers}
+
+
+def decode_floor_bytes(w: dict[str, Any], dims: dict[str, int], batch: int, context: int) -> dict[str, float]:
+    e, k = w["n_experts"], w["top_k"]
+    touched = e * (1 - (1 - k / e) ** batch) if e else 0.0
+    weights = (w["dense_bytes"] + w["lm_head_bytes"] + batch * w["embed_row_bytes"]
+               + sum(touched * b for b in w["expert_bytes_per_expert_layer"]))
+    cache = batch * context * (dims["R"] + dims["Dr"]) * 2 * dims["layers"]
+    return {"weight_bytes": weights, "cache_bytes": cache, "experts_touched": touched}
+
+
+def prefill_flops(w: dict[str, Any], dims: dict[str, int], tokens: int) -> float:
+    active = w["dense_params_no_vocab"] + w["top_k"] * sum(w["expert_params_per_expert"])
+    lin = 2 * tokens * active + 2 * w.get("lm_head_params", 0)
+    attn = 2 * dims["N"] * tokens * (tokens + 1) / 2 * (dims["Dn"] + dims["Dr"] + dims["Dv"]) * dims["layers"]
+    return lin + attn
+
+
+# ----------------------------------------------------------------------------- timing
+def time_decode(om, batch: int, context: int, steps: int, warmup: int) -> dict[str, float]:
+    runner = om.runner
+    cuda = om.device.type == "cuda"
+    fill_ours(om, batch, context, warmup + steps + 8)
+    tok = [1] * batch
+    ts, dev_ts = [], []
+    pos0 = context - warmup
+    for i in range(warmup + steps):
+        _sync(om.device)
+        t0 = time.perf_counter()
+        ev0 = torch.cuda.Event(enable_timing=True) if cuda else None
+        rows = decode_step(runner, batch, pos0 + i, tok, ev0)
+        if cuda:
+            ev1 = torch.cuda.Event(enable_timing=True)
+            ev1.record()
+        tok = rows.argmax(-1).tolist()
+        if i >= warmup:
+            ts.append((time.perf_counter() - t0) * 1e3)
+            if cuda:
+                dev_ts.append(ev0.elapsed_time(ev1))
+    for sid in list(runner.allocator.owners()):
+        runner.allocator.free(sid)
+    out = {"step_ms": statistics.median(ts)}
+    if dev_ts:
+        out["device_ms"] = statistics.median(dev_ts)
+    return out
+
+
+def time_prefill(om, tokens: int, reps: int) -> dict[str, float]:
+    from autodeploy_mla.runtime.sequence_info import StepSequence
+
+    runner = om.runner
+    g = torch.Generator().manual_seed(tokens)
+    ids = torch.randint(2, om.vocab_size, (tokens,), generator=g).tolist()
+    ts = []
+    for i in range(reps + 1):
+        runner.allocator.ensure(0, tokens)
+        try:
+            _sync(om.device)
+            t0 = time.perf_counter()
+            _, logits = runner.forward([StepSequence(0, ids, 0)], runner.allocator.pages_of)
+            logits[0, :1].argmax(-1).tolist()
+            if i:  # the first is a warm-up
+                ts.append((time.perf_counter() - t0) * 1e3)
+        finally:
+            runner.allocator.free(0)
+    return {"step_ms": statistics.median(ts)}
+
+
+# ----------------------------------------------------------------------------- one model
+def bench_model(name: str, variant: str, args: argparse.Namespace, peaks: dict[str, float]) -> dict[str, Any]:
+    from autodeploy_mla import optimize
+
+    hf = copy.deepcopy(MODELS[name]())
+    if args.quick:
+        hf.update(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=4, vocab_size=256, n_routed_experts=8,
+                  num_experts_per_tok=2, kv_lora_rank=64, q_lora_rank=48 if hf.get("q_lora_rank") else None,
+                  qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16)
+        if "mlp_layer_types" in hf:
+            hf["mlp_layer_types"] = ["dense", "sparse"]
+    max_len = max(args.contexts) + args.warmup + args.steps + 16
+    page = 64 if not args.quick else 16
+    cfg = {"model": {"hf_config": hf, "device": args.device,
+                     "dtype": "bfloat16" if args.device != "cpu" else "float32"},
+           "runtime": {"max_batch_size": max(args.batches), "max_seq_len": max(max_len, max(args.chunks) + 8),
+                       "max_num_tokens": max(max(args.chunks), max(args.batches)), "page_size": page,
+                       "num_pages": 2 + max(args.batches) * -(-max(max_len, max(args.chunks) + 8) // page)},
+           "transforms": {"piecewise": {"compile": variant}}}
+    t = time.perf_counter()
+    om = optimize(None, cfg)
+    build_s = time.perf_counter() - t
+    t = time.perf_counter()
+    om.warmup()
+    warm_s = time.perf_counter() - t
+    w = weight_accounting(om.eager_model, hf)
+    dims = mla_dims_of(om.eager_model)
+    entry: dict[str, Any] = {
+        "model": name, "variant": variant, "build_s": build_s, "warmup_s": warm_s,
+        "parameters": sum(p.numel() for p in om.eager_model.parameters()), "dims": dims,
+        "backends": sorted({d.backend for d in om.ctx.artifacts.decisions}),
+        "passes": {"piecewise_compile": variant, "cuda_graphs": om.device.type == "cuda"},
+        "weights_gb": w["total_bytes"] / 1e9, "decode": [], "prefill": [],
+    }
+    bw = peaks["copy_gb_s"] * 1e9
+    for b in args.batches:
+        for c in args.contexts:
+            r = time_decode(om, b, c, args.steps, args.warmup)
+            fl = decode_floor_bytes(w, dims, b, c)
+            floor_ms = (fl["weight_bytes"] + fl["cache_bytes"]) / bw * 1e3
+            r.update(batch=b, context=c, floor_ms=floor_ms, x_floor=r["step_ms"] / floor_ms,
+                     weight_gb=fl["weight_bytes"] / 1e9, cache_gb=fl["cache_bytes"] / 1e9,
+                     experts_touched=fl["experts_touched"])
+            entry["decode"].append(r)
+            print(f"[{name}/{variant}] decode B={b} C={c}: {r['step_ms']:.2f} ms (device {r.get('device_ms', 0):.2f}), "
+                  f"floor {floor_ms:.2f} ms, {r['x_floor']:.2f}x", flush=True)
+    peak = peaks["matmul_tflops"] * 1e12
+    for tkn in args.chunks:
+        r = time_prefill(om, tkn, args.prefill_reps)
+        flops = prefill_flops(w, dims, tkn)
+        floor_ms = flops / peak * 1e3
+        r.update(tokens=tkn, tflop=flops / 1e12, floor_ms=floor_ms, pct_peak=100 * floor_ms / r["step_ms"],
+                 tflops=flops / (r["step_ms"] / 1e3) / 1e12)
+        entry["prefill"].append(r)
+        print(f"[{name}/{variant}] prefill T={tkn}: {r['step_ms']:.2f} ms, {r['tflops']:.0f} TFLOP/s = "
+              f"{r['pct_peak']:.1f}% of peak", flush=True)
+    del om
+    gc.collect()
+    if args.device != "cpu":
+        torch.cuda.empty_cache()
+    return entry
+
+
+# ----------------------------------------------------------------------------- report
+def render(path: Path) -> None:
+    data = json.loads(path.read_text())
+    meta = data["meta"]
+    p = meta["peaks"]
+    lines = ["# Whole model against the hardware floor (decode bytes, prefill FLOPs)", "",
+             f"Machine: {meta.get('gpu')}, torch {meta.get('torch')}, transformers {meta.get('transformers')}. "
+             f"Measured peaks: copy {p['copy_gb_s']:.0f} GB/s (read + write), bf16 matmul "
+             f"{p['matmul_tflops']:.0f} TFLOP/s ({p['matmul_n']}^3).", "",
+             f"Command: `{meta.get('command')}` (total {meta.get('total_s', 0):.0f} s).", "",
+             "Decode floor = (weights read: non-expert + lm_head + expected touched routed experts + embedding rows; "
+             "plus the latent cache) / copy bandwidth. Prefill floor = FLOPs (active weights, expanded causal "
+             "attention) / bf16 peak. Random weights, bf16; steps through ModelRunner with CUDA graphs.", ""]
+    for e in data["runs"]:
+        lines += [f"## {e['model']} — static pieces: {e['variant']}", "",
+                  f"{e['parameters'] / 1e9:.2f} B parameters ({e['weights_gb']:.1f} GB), dims {e['dims']}, backends "
+                  f"{e['backends']}, passes {e['passes']}; build {e['build_s']:.0f} s, warm-up {e['warmup_s']:.0f} s.",
+                  "", "| decode B | context | step ms | device ms | floor ms | x floor | weights GB | cache GB |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in e["decode"]:
+            lines.append(f"| {r['batch']} | {r['context']} | {r['step_ms']:.2f} | {r.get('device_ms', 0):.2f} | "
+                         f"{r['floor_ms']:.2f} | **{r['x_floor']:.2f}** | {r['weight_gb']:.1f} | {r['cache_gb']:.2f} |")
+        lines += ["", "| prefill tokens | step ms | TFLOP | TFLOP/s | % of bf16 peak |", "|---:|---:|---:|---:|---:|"]
+        for r in e["prefill"]:
+            lines.append(f"| {r['tokens']} | {r['step_ms']:.2f} | {r['tflop']:.2f} | {r['tflops']:.0f} | "
+                         f"**{r['pct_peak']:.1f}%** |")
+        lines.append("")
+    for err in data.get("errors", []):
+        lines.append(f"- error: {err}")
+    lines.append("![plot](e2e_roofline.png)")
+    md = path.with_suffix(".md")
+    md.write_text("\n".join(lines) + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    runs = data["runs"]
+    if not runs:
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(14, 4.5))
+    labels = [f"{e['model']}\n{e['variant']}" for e in runs]
+    keys = sorted({(r["batch"], r["context"]) for e in runs for r in e["decode"]})
+    for j, (b, c) in enumerate(keys):
+        vals = [next((r["x_floor"] for r in e["decode"] if (r["batch"], r["context"]) == (b, c)), 0) for e in runs]
+        axes[0].bar([i + (j - len(keys) / 2) * 0.8 / len(keys) for i in range(len(runs))], vals,
+                    width=0.8 / len(keys), label=f"B{b} C{c}")
+    axes[0].axhline(1.4, color="k", ls="--", lw=1)
+    axes[0].set_title("decode step / floor (target <= 1.4 at B64 C1k)")
+    axes[0].set_xticks(range(len(runs)), labels, fontsize=7)
+    axes[0].legend(fontsize=7)
+    chunks = sorted({r["tokens"] for e in runs for r in e["prefill"]})
+    for j, t in enumerate(chunks):
+        vals = [next((r["pct_peak"] for r in e["prefill"] if r["tokens"] == t), 0) for e in runs]
+        axes[1].bar([i + (j - len(chunks) / 2) * 0.8 / len(chunks) for i in range(len(runs))], vals,
+                    width=0.8 / len(chunks), label=f"T{t}")
+    axes[1].axhline(50, color="k", ls="--", lw=1)
+    axes[1].set_title("prefill: % of bf16 matmul peak (target >= 50 at T2048)")
+    axes[1].set_xticks(range(len(runs)), labels, fontsize=7)
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path.with_suffix(".png"), dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--render", type=Path)
+    ap.add_argument("--models", default="v2_lite,glm_4_7_flash,v3_4layer")
+    ap.add_argument("--compile", default="none", help="comma-separated piecewise.compile variants (none,inductor)")
+    ap.add_argument("--batches", type=_ints, default=[1, 8, 64])
+    ap.add_argument("--contexts", type=_ints, default=[1024, 4096])
+    ap.add_argument("--chunks", type=_ints, default=[512, 2048])
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--prefill-reps", type=int, default=5)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--quick", action="store_true", help="tiny dims of each config (plumbing check)")
+    ap.add_argument("--time-budget-s", type=float, default=1e9, help="skip models that would start after this")
+    args = ap.parse_args()
+    if args.render:
+        render(args.render)
+        return
+    if args.out is None:
+        ap.error("--out (or --render) is required")
+    args.out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    dev = torch.device(args.device)
+    peaks = measure_peaks(dev, args.quick)
+    print(f"peaks: {peaks}", flush=True)
+    import transformers
+
+    meta = {"command": "python " + " ".join(sys.argv), "torch": torch.__version__,
+            "transformers": transformers.__version__, "python": platform.python_version(), "peaks": peaks,
+            "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu"}
+    data: dict[str, Any] = {"meta": meta, "runs": [], "errors": []}
+    out = args.out / "e2e_roofline.json"
+    for name in args.models.split(","):
+        for variant in args.compile.split(","):
+            if time.perf_counter() - t0 > args.time_budget_s:
+                data["errors"].append(f"{name}/{variant}: skipped (over --time-budget-s {args.time_budget_s:g})")
+                continue
+            try:
+                data["runs"].append(bench_model(name, variant, args, peaks))
+            except Exception as exc:  # noqa: BLE001 - record and go on
+                data["errors"].append(f"{name}/{variant}: {type(exc).__name__}: {exc}")
+                traceback.print_exc()
+            meta["total_s"] = time.perf_counter() - t0
+            out.write_text(json.dumps(data, indent=1))
+    render(out)
+    print((args.out / "e2e_roofline.md").read_text())
+
+
+if __name__ == "__main__":
+    main()
