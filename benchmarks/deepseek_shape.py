@@ -1,7 +1,10 @@
-"""The DeepSeek-V3-shaped benchmark model and decode runtime shared by e2e_decode.py and tp_decode.py.
+"""Benchmark model configs shared by the scripts: the DeepSeek-V3-shaped model and decode runtime
+(e2e_decode.py, tp_decode.py), the 4-layer V3 shape, and the published DeepSeek-V2-Lite and
+GLM-4.7-Flash configs (serving.py, e2e_roofline.py).
 
-Real per-layer MLA dims by default (N 128, q_lora 1536, R 512, Dr 64, Dn 128, Dv 128), fewer
-layers and smaller/fewer routed experts than the real model so it fits and builds quickly.
+The V3 shape has the real per-layer MLA dims by default (N 128, q_lora 1536, R 512, Dr 64, Dn 128,
+Dv 128), fewer layers and smaller/fewer routed experts than the real model so it fits and builds
+quickly.
 """
 
 from __future__ import annotations
@@ -56,3 +59,75 @@ def decode_runtime(args: argparse.Namespace, extra: int) -> dict[str, Any]:
         "page_size": args.page_size,
         "num_pages": 1 + max(args.batches) * -(-max_len // args.page_size),  # + the scratch page
     }
+
+
+# deepseek-ai/DeepSeek-V2-Lite config.json (the fields the HF DeepseekV2 model reads).
+V2_LITE = {
+    "model_type": "deepseek_v2",
+    "vocab_size": 102400,
+    "hidden_size": 2048,
+    "intermediate_size": 10944,
+    "moe_intermediate_size": 1408,
+    "num_hidden_layers": 27,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "q_lora_rank": None,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "n_routed_experts": 64,
+    "num_experts_per_tok": 6,
+    "n_shared_experts": 2,
+    "routed_scaling_factor": 1.0,
+    "topk_method": "greedy",
+    "n_group": 1,
+    "topk_group": 1,
+    "first_k_dense_replace": 1,
+    "norm_topk_prob": False,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 163840,
+    "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+                        "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0,
+                        "mscale": 0.707, "mscale_all_dim": 0.707},
+    "tie_word_embeddings": False,
+}
+
+
+def v3_4layer() -> dict[str, Any]:
+    """The 4-layer DeepSeek-V3 shape of the serving and roofline benchmarks (16 experts x 1024, top-4)."""
+    cfg = deepseek_v3_shaped(argparse.Namespace(vocab=32768, hidden=7168, intermediate=4096, moe_intermediate=1024,
+                                                layers=4, heads=128, experts=16, topk=4))
+    cfg["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,  # DeepSeek-V3's
+                              "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0,
+                              "mscale": 1.0, "mscale_all_dim": 1.0}
+    return cfg
+
+
+# GLM-4.7-Flash (glm4_moe_lite): MLA dims from the family YAML (N 20, q_lora 768, R 512, Dr 64,
+# Dn 192, Dv 256), hidden 2048, 47 layers (first dense), 64 routed experts x 1536 top-4, 1 shared,
+# vocab 154880: 29.9 B parameters, the figure issue 13 quotes.
+GLM_47_FLASH = {
+    "model_type": "glm4_moe_lite",
+    "vocab_size": 154880,
+    "hidden_size": 2048,
+    "intermediate_size": 10240,
+    "moe_intermediate_size": 1536,
+    "num_hidden_layers": 47,
+    "num_attention_heads": 20,
+    "num_key_value_heads": 20,
+    "q_lora_rank": 768,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 192,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 256,
+    "n_routed_experts": 64,
+    "num_experts_per_tok": 4,
+    "n_shared_experts": 1,
+    "first_k_dense_replace": 1,
+    "mlp_layer_types": ["dense"] + ["sparse"] * 46,
+    "rope_interleave": True,
+    "max_position_embeddings": 202752,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+    "tie_word_embeddings": False,
+}

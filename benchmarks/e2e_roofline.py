@@ -41,36 +41,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from e2e_decode import decode_step, fill_ours  # noqa: E402
-from serving import V2_LITE, v3_4layer  # noqa: E402
-
-# GLM-4.7-Flash (glm4_moe_lite): MLA dims from the family YAML (N 20, q_lora 768, R 512, Dr 64,
-# Dn 192, Dv 256), hidden 2048, 47 layers (first dense), 64 routed experts x 1536 top-4, 1 shared,
-# vocab 154880: 29.9 B parameters, the figure issue 13 quotes.
-GLM_47_FLASH = {
-    "model_type": "glm4_moe_lite",
-    "vocab_size": 154880,
-    "hidden_size": 2048,
-    "intermediate_size": 10240,
-    "moe_intermediate_size": 1536,
-    "num_hidden_layers": 47,
-    "num_attention_heads": 20,
-    "num_key_value_heads": 20,
-    "q_lora_rank": 768,
-    "kv_lora_rank": 512,
-    "qk_nope_head_dim": 192,
-    "qk_rope_head_dim": 64,
-    "v_head_dim": 256,
-    "n_routed_experts": 64,
-    "num_experts_per_tok": 4,
-    "n_shared_experts": 1,
-    "first_k_dense_replace": 1,
-    "mlp_layer_types": ["dense"] + ["sparse"] * 46,
-    "rope_interleave": True,
-    "max_position_embeddings": 202752,
-    "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
-    "tie_word_embeddings": False,
-}
+from deepseek_shape import GLM_47_FLASH, V2_LITE, v3_4layer  # noqa: E402
+from e2e_decode import fill_ours, run_ours  # noqa: E402
 
 MODELS = {"v2_lite": lambda: V2_LITE, "glm_4_7_flash": lambda: GLM_47_FLASH, "v3_4layer": v3_4layer}
 
@@ -113,35 +85,31 @@ def measure_peaks(dev: torch.device, quick: bool) -> dict[str, float]:
 
 
 # ----------------------------------------------------------------------------- model accounting
-def weight_accounting(model: torch.nn.Module, hf: dict[str, Any]) -> dict[str, float]:
+def weight_accounting(model: torch.nn.Module) -> dict[str, Any]:
     """Bytes and parameter counts the floors need, from the eager model's parameters."""
     cfg = model.config
     n_exp = getattr(cfg, "n_routed_experts", None) or 0
-    out = {"total_bytes": 0, "expert_bytes_per_expert_layer": [], "embed_row_bytes": 0, "lm_head_bytes": 0,
-           "dense_bytes": 0, "dense_params_no_vocab": 0, "expert_params_per_expert": []}
-    per_layer: dict[str, int] = {}
+    out: dict[str, Any] = {"total_bytes": 0, "embed_row_bytes": 0, "lm_head_bytes": 0, "lm_head_params": 0,
+                           "dense_bytes": 0, "dense_params_no_vocab": 0}
+    expert_params: dict[str, int] = {}  # MoE layer -> routed-expert parameters (all experts)
     for name, p in model.named_parameters():
         nb = p.numel() * p.element_size()
         out["total_bytes"] += nb
         if name.endswith("embed_tokens.weight"):
             out["embed_row_bytes"] = p.shape[1] * p.element_size()
-            continue
-        if name.startswith("lm_head"):
-            out["lm_head_bytes"] = nb
-            out["lm_head_params"] = p.numel()
-            continue
-        if ".mlp.experts." in name and n_exp and p.shape[0] == n_exp:
+        elif name.startswith("lm_head"):
+            out["lm_head_bytes"], out["lm_head_params"] = nb, p.numel()
+        elif ".mlp.experts." in name and n_exp and p.shape[0] == n_exp:
             layer = name.split(".mlp.experts.")[0]
-            per_layer[layer] = per_layer.get(layer, 0) + p.numel()
-            continue
-        out["dense_bytes"] += nb
-        out["dense_params_no_vocab"] += p.numel()
+            expert_params[layer] = expert_params.get(layer, 0) + p.numel()
+        else:
+            out["dense_bytes"] += nb
+            out["dense_params_no_vocab"] += p.numel()
     elem = next(model.parameters()).element_size()
-    out["expert_params_per_expert"] = [v / n_exp for v in per_layer.values()]
-    out["expert_bytes_per_expert_layer"] = [v / n_exp * elem for v in per_layer.values()]
+    out["expert_params_per_expert"] = [v / n_exp for v in expert_params.values()]
+    out["expert_bytes_per_expert_layer"] = [v / n_exp * elem for v in expert_params.values()]
     out["n_experts"] = n_exp
     out["top_k"] = getattr(cfg, "num_experts_per_tok", 0) or 0
-    out["elem"] = elem
     return out
 
 
@@ -162,38 +130,21 @@ def decode_floor_bytes(w: dict[str, Any], dims: dict[str, int], batch: int, cont
 
 def prefill_flops(w: dict[str, Any], dims: dict[str, int], tokens: int) -> float:
     active = w["dense_params_no_vocab"] + w["top_k"] * sum(w["expert_params_per_expert"])
-    lin = 2 * tokens * active + 2 * w.get("lm_head_params", 0)
+    lin = 2 * tokens * active + 2 * w["lm_head_params"]
     attn = 2 * dims["N"] * tokens * (tokens + 1) / 2 * (dims["Dn"] + dims["Dr"] + dims["Dv"]) * dims["layers"]
     return lin + attn
 
 
 # ----------------------------------------------------------------------------- timing
 def time_decode(om, batch: int, context: int, steps: int, warmup: int) -> dict[str, float]:
-    runner = om.runner
-    cuda = om.device.type == "cuda"
+    """Median wall and device time of a decode step (e2e_decode.run_ours with the runner as built)."""
     fill_ours(om, batch, context, warmup + steps + 8)
-    tok = [1] * batch
-    ts, dev_ts = [], []
-    pos0 = context - warmup
-    for i in range(warmup + steps):
-        _sync(om.device)
-        t0 = time.perf_counter()
-        ev0 = torch.cuda.Event(enable_timing=True) if cuda else None
-        rows = decode_step(runner, batch, pos0 + i, tok, ev0)
-        if cuda:
-            ev1 = torch.cuda.Event(enable_timing=True)
-            ev1.record()
-        tok = rows.argmax(-1).tolist()
-        if i >= warmup:
-            ts.append((time.perf_counter() - t0) * 1e3)
-            if cuda:
-                dev_ts.append(ev0.elapsed_time(ev1))
-    for sid in list(runner.allocator.owners()):
-        runner.allocator.free(sid)
-    out = {"step_ms": statistics.median(ts)}
-    if dev_ts:
-        out["device_ms"] = statistics.median(dev_ts)
-    return out
+    try:
+        r = run_ours(om, om.runner.piecewise, batch, context, steps, warmup, profile=False)
+    finally:
+        for sid in list(om.runner.allocator.owners()):
+            om.runner.allocator.free(sid)
+    return {k: r[k] for k in ("step_ms", "device_ms") if k in r}
 
 
 def time_prefill(om, tokens: int, reps: int) -> dict[str, float]:
@@ -243,7 +194,7 @@ def bench_model(name: str, variant: str, args: argparse.Namespace, peaks: dict[s
     t = time.perf_counter()
     om.warmup()
     warm_s = time.perf_counter() - t
-    w = weight_accounting(om.eager_model, hf)
+    w = weight_accounting(om.eager_model)
     dims = mla_dims_of(om.eager_model)
     entry: dict[str, Any] = {
         "model": name, "variant": variant, "build_s": build_s, "warmup_s": warm_s,

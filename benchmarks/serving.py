@@ -43,51 +43,9 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
 
-# deepseek-ai/DeepSeek-V2-Lite config.json (the fields the HF DeepseekV2 model reads).
-V2_LITE = {
-    "model_type": "deepseek_v2",
-    "vocab_size": 102400,
-    "hidden_size": 2048,
-    "intermediate_size": 10944,
-    "moe_intermediate_size": 1408,
-    "num_hidden_layers": 27,
-    "num_attention_heads": 16,
-    "num_key_value_heads": 16,
-    "q_lora_rank": None,
-    "kv_lora_rank": 512,
-    "qk_nope_head_dim": 128,
-    "qk_rope_head_dim": 64,
-    "v_head_dim": 128,
-    "n_routed_experts": 64,
-    "num_experts_per_tok": 6,
-    "n_shared_experts": 2,
-    "routed_scaling_factor": 1.0,
-    "topk_method": "greedy",
-    "n_group": 1,
-    "topk_group": 1,
-    "first_k_dense_replace": 1,
-    "norm_topk_prob": False,
-    "rms_norm_eps": 1e-6,
-    "max_position_embeddings": 163840,
-    "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
-                        "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0,
-                        "mscale": 0.707, "mscale_all_dim": 0.707},
-    "tie_word_embeddings": False,
-}
-
-
-def v3_4layer() -> dict[str, Any]:
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    from deepseek_shape import deepseek_v3_shaped
-
-    cfg = deepseek_v3_shaped(argparse.Namespace(vocab=32768, hidden=7168, intermediate=4096, moe_intermediate=1024,
-                                                layers=4, heads=128, experts=16, topk=4))
-    cfg["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,  # DeepSeek-V3's
-                              "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0,
-                              "mscale": 1.0, "mscale_all_dim": 1.0}
-    return cfg
-
+from deepseek_shape import V2_LITE, v3_4layer  # noqa: E402
 
 def model_layers(name: str, device: str, quick: bool) -> tuple[str, dict[str, Any]]:
     """(family, config layer) for a model of this benchmark (`quick`: the family's tiny config)."""

@@ -74,7 +74,7 @@ def server(om, tok, reference):
 @pytest.fixture(autouse=True)
 def _pages_back(request, om):
     yield
-    if "server" in request.fixturenames or "bare_server" in request.fixturenames:
+    if "server" in request.fixturenames:
         wait_pages_free(om)
 
 
