@@ -1,7 +1,8 @@
 """Whole-model decode and prefill against the hardware floor (issue 13).
 
-For each model config (bf16, random weights) and each variant of the passes (`--compile`: the
-static pieces eager or Inductor-compiled), after `om.warmup()`:
+For each model config (bf16, random weights) and each variant of the passes (`--variants`: `base`,
+or '+'-joined switches: `inductor` = static pieces through Inductor, `moe` = the fuse_moe pass),
+after `om.warmup()`:
 
 - decode, batch B x context C (every sequence adds one token; caches filled with random latents):
   median wall time per step through `ModelRunner` (metadata, plans, graph or CUDA-graph replay, the
@@ -34,7 +35,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -169,7 +170,30 @@ def time_prefill(om, tokens: int, reps: int) -> dict[str, float]:
 
 
 # ----------------------------------------------------------------------------- one model
-def bench_model(name: str, variant: str, args: argparse.Namespace, peaks: dict[str, float]) -> dict[str, Any]:
+#: Pass switches a variant name is made of ("inductor+moe"); "base" (or "none") is neither.
+VARIANT_PARTS: dict[str, dict[str, dict[str, Any]]] = {
+    "inductor": {"piecewise": {"compile": "inductor"}},
+    "moe": {"fuse_moe": {"enabled": True}},
+}
+
+
+def variant_transforms(variant: str) -> dict[str, dict[str, Any]]:
+    """Pass options of a variant: every switch of VARIANT_PARTS off unless named ("inductor+moe")."""
+    parts = [p for p in variant.split("+") if p not in ("base", "none", "")]
+    unknown = [p for p in parts if p not in VARIANT_PARTS]
+    if unknown:
+        raise ValueError(f"unknown variant part(s) {unknown}; known: base, {', '.join(VARIANT_PARTS)}")
+    out: dict[str, dict[str, Any]] = {"piecewise": {"compile": "none"}, "fuse_moe": {"enabled": False}}
+    for p in parts:
+        for k, v in VARIANT_PARTS[p].items():
+            out.setdefault(k, {}).update(v)
+    return out
+
+
+def build_model(name: str, variant: str, args: argparse.Namespace, transforms: Optional[dict[str, Any]] = None):
+    """optimize() on the named config (bf16 random weights) sized for the script's batches, contexts and
+    chunks; `variant` names the passes that are on (variant_transforms), `transforms` more pass options
+    merged over it."""
     from autodeploy_mla import optimize
 
     hf = copy.deepcopy(MODELS[name]())
@@ -187,9 +211,15 @@ def bench_model(name: str, variant: str, args: argparse.Namespace, peaks: dict[s
            "runtime": {"max_batch_size": max(args.batches), "max_seq_len": max(max_len, max(args.chunks) + 8),
                        "max_num_tokens": max(max(args.chunks), max(args.batches)), "page_size": page,
                        "num_pages": 2 + max(args.batches) * -(-max(max_len, max(args.chunks) + 8) // page)},
-           "transforms": {"piecewise": {"compile": variant}}}
+           "transforms": variant_transforms(variant)}
+    for k, v in (transforms or {}).items():
+        cfg["transforms"].setdefault(k, {}).update(v)
+    return optimize(None, cfg)
+
+
+def bench_model(name: str, variant: str, args: argparse.Namespace, peaks: dict[str, float]) -> dict[str, Any]:
     t = time.perf_counter()
-    om = optimize(None, cfg)
+    om = build_model(name, variant, args)
     build_s = time.perf_counter() - t
     t = time.perf_counter()
     om.warmup()
@@ -200,7 +230,7 @@ def bench_model(name: str, variant: str, args: argparse.Namespace, peaks: dict[s
         "model": name, "variant": variant, "build_s": build_s, "warmup_s": warm_s,
         "parameters": sum(p.numel() for p in om.eager_model.parameters()), "dims": dims,
         "backends": sorted({d.backend for d in om.ctx.artifacts.decisions}),
-        "passes": {"piecewise_compile": variant, "cuda_graphs": om.device.type == "cuda"},
+        "passes": passes_on(om),
         "weights_gb": w["total_bytes"] / 1e9, "decode": [], "prefill": [],
     }
     bw = peaks["copy_gb_s"] * 1e9
@@ -232,6 +262,15 @@ def bench_model(name: str, variant: str, args: argparse.Namespace, peaks: dict[s
     return entry
 
 
+def passes_on(om) -> dict[str, Any]:
+    """What the build actually did, from its pass history (not from the variant's name)."""
+    rec = {r.name: r for r in om.history}
+    pw = om.config.transforms.get("piecewise") or {}
+    moe = rec.get("fuse_moe")
+    return {"piecewise_compile": pw.get("compile", "none"), "cuda_graphs": om.device.type == "cuda",
+            "fuse_moe": moe.summary if moe is not None and moe.enabled else "off"}
+
+
 # ----------------------------------------------------------------------------- report
 def render(path: Path) -> None:
     data = json.loads(path.read_text())
@@ -246,7 +285,7 @@ def render(path: Path) -> None:
              "plus the latent cache) / copy bandwidth. Prefill floor = FLOPs (active weights, expanded causal "
              "attention) / bf16 peak. Random weights, bf16; steps through ModelRunner with CUDA graphs.", ""]
     for e in data["runs"]:
-        lines += [f"## {e['model']} — static pieces: {e['variant']}", "",
+        lines += [f"## {e['model']} — variant: {e['variant']}", "",
                   f"{e['parameters'] / 1e9:.2f} B parameters ({e['weights_gb']:.1f} GB), dims {e['dims']}, backends "
                   f"{e['backends']}, passes {e['passes']}; build {e['build_s']:.0f} s, warm-up {e['warmup_s']:.0f} s.",
                   "", "| decode B | context | step ms | device ms | floor ms | x floor | weights GB | cache GB |",
@@ -304,7 +343,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--render", type=Path)
     ap.add_argument("--models", default="v2_lite,glm_4_7_flash,v3_4layer")
-    ap.add_argument("--compile", default="none", help="comma-separated piecewise.compile variants (none,inductor)")
+    ap.add_argument("--variants", default="base,moe,inductor,inductor+moe",
+                    help="comma-separated pass variants: base, or '+'-joined parts of " + ", ".join(VARIANT_PARTS))
     ap.add_argument("--batches", type=_ints, default=[1, 8, 64])
     ap.add_argument("--contexts", type=_ints, default=[1024, 4096])
     ap.add_argument("--chunks", type=_ints, default=[512, 2048])
@@ -333,7 +373,7 @@ def main() -> None:
     data: dict[str, Any] = {"meta": meta, "runs": [], "errors": []}
     out = args.out / "e2e_roofline.json"
     for name in args.models.split(","):
-        for variant in args.compile.split(","):
+        for variant in args.variants.split(","):
             if time.perf_counter() - t0 > args.time_budget_s:
                 data["errors"].append(f"{name}/{variant}: skipped (over --time-budget-s {args.time_budget_s:g})")
                 continue

@@ -108,6 +108,8 @@ def _jobs() -> list[ProbeJob]:
     return [
         ProbeJob("glm", "glm_4_7_flash", RUNTIME, PROMPTS, NEW, LOGITS_PROMPT,
                  sampling={"temperature": 1.0, "top_k": 50}),
+        ProbeJob("glm_moe", "glm_4_7_flash", [*RUNTIME, "transforms.fuse_moe.backend=triton"], PROMPTS, NEW,
+                 LOGITS_PROMPT),
         ProbeJob("native", make_native, RUNTIME, NATIVE_PROMPTS, NEW, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]),
     ]
 
@@ -209,7 +211,7 @@ def test_teardown_frees_cuda_graphs_first_and_cannot_hang(monkeypatch):
     stuck.set()
 
 
-@pytest.mark.parametrize("job", ["glm", "native"])
+@pytest.mark.parametrize("job", ["glm", "glm_moe", "native"])
 def test_two_ranks_match_single_process(tp_runs, single_runs, job):
     r0, r1 = tp_runs[0][0][job], tp_runs[0][1][job]
     ref = single_runs[job]

@@ -16,6 +16,20 @@ TORCH_MLA = torch.ops.autodeploy.torch_mla.default
 RESHAPES = frozenset({aten.view.default, aten.reshape.default, aten._unsafe_view.default})
 #: export's `_assert_tensor_metadata` checks (no-ops when run; never data users)
 ASSERT_METADATA = aten._assert_tensor_metadata.default
+#: ops that change only dtype/layout/identity, never values' meaning
+CASTS = frozenset({aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, aten.contiguous.default,
+                   aten.clone.default, aten.alias.default, aten.detach.default})
+
+
+def grouped_mm_ops() -> set[Any]:
+    """The grouped-GEMM ops an exported HF experts forward may contain: aten's, and transformers'
+    CPU fallback op (fp32 MoE on CPU; registered once transformers has loaded its MoE module)."""
+    ops: set[Any] = {aten._grouped_mm.default}
+    try:
+        ops.add(torch.ops.transformers.grouped_mm_fallback.default)
+    except (AttributeError, RuntimeError):
+        pass
+    return ops
 
 
 def is_op(node: Any, targets: Iterable[Any]) -> bool:

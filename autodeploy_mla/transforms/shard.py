@@ -53,7 +53,8 @@ from ..custom_ops.torch_mla import source_arg
 from ..models.checkpoint import ShardSpec
 from ..runtime.artifacts import TensorParallel
 from .context import BuildContext
-from .fx_utils import ASSERT_METADATA, RESHAPES, TORCH_MLA, aten, is_op, module_path, module_tensor, set_module_tensor
+from .fx_utils import (ASSERT_METADATA, CASTS, RESHAPES, TORCH_MLA, aten, grouped_mm_ops, is_op, module_path,
+                       module_tensor, set_module_tensor)
 from .fx_utils import shape as _shape
 from .fx_utils import skip as _skip
 from .registry import PassOptions, PassResult, Stage, register_pass
@@ -101,21 +102,11 @@ _PASSTHROUGH = {
     aten.squeeze.dim, aten.squeeze.default, aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default,
     aten.alias.default, aten.detach.default, aten.t.default,
 }
-_CASTS = {aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, aten.contiguous.default,
-          aten.clone.default, aten.alias.default, aten.detach.default}
+_CASTS = CASTS
 _ACTIVATIONS = {aten.silu.default, aten.gelu.default, aten.relu.default, aten.sigmoid.default,
                 aten.tanh.default}
 _LINEAR = aten.linear.default
 _ASSERT = ASSERT_METADATA
-
-
-def _grouped_mm_ops() -> set[Any]:
-    ops: set[Any] = {aten._grouped_mm.default}
-    try:  # transformers' CPU fallback op (fp32 MoE on CPU); registered when transformers loads it
-        ops.add(torch.ops.transformers.grouped_mm_fallback.default)
-    except (AttributeError, RuntimeError):
-        pass
-    return ops
 
 
 def _is(node: Any, targets: Iterable[Any]) -> bool:
@@ -554,7 +545,7 @@ def shard(ctx: BuildContext, opts: ShardOptions) -> PassResult:
     if not any(_is(n, {TORCH_MLA}) for n in gm.graph.nodes):
         raise ShardError("shard: the graph has no torch_mla node; run match_mla first (shard goes between "
                          "match_mla and insert_cached_mla_attention)")
-    grouped = _grouped_mm_ops()
+    grouped = grouped_mm_ops()
     plan = _Plan(world.world_size, world.rank)
     _plan_attention(gm, plan, grouped)  # raises before any change on a bad world size
     taken = {x for x in plan.owners.values()}

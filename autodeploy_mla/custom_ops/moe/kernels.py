@@ -1,0 +1,164 @@
+"""Triton kernels of the fused MoE experts op (docs/moe.md explains the design).
+
+Four kernels over the step's `n = T * top_k` (token, expert) pairs, pair `i` being token `i // top_k`:
+
+- `count_kernel` + `place_kernel` (the layout, one program per CHUNK pairs each): count the pairs
+  per expert per chunk; then every program sums those counts, pads each expert's count up to a
+  multiple of BLOCK_M, lays the experts out one after another in that padded order and writes its
+  chunk's `sorted_pairs[slot]` (the pair in each slot; `n` in padding slots) and its share of
+  `block_expert[b]` (the expert of each BLOCK_M-row block, -1 past the last). Ranks within an
+  expert come from one-hot prefix sums, not atomics, so the layout is deterministic.
+- `up_kernel`: one program per (row block, BLOCK_N columns of the intermediate): gathers its rows of
+  the input by token, multiplies by the expert's gate and up rows (two accumulators over the same
+  input tile) and writes act(gate) * up: the [slots, I] intermediate never exists unactivated.
+- `down_kernel`: the intermediate rows times the expert's down projection, scaled by each pair's
+  routing weight, written to the pair's own row of `[n, H]` (unsorted order), which the op then
+  sums over top_k in fp32.
+
+Grids are static for a given T (row blocks: the bound `cdiv(n, BLOCK_M) + min(E, n)`; programs past
+the last real block return at once), so the op is CUDA-graph safe. Weights are read through their
+strides: `[E, out, in]` as HF stores them or any transposed view.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ..triton_mla.kernels import _dot
+
+
+@triton.jit(do_not_specialize=["n_pairs"])
+def count_kernel(
+    IDS, PARTIAL, n_pairs,
+    E_P2: tl.constexpr, CHUNK: tl.constexpr,
+):
+    """PARTIAL[c, e] = pairs of chunk c (CHUNK pairs) routed to expert e."""
+    c = tl.program_id(0)
+    offs_e = tl.arange(0, E_P2)
+    i = c * CHUNK + tl.arange(0, CHUNK)
+    e = tl.load(IDS + i, mask=i < n_pairs, other=-1).to(tl.int32)
+    cnt = tl.sum((e[:, None] == offs_e[None, :]).to(tl.int32), axis=0)
+    tl.store(PARTIAL + c * E_P2 + offs_e, cnt)
+
+
+@triton.jit(do_not_specialize=["n_pairs", "num_chunks", "max_blocks"])
+def place_kernel(
+    IDS, PARTIAL, SORTED, BLOCK_EXPERT,
+    n_pairs, num_chunks, max_blocks,
+    E_P2: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, ROWS: tl.constexpr,
+):
+    """Program c places chunk c's pairs, and writes its share of the padding slots and block table."""
+    c = tl.program_id(0)
+    offs_e = tl.arange(0, E_P2)
+    counts = tl.zeros([E_P2], dtype=tl.int32)
+    before = tl.zeros([E_P2], dtype=tl.int32)  # pairs of chunks < c per expert
+    for r0 in range(0, num_chunks, ROWS):
+        r = r0 + tl.arange(0, ROWS)
+        part = tl.load(PARTIAL + r[:, None] * E_P2 + offs_e[None, :], mask=(r < num_chunks)[:, None], other=0)
+        counts += tl.sum(part, axis=0)
+        before += tl.sum(tl.where((r < c)[:, None], part, 0), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    total = tl.sum(padded, axis=0)
+
+    # this chunk's pairs: slot = expert start + pairs of that expert in earlier chunks + rank here
+    i = c * CHUNK + tl.arange(0, CHUNK)
+    e = tl.load(IDS + i, mask=i < n_pairs, other=-1).to(tl.int32)
+    onehot = (e[:, None] == offs_e[None, :]).to(tl.int32)
+    rank = tl.cumsum(onehot, axis=0)
+    slot = tl.sum(onehot * (starts[None, :] + before[None, :] + rank - 1), axis=1)
+    ok = (i < n_pairs) & (tl.sum(onehot, axis=1) > 0)
+    tl.store(SORTED + slot, i, mask=ok)
+
+    # padding slots (past each expert's pairs, and past the last block) get the sentinel n_pairs;
+    # program c covers blocks c, c + num_chunks, ... (disjoint from every pair's slot)
+    fill_end = starts + counts
+    for b in range(c, max_blocks, num_chunks):
+        s = b * BLOCK_M + tl.arange(0, BLOCK_M)
+        inside = (s[:, None] >= starts[None, :]) & (s[:, None] < ends[None, :])
+        pad = tl.sum((inside & (s[:, None] >= fill_end[None, :])).to(tl.int32), axis=1) > 0
+        tl.store(SORTED + s, n_pairs, mask=pad | (s >= total))
+        s0 = b * BLOCK_M
+        first = (s0 >= starts) & (s0 < ends)
+        expert = tl.sum(tl.where(first, offs_e, 0), axis=0)
+        hit = tl.sum(first.to(tl.int32), axis=0) > 0
+        tl.store(BLOCK_EXPERT + b, tl.where(hit, expert, -1))
+
+
+@triton.jit(do_not_specialize=["n_pairs"])
+def up_kernel(
+    X, W, SORTED, BLOCK_EXPERT, OUT,
+    n_pairs, K, N,
+    stride_xt, stride_xk, stride_we, stride_wn, stride_wk, stride_ot,
+    TOP_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """OUT[slot, n] = act(x[tok] . W[e, n]) * (x[tok] . W[e, N + n]) for the block's slots."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(BLOCK_EXPERT + pid_m)
+    if e < 0:
+        return
+    slots = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(SORTED + slots)
+    rmask = pairs < n_pairs
+    tok = (pairs // TOP_K).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptr = X + tok[:, None] * stride_xt + offs_k[None, :] * stride_xk
+    w_base = W + e.to(tl.int64) * stride_we
+    g_ptr = w_base + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk
+    u_ptr = g_ptr + N * stride_wn
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kmask = offs_k < K - k0
+        a = tl.load(a_ptr, mask=rmask[:, None] & kmask[None, :], other=0.0)
+        wg = tl.load(g_ptr, mask=kmask[:, None] & nmask[None, :], other=0.0)
+        wu = tl.load(u_ptr, mask=kmask[:, None] & nmask[None, :], other=0.0)
+        acc_g += _dot(a, wg, DOT_PREC)
+        acc_u += _dot(a, wu, DOT_PREC)
+        a_ptr += BLOCK_K * stride_xk
+        g_ptr += BLOCK_K * stride_wk
+        u_ptr += BLOCK_K * stride_wk
+    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # silu(gate) * up
+    o_ptr = OUT + slots.to(tl.int64)[:, None] * stride_ot + offs_n[None, :]
+    tl.store(o_ptr, h.to(OUT.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
+
+
+@triton.jit(do_not_specialize=["n_pairs"])
+def down_kernel(
+    A, W, SORTED, BLOCK_EXPERT, TOPK_W, OUT,
+    n_pairs, K, N,
+    stride_at, stride_we, stride_wn, stride_wk, stride_ot,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """OUT[pair, n] = weight[pair] * (A[slot] . W[e, n]) for the block's slots."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(BLOCK_EXPERT + pid_m)
+    if e < 0:
+        return
+    slots = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(SORTED + slots)
+    rmask = pairs < n_pairs
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptr = A + slots.to(tl.int64)[:, None] * stride_at + offs_k[None, :]
+    w_ptr = W + e.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kmask = offs_k < K - k0
+        a = tl.load(a_ptr, mask=rmask[:, None] & kmask[None, :], other=0.0)
+        w = tl.load(w_ptr, mask=kmask[:, None] & nmask[None, :], other=0.0)
+        acc += _dot(a, w, DOT_PREC)
+        a_ptr += BLOCK_K
+        w_ptr += BLOCK_K * stride_wk
+    wt = tl.load(TOPK_W + pairs, mask=rmask, other=0.0).to(tl.float32)
+    acc = acc * wt[:, None]
+    o_ptr = OUT + pairs.to(tl.int64)[:, None] * stride_ot + offs_n[None, :]
+    tl.store(o_ptr, acc.to(OUT.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])

@@ -1,0 +1,149 @@
+"""MoE experts ops: `torch.ops.autodeploy.torch_moe_experts` (reference) and `triton_moe_experts`.
+
+Both compute, for a flat token batch `x [T, H]` routed to `top_k` experts per token
+(`topk_ids [T, k]`, `topk_weights [T, k]`), with gated experts `w_up [E, 2I, H]` ([gate; up] rows,
+as HF stores `gate_up_proj`) and `w_down [E, H, I]`:
+
+    out[t] = sum_j topk_weights[t, j] * w_down[e] @ (silu(w_up[e, :I] @ x[t]) * w_up[e, I:] @ x[t]),
+             e = topk_ids[t, j]
+
+which is what transformers' `grouped_mm` experts forward computes (sort, gather, two grouped GEMMs,
+gate, weighted un-permute, sum over k). The `fuse_moe` pass rewrites that subgraph into one of
+these ops. Weights may be any strided view of those shapes (transposed storage included).
+
+The reference is a dense loop over experts (every token through every expert, masked by its
+routing weight): exact, vectorised, no host sync, and slow — for tests and small CPU models. The
+Triton op is the fast path (kernels.py): a deterministic padded layout by expert, then two GEMM
+kernels over row blocks of one expert each, with the gate fused into the first and the routing
+weight into the second. Launch configs: `tuning.moe_config`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..triton_mla.tuning import interpreting, pow2
+from .tuning import MoEConfig, moe_config
+
+try:  # Triton is optional: without it `triton_moe_experts` raises and the pass never picks it.
+    from . import kernels as K
+
+    HAS_TRITON = True
+    TRITON_IMPORT_ERROR = ""
+except ImportError as e:  # pragma: no cover - exercised only without triton
+    K = None
+    HAS_TRITON = False
+    TRITON_IMPORT_ERROR = str(e)
+
+ACTIVATIONS = ("silu",)
+
+
+def check_moe_inputs(name: str, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                     w_up: torch.Tensor, w_down: torch.Tensor, activation: str) -> tuple[int, int, int, int, int]:
+    """(T, k, E, H, I) of a valid call; ValueError naming the offending shape otherwise."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"{name}: activation {activation!r} unsupported; supported: {', '.join(ACTIVATIONS)}")
+    if x.dim() != 2:
+        raise ValueError(f"{name}: x must be [T, H], got shape {tuple(x.shape)}")
+    t, h = x.shape
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != t or topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"{name}: topk_ids and topk_weights must both be [T={t}, k], got "
+                         f"{tuple(topk_ids.shape)} and {tuple(topk_weights.shape)}")
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name}: topk_ids must be int32/int64, got {topk_ids.dtype}")
+    if w_up.dim() != 3 or w_up.shape[2] != h or w_up.shape[1] % 2:
+        raise ValueError(f"{name}: w_up must be [E, 2I, H={h}], got {tuple(w_up.shape)}")
+    e, two_i, _ = w_up.shape
+    i = two_i // 2
+    if tuple(w_down.shape) != (e, h, i):
+        raise ValueError(f"{name}: w_down must be [E={e}, H={h}, I={i}], got {tuple(w_down.shape)}")
+    if not (x.dtype == w_up.dtype == w_down.dtype):
+        raise ValueError(f"{name}: x, w_up and w_down must share a dtype, got {x.dtype}, {w_up.dtype}, "
+                         f"{w_down.dtype}")
+    return t, topk_ids.shape[1], e, h, i
+
+
+# ----------------------------------------------------------------------------- reference
+@torch.library.custom_op("autodeploy::torch_moe_experts", mutates_args=())
+def torch_moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_up: torch.Tensor,
+                      w_down: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """Reference: every token through every expert, weighted by its routing weight (0 if unrouted)."""
+    t, k, e, h, i = check_moe_inputs("torch_moe_experts", x, topk_ids, topk_weights, w_up, w_down, activation)
+    out = torch.zeros(t, h, dtype=torch.float32, device=x.device)
+    for ex in range(e):
+        w = (topk_weights.float() * (topk_ids == ex)).sum(-1)  # [T]
+        gu = x @ w_up[ex].t()
+        hid = torch.nn.functional.silu(gu[:, :i]) * gu[:, i:]
+        out += (hid @ w_down[ex].t()).float() * w[:, None]
+    return out.to(x.dtype)
+
+
+@torch_moe_experts.register_fake
+def _(x, topk_ids, topk_weights, w_up, w_down, activation="silu"):
+    check_moe_inputs("torch_moe_experts", x, topk_ids, topk_weights, w_up, w_down, activation)
+    return x.new_empty(x.shape)
+
+
+# ----------------------------------------------------------------------------- Triton
+def _dot_prec(dtype: torch.dtype) -> str:
+    if dtype == torch.float32:
+        return "ieee"  # exact fp32 products (no tf32), as the reference computes
+    return "upcast" if interpreting() else "tf32"  # "tf32" is ignored for 16-bit operands
+
+
+def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_up: torch.Tensor,
+              w_down: torch.Tensor, config: Optional[MoEConfig] = None) -> torch.Tensor:
+    """The Triton experts computation; `config` overrides the launch config (benchmarks, tests)."""
+    if not HAS_TRITON:
+        raise RuntimeError(f"triton_moe_experts needs triton ({TRITON_IMPORT_ERROR}); pip install 'triton>=3.4'")
+    t, k, e, h, i = check_moe_inputs("triton_moe_experts", x, topk_ids, topk_weights, w_up, w_down, "silu")
+    n = t * k
+    if n == 0:
+        return x.new_zeros(t, h)
+    cfg = config or moe_config(n, e, h, i, x.dtype, x.device.type == "cuda" and not interpreting())
+    bm = cfg.block_m
+    e_p2 = pow2(e, lo=2)
+    chunk = cfg.align_chunk(e_p2)
+    num_chunks = -(-n // chunk)
+    max_blocks = -(-n // bm) + min(e, n)
+    dev = x.device
+    ids = topk_ids.reshape(-1)
+    wts = topk_weights.reshape(-1)
+    partial = torch.empty(num_chunks, e_p2, dtype=torch.int32, device=dev)
+    sorted_pairs = torch.empty(max_blocks * bm, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
+    K.count_kernel[(num_chunks,)](ids, partial, n, E_P2=e_p2, CHUNK=chunk)
+    K.place_kernel[(num_chunks,)](ids, partial, sorted_pairs, block_expert, n, num_chunks, max_blocks,
+                                  E_P2=e_p2, BLOCK_M=bm, CHUNK=chunk, ROWS=cfg.align_rows(e_p2))
+    prec = _dot_prec(x.dtype)
+    inter = torch.empty(max_blocks * bm, i, dtype=x.dtype, device=dev)
+    K.up_kernel[(max_blocks, -(-i // cfg.up_n))](
+        x, w_up, sorted_pairs, block_expert, inter, n, h, i,
+        x.stride(0), x.stride(1), w_up.stride(0), w_up.stride(1), w_up.stride(2), inter.stride(0),
+        TOP_K=k, BLOCK_M=bm, BLOCK_N=cfg.up_n, BLOCK_K=cfg.up_k, DOT_PREC=prec,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    pair_out = torch.empty(n, h, dtype=x.dtype, device=dev)
+    K.down_kernel[(max_blocks, -(-h // cfg.down_n))](
+        inter, w_down, sorted_pairs, block_expert, wts, pair_out, n, i, h,
+        inter.stride(0), w_down.stride(0), w_down.stride(1), w_down.stride(2), pair_out.stride(0),
+        BLOCK_M=bm, BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k, DOT_PREC=prec,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if k == 1:
+        return pair_out
+    return pair_out.view(t, k, h).sum(1)  # accumulates in fp32 for 16-bit inputs
+
+
+@torch.library.custom_op("autodeploy::triton_moe_experts", mutates_args=())
+def triton_moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_up: torch.Tensor,
+                       w_down: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """Fused experts on Triton kernels (same contract as torch_moe_experts)."""
+    check_moe_inputs("triton_moe_experts", x, topk_ids, topk_weights, w_up, w_down, activation)
+    return fused_moe(x, topk_ids, topk_weights, w_up, w_down)
+
+
+@triton_moe_experts.register_fake
+def _(x, topk_ids, topk_weights, w_up, w_down, activation="silu"):
+    check_moe_inputs("triton_moe_experts", x, topk_ids, topk_weights, w_up, w_down, activation)
+    return x.new_empty(x.shape)

@@ -1,0 +1,49 @@
+"""Launch configs of the fused MoE kernels: pure functions of the pair count and the dims.
+
+The row block follows the average rows per expert (decode: a handful, so 16-row blocks waste
+little of each weight tile read; prefill: hundreds, so larger blocks reuse each weight tile over
+more rows). Tile sizes are from the H200 sweep in `benchmarks/bench_moe.py`
+(docs/benchmarks/moe.md); the interpreter (CPU tests) gets small tiles.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    block_m: int
+    up_n: int
+    up_k: int
+    down_n: int
+    down_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def align_chunk(self, e_p2: int) -> int:
+        """Pairs per layout program: a [CHUNK, E] one-hot tile of ~8K elements."""
+        return max(16, min(1024, 8192 // e_p2))
+
+    def align_rows(self, e_p2: int) -> int:
+        """Chunk rows of per-expert counts summed per step of the place kernel."""
+        return max(1, min(64, 4096 // e_p2))
+
+
+def moe_config(n_pairs: int, num_experts: int, hidden: int, inter: int, dtype: torch.dtype,
+               compiled: bool) -> MoEConfig:
+    """The config for `n_pairs` (token, expert) pairs over `num_experts` experts."""
+    if not compiled:  # TRITON_INTERPRET=1 (CPU tests): small tiles keep the interpreter quick
+        return MoEConfig(block_m=16, up_n=16, up_k=16, down_n=16, down_k=16, num_warps=1, num_stages=1)
+    avg = n_pairs / max(1, num_experts)
+    if dtype == torch.float32:
+        return MoEConfig(block_m=16 if avg <= 16 else 32, up_n=32, up_k=32, down_n=64, down_k=32)
+    # H200 sweep (docs/benchmarks/moe.md): a block per expert should hold all its rows (else the
+    # expert's weights are read once per block), so the block grows with the rows per expert.
+    if avg <= 8:  # decode: T=64 of V2-Lite/GLM (avg 6/4), V3 (avg 2): 1.10x the byte floor
+        return MoEConfig(block_m=16, up_n=64, up_k=128, down_n=64, down_k=128, num_warps=4, num_stages=4)
+    if avg <= 48:  # T=512: 0.314 vs 0.405 ms (V2-Lite), 5.90 vs 6.28 ms (V3) against 16/32-row blocks
+        return MoEConfig(block_m=64, up_n=64, up_k=64, down_n=128, down_k=64, num_warps=4, num_stages=3)
+    return MoEConfig(block_m=128, up_n=64, up_k=64, down_n=128, down_k=64, num_warps=8, num_stages=3)  # T=2048

@@ -1,0 +1,353 @@
+"""`fuse_moe`: HF experts subgraphs -> one fused experts op per MoE layer (issue 13).
+
+transformers' `grouped_mm` experts forward (every MoE family of transformers 5: DeepSeek V2/V3,
+GLM-4.7-Flash, Mistral-Small-4, ...) exports as ~30 ATen ops per layer: flatten the top-k ids,
+sort them, gather the tokens by `perm // k`, histc + cumsum into offsets, a grouped GEMM into
+[gate; up], chunk, silu(gate) * up, a second grouped GEMM, multiply by the permuted routing weights,
+un-permute through an `index_put_`-built inverse, view [T, k, H] and sum over k. On an H200 that
+region is half the kernels of a decode step besides the GEMMs (docs/benchmarks/e2e_profile.md).
+
+The pass finds each such region structurally, from the `sort` of the flattened ids to the sum over
+k, checking every link (shapes, top-k, the shared offsets, gate layout, routing-weight product,
+un-permutation) and rewrites it into `autodeploy::<backend>_moe_experts(x, topk_ids, topk_weights,
+w_up [E, 2I, H], w_down [E, H, I])`. The router (gate GEMM, softmax/sigmoid, group-limited top-k,
+normalisation) stays the model's own code. A region that differs in any link is left alone, with
+the reason in the report.
+
+Runs after `shard` (which splits each expert's intermediate size on the grouped GEMM graph; the
+op then gets the rank's slices, and the all-reduce after the sum stays where it was).
+
+Backends: `triton` (custom_ops/moe: fused layout + two GEMM kernels), `torch` (the dense reference,
+for tests), `auto`: triton where it runs (CUDA SM80+ for 16-bit, or the interpreter), otherwise the
+model's own subgraph is kept.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any, Literal, Optional
+
+import torch
+from pydantic import Field
+from torch.fx import GraphModule, Node
+
+from ..custom_ops.moe import HAS_TRITON, TRITON_IMPORT_ERROR
+from ..custom_ops.triton_mla.tuning import interpreting
+from .context import BuildContext
+from .fx_utils import ASSERT_METADATA, CASTS, RESHAPES, aten, grouped_mm_ops, is_op, module_path, shape, val
+from .registry import PassOptions, PassResult, Stage, register_pass
+
+MoEBackendName = Literal["auto", "triton", "torch"]
+_OPS = {"triton": torch.ops.autodeploy.triton_moe_experts.default,
+        "torch": torch.ops.autodeploy.torch_moe_experts.default}
+_SORTS = {aten.sort.default, aten.sort.stable}
+_INDEX = aten.index.Tensor
+_TRANSPOSE = aten.transpose.int
+
+
+class _NoMatch(Exception):
+    """The region differs from the grouped_mm experts forward; the message says where."""
+
+
+@dataclass
+class ExpertsMatch:
+    """One matched experts region: its inputs and the node whose value it computes."""
+
+    x: Node  # [T, H] tokens (before the gather)
+    topk_ids: Node  # [T, k]
+    topk_weights: Node  # [T, k]
+    w_up: Node  # the grouped GEMM's [E, H, 2I] weight argument
+    w_down: Node  # [E, I, H]
+    out: Node  # the sum over k ([T, H])
+    region: set[Node]
+    top_k: int
+    num_experts: int
+    hidden: int
+    inter: int
+
+
+def _users(node: Node) -> list[Node]:
+    return [u for u in node.users if not is_op(u, {ASSERT_METADATA})]
+
+
+def _one_user(node: Node, what: str) -> Node:
+    us = _users(node)
+    if len(us) != 1:
+        raise _NoMatch(f"{what} ({node.name}) has {len(us)} users, expected 1")
+    return us[0]
+
+
+def _through_casts(node: Node, region: set[Node]) -> Node:
+    """Follow single-user casts forward from `node`."""
+    while True:
+        us = _users(node)
+        if len(us) == 1 and is_op(us[0], CASTS):
+            node = us[0]
+            region.add(node)
+        else:
+            return node
+
+
+def _back_casts(node: Any, region: set[Node]) -> Any:
+    while is_op(node, CASTS):
+        region.add(node)
+        node = node.args[0]
+    return node
+
+
+def _flatten_source(node: Any) -> Node:
+    """X of `X.reshape(-1)` where X is 2-d."""
+    if not is_op(node, RESHAPES) or list(node.args[1]) != [-1] or len(shape(node.args[0])) != 2:
+        raise _NoMatch(f"{getattr(node, 'name', node)} is not a [T, k] tensor flattened to [-1]")
+    return node.args[0]
+
+
+def _getitem(node: Node, idx: int) -> Optional[Node]:
+    for u in node.users:
+        if u.target is operator.getitem and u.args[1] == idx:
+            return u
+    return None
+
+
+def match_experts(sort: Node, grouped: set[Any]) -> ExpertsMatch:
+    """The experts region that starts at `sort` (of the flattened top-k ids); _NoMatch otherwise."""
+    region: set[Node] = {sort}
+    flat_ids = sort.args[0]
+    ids = _flatten_source(flat_ids)
+    region.add(flat_ids)
+    t, k = shape(ids)
+    if not isinstance(k, int):
+        raise _NoMatch(f"top-k of {ids.name} is not static")
+    perm = _getitem(sort, 1)
+    sorted_ids = _getitem(sort, 0)
+    if perm is None or sorted_ids is None:
+        raise _NoMatch("sort results are not both used")
+    region.update([perm, sorted_ids])
+
+    # users of perm: perm // k (token gather), w_flat[perm] (weights), the inverse permutation
+    gather = weights_g = inv = None
+    for u in _users(perm):
+        if is_op(u, {aten.floor_divide.default, aten.div.Tensor_mode}) and u.args[1] == k:
+            g = _one_user(u, "perm // k")
+            if not (is_op(g, {_INDEX}) and list(g.args[1]) == [u]):
+                raise _NoMatch("perm // k does not index the tokens")
+            region.update([u, g])
+            gather = g
+        elif is_op(u, {_INDEX}) and list(u.args[1]) == [perm] and u.args[0] is not None:
+            weights_g = u
+            region.add(u)
+        elif is_op(u, {aten.empty_like.default}):
+            inv = u
+            region.add(u)
+        elif is_op(u, {aten.index_put_.default, aten.index_put.default}):
+            region.add(u)
+        else:
+            raise _NoMatch(f"unexpected use of the sort permutation: {u.name} ({u.target})")
+    if gather is None or weights_g is None or inv is None:
+        raise _NoMatch("the sort permutation does not gather tokens, weights and an inverse")
+    x = gather.args[0]
+    if len(shape(x)) != 2:
+        raise _NoMatch(f"gathered tokens {x.name} are not [T, H]")
+    w_flat = weights_g.args[0]
+    topk_w = _flatten_source(w_flat)
+    region.add(w_flat)
+    if shape(topk_w) != (t, k):
+        raise _NoMatch(f"routing weights {topk_w.name} are {shape(topk_w)}, ids are {(t, k)}")
+    put = [u for u in inv.users if is_op(u, {aten.index_put_.default, aten.index_put.default})]
+    if len(put) != 1 or list(put[0].args[1]) != [perm]:
+        raise _NoMatch("the inverse permutation is not empty_like(perm)[perm] = arange")
+    region.add(put[0])
+    if isinstance(put[0].args[2], Node):
+        region.add(put[0].args[2])  # the arange
+
+    # up GEMM -> chunk -> silu(gate) * up -> down GEMM (same offsets)
+    up = _one_user(_through_casts(gather, region), "the gathered tokens")
+    if not is_op(up, grouped):
+        raise _NoMatch(f"the gathered tokens feed {up.target}, not a grouped GEMM")
+    region.add(up)
+    offs = up.args[2] if len(up.args) > 2 else up.kwargs.get("offs")
+    chunk = _one_user(_through_casts(up, region), "the up GEMM")
+    if not (is_op(chunk, {aten.chunk.default}) and chunk.args[1] == 2 and chunk.args[2] in (-1, 1)):
+        raise _NoMatch(f"the up GEMM is not split in [gate; up] halves ({chunk.target})")
+    region.add(chunk)
+    gate, upv = _getitem(chunk, 0), _getitem(chunk, 1)
+    if gate is None or upv is None:
+        raise _NoMatch("gate/up halves not both used")
+    region.update([gate, upv])
+    act = _one_user(gate, "the gate half")
+    if not is_op(act, {aten.silu.default}):
+        raise _NoMatch(f"gate activation {act.target} unsupported (silu only)")
+    region.add(act)
+    mul = _one_user(act, "silu(gate)")
+    if not (is_op(mul, {aten.mul.Tensor}) and set(mul.args[:2]) == {act, upv}):
+        raise _NoMatch("silu(gate) is not multiplied by the up half")
+    region.add(mul)
+    down = _one_user(_through_casts(mul, region), "silu(gate) * up")
+    if not is_op(down, grouped):
+        raise _NoMatch(f"silu(gate) * up feeds {down.target}, not a grouped GEMM")
+    region.add(down)
+    if (down.args[2] if len(down.args) > 2 else down.kwargs.get("offs")) is not offs:
+        raise _NoMatch("the two grouped GEMMs do not share their offsets")
+    region.add(offs)
+    region.update(n for n in offs.all_input_nodes if n is not None)  # histc (and its cast)
+    for n in list(region):
+        if is_op(n, {aten.histc.default}):
+            region.add(_back_casts(n.args[0], region))
+
+    # * weights[perm] -> [inverse] -> view [T, k, H] -> sum over k
+    wmul = _one_user(_through_casts(down, region), "the down GEMM")
+    if not is_op(wmul, {aten.mul.Tensor}):
+        raise _NoMatch("the down GEMM output is not scaled by the routing weights")
+    src = _back_casts_peek(down, wmul)
+    other = [a for a in wmul.args[:2] if a is not src]
+    if len(other) != 1:
+        raise _NoMatch("the down GEMM output is not scaled by the routing weights")
+    w_unsq = other[0]
+    if not (is_op(w_unsq, {aten.unsqueeze.default}) and w_unsq.args[0] is weights_g):
+        raise _NoMatch("the down GEMM output is scaled by something other than the permuted routing weights")
+    region.update([wmul, w_unsq])
+    unperm = _one_user(_through_casts(wmul, region), "the weighted output")
+    if not (is_op(unperm, {_INDEX}) and len(unperm.args[1]) == 1
+            and unperm.args[1][0] in (inv, put[0])):
+        raise _NoMatch("the weighted output is not un-permuted by the inverse permutation")
+    region.add(unperm)
+    view = _one_user(unperm, "the un-permuted output")
+    if not (is_op(view, RESHAPES) and len(view.args[1]) == 3 and view.args[1][1] == k):
+        raise _NoMatch("the un-permuted output is not viewed as [T, k, H]")
+    region.add(view)
+    out = _one_user(view, "the [T, k, H] view")
+    if not (is_op(out, {aten.sum.dim_IntList}) and list(out.args[1]) in ([1], [-2])):
+        raise _NoMatch("the [T, k, H] view is not summed over k")
+    region.add(out)
+
+    e, h_in, two_i = shape(up.args[1])
+    e2, i_in, h_out = shape(down.args[1])
+    if not all(isinstance(v, int) for v in (e, h_in, two_i, e2, i_in, h_out)):
+        raise _NoMatch("expert weights have symbolic shapes")
+    if e != e2 or two_i != 2 * i_in or h_in != h_out or shape(x)[1] != h_in:
+        raise _NoMatch(f"weight shapes disagree: up {shape(up.args[1])}, down {shape(down.args[1])}, "
+                       f"tokens {shape(x)}")
+    return ExpertsMatch(x, ids, topk_w, up.args[1], down.args[1], out, region, k, e, h_in, i_in)
+
+
+def _back_casts_peek(down: Node, wmul: Node) -> Node:
+    """The argument of `wmul` that comes from `down` (through casts)."""
+    for a in wmul.args[:2]:
+        node = a
+        while is_op(node, CASTS):
+            node = node.args[0]
+        if node is down:
+            return a
+    raise _NoMatch("the weighted output does not come from the down GEMM")
+
+
+# ----------------------------------------------------------------------------- rewriting
+def _weight_out_in(graph: torch.fx.Graph, w: Node) -> Node:
+    """The [E, out, in] form of a grouped GEMM's [E, in, out] weight argument."""
+    if is_op(w, {_TRANSPOSE}) and sorted(a % 3 for a in w.args[1:3]) == [1, 2]:
+        return w.args[0]
+    with graph.inserting_after(w):
+        return graph.call_function(_TRANSPOSE, (w, -2, -1))
+
+
+def rewrite(gm: GraphModule, m: ExpertsMatch, backend: str) -> Node:
+    g = gm.graph
+    w_up = _weight_out_in(g, m.w_up)
+    w_down = _weight_out_in(g, m.w_down)
+    wdtype = val(m.w_up).dtype if val(m.w_up) is not None else None
+    x = m.x
+    with g.inserting_before(m.out):
+        if wdtype is not None and val(x) is not None and val(x).dtype != wdtype:
+            x = g.call_function(aten.to.dtype, (x, wdtype))
+        fused = g.call_function(_OPS[backend], (x, m.topk_ids, m.topk_weights, w_up, w_down, "silu"))
+        result = fused
+        out_dtype = val(m.out).dtype if val(m.out) is not None else None
+        if out_dtype is not None and wdtype is not None and out_dtype != wdtype:
+            result = g.call_function(aten.to.dtype, (fused, out_dtype))
+    fused.meta["nn_module_stack"] = m.out.meta.get("nn_module_stack", {})
+    m.out.replace_all_uses_with(result)
+    _erase_region(g, m.region)
+    return fused
+
+
+def _erase_region(graph: torch.fx.Graph, region: set[Node]) -> None:
+    for n in list(region):
+        for u in list(n.users):
+            if is_op(u, {ASSERT_METADATA}):
+                graph.erase_node(u)
+    changed = True
+    while changed:
+        changed = False
+        for n in reversed(list(graph.nodes)):
+            if n in region and not n.users:
+                graph.erase_node(n)
+                region.discard(n)
+                changed = True
+    graph.eliminate_dead_code()
+
+
+# ----------------------------------------------------------------------------- the pass
+class FuseMoEOptions(PassOptions):
+    backend: MoEBackendName = Field("auto", description="triton | torch (reference) | auto")
+
+
+def _backend_for(ctx: BuildContext, dtype: Optional[torch.dtype], requested: str) -> tuple[Optional[str], str]:
+    """(backend or None to keep the model's subgraph, reason)."""
+    if requested == "torch":
+        return "torch", "configured: torch reference (dense over experts; for tests)"
+    dev = ctx.target.device
+    why = None
+    if not HAS_TRITON:
+        why = f"triton not installed ({TRITON_IMPORT_ERROR})"
+    elif dev.type == "cpu" and not interpreting():
+        why = "Triton kernels need a CUDA GPU (on CPU only through TRITON_INTERPRET=1)"
+    elif dev.type not in ("cpu", "cuda"):
+        why = f"device type {dev.type!r} unsupported"
+    elif dev.sm is not None and dev.sm < 80 and dtype in (torch.bfloat16,):
+        why = f"bf16 tl.dot needs SM80+, device is {dev.short()}"
+    elif dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        why = f"dtype {dtype} unsupported"
+    if requested == "auto" and dev.type == "cpu":
+        return None, ("kept the model's experts: auto fuses on CUDA only (on CPU, backend: triton runs the "
+                      "kernels in Triton's interpreter, for tests)")
+    if why is None:
+        return "triton", f"triton on {dev.short()}: fused layout + gate-fused up GEMM + weighted down GEMM"
+    if requested == "triton":
+        raise ValueError(f"transforms.fuse_moe.backend=triton cannot run here: {why}; use backend: auto "
+                         "(keeps the model's experts) or torch")
+    return None, f"kept the model's experts: {why}"
+
+
+@register_pass("fuse_moe", FuseMoEOptions, stage=Stage.FUSE, requires=("export",), refresh_shapes=True)
+def fuse_moe(ctx: BuildContext, opts: FuseMoEOptions) -> PassResult:
+    gm = ctx.gm
+    assert gm is not None
+    grouped = grouped_mm_ops()
+    layers: list[dict[str, Any]] = []
+    fused = 0
+    for sort in [n for n in gm.graph.nodes if is_op(n, _SORTS)]:
+        layer = module_path(sort)
+        try:
+            m = match_experts(sort, grouped)
+        except _NoMatch as exc:
+            layers.append({"layer": layer, "backend": None, "reason": f"not an experts region: {exc}"})
+            continue
+        wv = val(m.w_up)
+        backend, reason = _backend_for(ctx, wv.dtype if wv is not None else None, opts.backend)
+        entry = {"layer": layer, "experts": m.num_experts, "top_k": m.top_k, "hidden": m.hidden,
+                 "intermediate": m.inter, "backend": backend, "reason": reason}
+        if backend is not None:
+            rewrite(gm, m, backend)
+            fused += 1
+        layers.append(entry)
+    if not layers:
+        return PassResult("no MoE experts regions", {"layers": []})
+    kept = len(layers) - fused
+    summary = f"{fused} MoE layers fused" + (f" ({layers[0]['backend'] or 'none'})" if fused else "")
+    if kept:
+        summary += f", {kept} kept: {next(e['reason'] for e in layers if e['backend'] is None)}"
+    return PassResult(summary, {"layers": layers})
+
+
+__all__ = ["ExpertsMatch", "FuseMoEOptions", "fuse_moe", "match_experts", "rewrite"]

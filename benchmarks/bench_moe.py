@@ -1,0 +1,237 @@
+"""MoE experts: transformers' grouped_mm forward vs our fused Triton op, per shape (issue 13).
+
+For the MoE shapes of DeepSeek-V2-Lite (64 experts x 1408, top-6, H 2048), GLM-4.7-Flash (64 x 1536,
+top-4, H 2048) and DeepSeek-V3 (256 x 2048, top-8, H 7168), and T tokens in {1, 8, 64, 512, 2048}
+(uniform random top-k routing, fresh bf16 inputs): device time of one call as a CUDA-graph replay
+(how decode and the static pieces run) for
+
+- `hf_grouped_mm`: transformers' `grouped_mm_experts_forward` (what the exported graph contains),
+- `triton`: `autodeploy::triton_moe_experts` with the default launch config (tuning.moe_config),
+- `triton[cfg]` (with `--sweep`): other launch configs, to check the defaults.
+
+Each is checked against an fp32 computation of the same bf16 inputs first. Floor: max(bytes read
+(touched experts' weights + tokens) / measured copy bandwidth, FLOPs / measured bf16 peak).
+
+    python benchmarks/bench_moe.py --out /tmp/moe [--sweep]
+    python benchmarks/bench_moe.py --render docs/benchmarks/moe.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+import types
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+SHAPES = {  # name: (experts, top_k, hidden, intermediate)
+    "v2_lite": (64, 6, 2048, 1408),
+    "glm_4_7_flash": (64, 4, 2048, 1536),
+    "deepseek_v3": (256, 8, 7168, 2048),
+}
+SWEEP = [  # (block_m, up_n, up_k, down_n, down_k, warps, stages)
+    (16, 64, 128, 64, 128, 4, 4), (16, 32, 128, 64, 128, 4, 4), (16, 64, 64, 128, 64, 4, 4),
+    (16, 128, 64, 128, 64, 4, 3), (32, 64, 128, 64, 128, 4, 3), (64, 64, 64, 128, 64, 4, 3),
+    (64, 128, 64, 128, 64, 8, 3), (128, 64, 64, 128, 64, 8, 3), (128, 128, 64, 128, 64, 8, 3),
+]
+
+
+def graph_time_ms(fn: Callable[[], Any], reps: int = 20) -> float:
+    """Median device time of one replay of `fn` captured as a CUDA graph."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b))
+    ts.sort()
+    return ts[len(ts) // 2]
+
+
+def measure_peaks() -> dict[str, float]:
+    from e2e_roofline import measure_peaks as mp
+
+    return mp(torch.device("cuda"), False)
+
+
+def hf_forward(w_up: torch.Tensor, w_down: torch.Tensor, top_k: int) -> Callable:
+    from transformers.activations import ACT2FN
+    from transformers.integrations.moe import grouped_mm_experts_forward
+
+    mod = types.SimpleNamespace(num_experts=w_up.shape[0], has_gate=True, has_bias=False, is_transposed=False,
+                                has_post_expert_norm=False, _is_expert_parallel=False, gate_up_proj=w_up,
+                                down_proj=w_down, act_fn=ACT2FN["silu"])
+    mod._apply_gate = lambda out: mod.act_fn(out.chunk(2, dim=-1)[0]) * out.chunk(2, dim=-1)[1]
+    return lambda x, ids, w: grouped_mm_experts_forward(mod, x, ids, w)
+
+
+def reference(x, ids, w, w_up, w_down) -> torch.Tensor:
+    t, h = x.shape
+    i = w_down.shape[2]
+    out = torch.zeros(t, h, dtype=torch.float32, device=x.device)
+    xf = x.float()
+    for j in range(ids.shape[1]):
+        for e in ids[:, j].unique().tolist():
+            rows = (ids[:, j] == e).nonzero().squeeze(1)
+            gu = xf[rows] @ w_up[e].float().t()
+            hid = torch.nn.functional.silu(gu[:, :i]) * gu[:, i:]
+            out[rows] += (hid @ w_down[e].float().t()) * w[rows, j, None].float()
+    return out
+
+
+def bench_shape(name: str, tokens: list[int], sweep: bool, peaks: dict[str, float]) -> list[dict[str, Any]]:
+    from autodeploy_mla.custom_ops.moe import MoEConfig, fused_moe, moe_config
+
+    e, k, h, i = SHAPES[name]
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    w_up = (torch.randn(e, 2 * i, h, device=dev, generator=g) / h ** 0.5).to(torch.bfloat16)
+    w_down = (torch.randn(e, h, i, device=dev, generator=g) / i ** 0.5).to(torch.bfloat16)
+    hf = hf_forward(w_up, w_down, k)
+    rows = []
+    expert_bytes = 3 * h * i * 2
+    for t in tokens:
+        x = torch.randn(t, h, device=dev, generator=g).to(torch.bfloat16)
+        scores = torch.rand(t, e, device=dev, generator=g)
+        w, ids = torch.topk(scores.softmax(-1), k)
+        touched = int(ids.unique().numel())
+        floor_ms = max((touched * expert_bytes + 2 * t * h * 2) / (peaks["copy_gb_s"] * 1e9),
+                       2 * t * k * 3 * h * i / (peaks["matmul_tflops"] * 1e12)) * 1e3
+        ref = reference(x, ids, w, w_up, w_down)
+        scale = ref.abs().max().item()
+        row: dict[str, Any] = {"shape": name, "experts": e, "top_k": k, "hidden": h, "inter": i, "tokens": t,
+                               "touched": touched, "floor_ms": floor_ms, "variants": {}}
+        cands: list[tuple[str, Callable]] = [("hf_grouped_mm", lambda: hf(x, ids, w))]
+        default = moe_config(t * k, e, h, i, torch.bfloat16, True)
+        cands.append(("triton", lambda: fused_moe(x, ids, w, w_up, w_down)))
+        if sweep:
+            for c in SWEEP:
+                cfg = MoEConfig(*c)
+                if cfg == default:
+                    continue
+                cands.append((f"triton{list(c)}", lambda cfg=cfg: fused_moe(x, ids, w, w_up, w_down, config=cfg)))
+        for vname, fn in cands:
+            try:
+                out = fn().float()
+                err = (out - ref).abs().max().item() / max(scale, 1e-6)
+                ms = graph_time_ms(fn)
+                row["variants"][vname] = {"ms": ms, "rel_err": err, "x_floor": ms / floor_ms}
+            except Exception as exc:  # noqa: BLE001 - a config may not compile; record it
+                row["variants"][vname] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+        row["default_config"] = list(default.__dict__.values())
+        best = min(((v["ms"], n) for n, v in row["variants"].items() if "ms" in v), default=(None, None))
+        row["best"] = best[1]
+        hfms = row["variants"].get("hf_grouped_mm", {}).get("ms")
+        tms = row["variants"].get("triton", {}).get("ms")
+        print(f"[{name}] T={t}: floor {floor_ms:.3f} ms, hf {hfms}, triton {tms} "
+              f"(err {row['variants'].get('triton', {}).get('rel_err')}), best {best}", flush=True)
+        rows.append(row)
+    return rows
+
+
+def render(path: Path) -> None:
+    data = json.loads(path.read_text())
+    meta = data["meta"]
+    lines = ["# MoE experts: transformers grouped_mm vs fused Triton (device time per call, CUDA-graph replay)", "",
+             f"Machine: {meta['gpu']}, torch {meta['torch']}, triton {meta.get('triton')}. Peaks: copy "
+             f"{meta['peaks']['copy_gb_s']:.0f} GB/s, bf16 matmul {meta['peaks']['matmul_tflops']:.0f} TFLOP/s.", "",
+             f"Command: `{meta['command']}`", "",
+             "Floor = max(touched experts' weights + tokens / copy bandwidth, FLOPs / bf16 peak). rel err: max |out - "
+             "fp32 reference| / max |reference| (bf16 inputs).", "",
+             "| shape | T | experts touched | floor ms | hf grouped_mm ms | triton ms | triton x floor | speed-up | "
+             "rel err | best config |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in data["rows"]:
+        v = r["variants"]
+        hf = v.get("hf_grouped_mm", {}).get("ms")
+        tr = v.get("triton", {}).get("ms")
+        sp = f"{hf / tr:.2f}x" if hf and tr else "-"
+        best = r.get("best")
+        bms = v.get(best, {}).get("ms") if best else None
+        lines.append(f"| {r['shape']} | {r['tokens']} | {r['touched']} | {r['floor_ms']:.3f} | "
+                     f"{hf if hf is None else f'{hf:.3f}'} | {tr if tr is None else f'{tr:.3f}'} | "
+                     f"{tr / r['floor_ms'] if tr else float('nan'):.2f} | {sp} | "
+                     f"{v.get('triton', {}).get('rel_err', float('nan')):.1e} | {best} ({bms if bms is None else f'{bms:.3f}'}) |")
+    md = path.with_suffix(".md")
+    md.write_text("\n".join(lines) + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, axes = plt.subplots(1, len(SHAPES), figsize=(5 * len(SHAPES), 4))
+        for ax, name in zip(axes, SHAPES):
+            rs = [r for r in data["rows"] if r["shape"] == name]
+            if not rs:
+                continue
+            ts = [r["tokens"] for r in rs]
+            for vn, style in (("hf_grouped_mm", "o-"), ("triton", "s-")):
+                ax.plot(ts, [r["variants"].get(vn, {}).get("ms", float("nan")) / r["floor_ms"] for r in rs], style,
+                        label=vn)
+            ax.set_xscale("log", base=2)
+            ax.set_title(name)
+            ax.set_xlabel("tokens")
+            ax.set_ylabel("x floor")
+            ax.axhline(1.0, color="gray", lw=0.5)
+            ax.legend()
+        fig.tight_layout()
+        fig.savefig(path.with_suffix(".png"), dpi=110)
+    except ImportError:
+        pass
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--render", type=Path)
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--tokens", default="1,8,64,512,2048")
+    ap.add_argument("--sweep", action="store_true")
+    args = ap.parse_args()
+    if args.render:
+        render(args.render)
+        return
+    import triton
+    import transformers
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    peaks = measure_peaks()
+    meta = {"command": "python " + " ".join(sys.argv), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "triton": triton.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
+            "peaks": peaks}
+    data: dict[str, Any] = {"meta": meta, "rows": []}
+    out = args.out / "moe.json"
+    t0 = time.perf_counter()
+    for name in args.shapes.split(","):
+        data["rows"] += bench_shape(name, [int(t) for t in args.tokens.split(",")], args.sweep, peaks)
+        meta["total_s"] = time.perf_counter() - t0
+        out.write_text(json.dumps(data, indent=1))
+        torch.cuda.empty_cache()
+    render(out)
+    print(out.with_suffix(".md").read_text())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,189 @@
+"""Where a whole-model step spends its device time, by kernel class (issue 13).
+
+Builds a model config as e2e_roofline.py does (bf16, random weights), then profiles decode steps
+(batch B x context C) and one prefill chunk with torch.profiler and sums the device time of every
+kernel per step into classes by kernel name: attention, dense GEMM, grouped GEMM (MoE experts),
+MoE routing (sort/topk/histc/scatter/index), Inductor-fused Triton kernels, other elementwise and
+reduction kernels, copies. Prints a table per case and the top kernels, writes JSON.
+
+    python benchmarks/e2e_profile.py --out /tmp/prof --models v2_lite --variants base,moe
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from e2e_decode import decode_step, fill_ours  # noqa: E402
+from e2e_roofline import _ints, build_model  # noqa: E402
+
+#: (class, regex on the kernel name), first match wins.
+CLASSES = (
+    ("attention", r"flashinfer|BatchMLA|mla_|_mla|Mla|MLA|attn|Attention|fmha|flash"),
+    ("grouped_gemm", r"grouped|Grouped|moe|Moe|MoE"),
+    ("gemm", r"gemm|Gemm|GEMM|nvjet|cutlass|xmma|cublas|sm90_|sm80_|splitK|gemv|Kernel2"),
+    ("routing", r"sort|Sort|topk|TopK|histc|histogram|cumsum|scan|Scan|scatter|gather|index|Index|radix"),
+    ("triton", r"^triton_|triton"),
+    ("copy", r"copy|Memcpy|Memset|memcpy|memset|CatArray|cat_"),
+    ("elementwise", r"elementwise|vectorized|unrolled|reduce|Reduce|softmax|Softmax|norm|Norm"),
+)
+
+
+def classify(name: str) -> str:
+    for cls, pat in CLASSES:
+        if re.search(pat, name):
+            return cls
+    return "other"
+
+
+def _device_events(prof) -> list[tuple[str, float]]:
+    out = []
+    for e in prof.events():
+        if getattr(e, "device_type", None) != torch.autograd.DeviceType.CUDA:
+            continue
+        dt = getattr(e, "device_time", None)
+        if dt is None:
+            dt = getattr(e, "cuda_time", 0.0)
+        out.append((e.name, float(dt)))
+    return out
+
+
+def summarize(events: list[tuple[str, float]], steps: int, wall_ms: float, top: int = 25) -> dict[str, Any]:
+    by_cls: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for name, us in events:
+        c = by_cls[classify(name)]
+        c[0] += us
+        c[1] += 1
+        k = by_name[name]
+        k[0] += us
+        k[1] += 1
+    total = sum(v[0] for v in by_cls.values())
+    return {
+        "wall_ms_per_step": wall_ms,
+        "kernel_ms_per_step": total / 1e3 / steps,
+        "kernels_per_step": sum(v[1] for v in by_cls.values()) / steps,
+        "classes": {k: {"ms": v[0] / 1e3 / steps, "count": v[1] / steps, "share": v[0] / max(total, 1e-9)}
+                    for k, v in sorted(by_cls.items(), key=lambda kv: -kv[1][0])},
+        "top": [{"name": n[:160], "ms": v[0] / 1e3 / steps, "count": v[1] / steps, "class": classify(n)}
+                for n, v in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]],
+    }
+
+
+def profile_decode(om, batch: int, context: int, steps: int = 5, warm: int = 3) -> dict[str, Any]:
+    from torch.profiler import ProfilerActivity, profile
+
+    fill_ours(om, batch, context, warm + steps + 8)
+    tok = [1] * batch
+    pos = context
+    try:
+        for _ in range(warm):
+            tok = decode_step(om.runner, batch, pos, tok).argmax(-1).tolist()
+            pos += 1
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                tok = decode_step(om.runner, batch, pos, tok).argmax(-1).tolist()
+                pos += 1
+            torch.cuda.synchronize()
+            wall = (time.perf_counter() - t0) * 1e3 / steps
+    finally:
+        for sid in list(om.runner.allocator.owners()):
+            om.runner.allocator.free(sid)
+    return summarize(_device_events(prof), steps, wall)
+
+
+def profile_prefill(om, tokens: int, steps: int = 2) -> dict[str, Any]:
+    from torch.profiler import ProfilerActivity, profile
+
+    from autodeploy_mla.runtime.sequence_info import StepSequence
+
+    runner = om.runner
+    ids = torch.randint(2, om.vocab_size, (tokens,), generator=torch.Generator().manual_seed(tokens)).tolist()
+
+    def one() -> None:
+        runner.allocator.ensure(0, tokens)
+        try:
+            _, logits = runner.forward([StepSequence(0, ids, 0)], runner.allocator.pages_of)
+            logits[0, :1].argmax(-1).tolist()
+        finally:
+            runner.allocator.free(0)
+
+    one()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            one()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) * 1e3 / steps
+    return summarize(_device_events(prof), steps, wall)
+
+
+def print_case(title: str, r: dict[str, Any]) -> None:
+    print(f"\n## {title}: wall {r['wall_ms_per_step']:.2f} ms/step, kernels {r['kernel_ms_per_step']:.2f} ms "
+          f"({r['kernels_per_step']:.0f} per step)")
+    print("| class | ms/step | kernels/step | share |\n|---|---:|---:|---:|")
+    for k, v in r["classes"].items():
+        print(f"| {k} | {v['ms']:.3f} | {v['count']:.0f} | {100 * v['share']:.1f}% |")
+    print("| top kernel | class | ms/step | per step |\n|---|---|---:|---:|")
+    for t in r["top"][:15]:
+        print(f"| `{t['name'][:90]}` | {t['class']} | {t['ms']:.3f} | {t['count']:.0f} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--models", default="v2_lite")
+    ap.add_argument("--variants", default="base", help="as e2e_roofline.py --variants")
+    ap.add_argument("--batches", type=_ints, default=[1, 64])
+    ap.add_argument("--contexts", type=_ints, default=[1024])
+    ap.add_argument("--chunks", type=_ints, default=[2048])
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--set", action="append", default=[], metavar="PASS.OPTION=JSON",
+                    help="pass options for the build, e.g. --set fuse_moe.enabled=false")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    transforms: dict[str, dict[str, Any]] = {}
+    for item in args.set:
+        key, _, val = item.partition("=")
+        pname, _, opt = key.partition(".")
+        transforms.setdefault(pname, {})[opt] = json.loads(val)
+    data: dict[str, Any] = {"command": "python " + " ".join(sys.argv), "runs": []}
+    for name in args.models.split(","):
+        for variant in args.variants.split(","):
+            om = build_model(name, variant, args, transforms)
+            om.warmup()
+            run: dict[str, Any] = {"model": name, "variant": variant, "cases": {}}
+            for b in args.batches:
+                for c in args.contexts:
+                    r = profile_decode(om, b, c, args.steps, args.warmup)
+                    run["cases"][f"decode_B{b}_C{c}"] = r
+                    print_case(f"{name}/{variant} decode B{b} C{c}", r)
+            for t in args.chunks:
+                r = profile_prefill(om, t)
+                run["cases"][f"prefill_{t}"] = r
+                print_case(f"{name}/{variant} prefill {t}", r)
+            data["runs"].append(run)
+            (args.out / "e2e_profile.json").write_text(json.dumps(data, indent=1))
+            del om
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

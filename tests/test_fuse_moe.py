@@ -1,0 +1,197 @@
+"""The fused MoE experts ops and the `fuse_moe` pass.
+
+CPU (CI): the Triton kernels run in Triton's interpreter (TRITON_INTERPRET=1, set by conftest.py)
+against the dense reference op and an independent per-expert loop, on fresh random inputs; the pass
+keeps every MoE family's fp32 greedy tokens identical to HF eager. GPU: bf16 against an fp32
+computation, and a whole model through CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autodeploy_mla import optimize
+from autodeploy_mla.custom_ops.moe import MoEConfig, fused_moe, moe_config
+from autodeploy_mla.testing import hf_greedy_generate
+from autodeploy_mla.transforms.fuse_moe import _NoMatch, match_experts
+from autodeploy_mla.transforms.fx_utils import grouped_mm_ops
+
+RUNTIME = ["runtime.max_num_tokens=8", "runtime.page_size=4", "runtime.max_seq_len=64", "runtime.max_batch_size=4",
+           "model.device=cpu", "model.dtype=float32"]
+MOE_FAMILIES = ["deepseek_v3", "deepseek_v2", "glm_4_7_flash", "mistral_small_4"]
+
+
+def loop_reference(x, ids, w, w_up, w_down) -> torch.Tensor:
+    """Per (token, slot) loop in fp64: what the experts forward means, written the plain way."""
+    i = w_down.shape[2]
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            gu = w_up[e].double() @ x[t].double()
+            out[t] += float(w[t, j]) * (w_down[e].double() @ (torch.nn.functional.silu(gu[:i]) * gu[i:]))
+    return out
+
+
+def _inputs(t, k, e, h, i, dtype=torch.float32, seed=0, transposed=False):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, h, generator=g).to(dtype)
+    w, ids = torch.topk(torch.rand(t, e, generator=g).softmax(-1), k)
+    if transposed:  # weights stored [E, in, out] and handed over as transposed views
+        w_up = (torch.randn(e, h, 2 * i, generator=g) / h**0.5).to(dtype).transpose(1, 2)
+        w_down = (torch.randn(e, i, h, generator=g) / i**0.5).to(dtype).transpose(1, 2)
+    else:
+        w_up = (torch.randn(e, 2 * i, h, generator=g) / h**0.5).to(dtype)
+        w_down = (torch.randn(e, h, i, generator=g) / i**0.5).to(dtype)
+    return x, ids, w, w_up, w_down
+
+
+# (T, k, E, H, I): one token; k=1; E not a power of two; more pairs than one layout chunk; few
+# tokens over many experts (most experts empty); odd H and I (masked tails)
+SHAPES = [(1, 2, 4, 32, 16), (7, 1, 6, 24, 20), (70, 3, 5, 16, 8), (3, 2, 32, 40, 24), (9, 4, 8, 33, 17)]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("transposed", [False, True])
+def test_triton_and_reference_equal_the_loop(shape, transposed):
+    x, ids, w, w_up, w_down = _inputs(*shape, seed=sum(shape), transposed=transposed)
+    ref = loop_reference(x, ids, w, w_up, w_down)
+    tri = torch.ops.autodeploy.triton_moe_experts(x, ids, w, w_up, w_down)
+    dense = torch.ops.autodeploy.torch_moe_experts(x, ids, w, w_up, w_down)
+    assert tri.shape == x.shape and tri.dtype == x.dtype
+    assert torch.allclose(tri.double(), ref, atol=1e-5, rtol=1e-5)
+    assert torch.allclose(dense.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_triton_is_deterministic_and_block_sizes_agree():
+    x, ids, w, w_up, w_down = _inputs(40, 3, 6, 16, 16, seed=5)
+    a = fused_moe(x, ids, w, w_up, w_down)
+    assert torch.equal(a, fused_moe(x, ids, w, w_up, w_down))
+    for bm in (16, 32, 64):  # every row block size lays out the same pairs
+        cfg = MoEConfig(block_m=bm, up_n=16, up_k=16, down_n=16, down_k=16, num_warps=1, num_stages=1)
+        assert torch.allclose(fused_moe(x, ids, w, w_up, w_down, config=cfg), a, atol=1e-6)
+
+
+def test_bf16_close_to_fp32():
+    x, ids, w, w_up, w_down = _inputs(12, 2, 4, 32, 16, dtype=torch.bfloat16, seed=3)
+    ref = loop_reference(x, ids, w, w_up, w_down)
+    out = torch.ops.autodeploy.triton_moe_experts(x, ids, w, w_up, w_down)
+    assert out.dtype == torch.bfloat16
+    assert (out.double() - ref).abs().max() / ref.abs().max() < 2e-2
+
+
+def test_opcheck():
+    x, ids, w, w_up, w_down = _inputs(5, 2, 4, 16, 8, seed=1)
+    for op in (torch.ops.autodeploy.torch_moe_experts, torch.ops.autodeploy.triton_moe_experts):
+        torch.library.opcheck(op, (x, ids, w, w_up, w_down, "silu"))
+
+
+def test_bad_inputs_name_the_shape():
+    x, ids, w, w_up, w_down = _inputs(5, 2, 4, 16, 8)
+    op = torch.ops.autodeploy.triton_moe_experts
+    with pytest.raises(ValueError, match=r"w_down must be \[E=4, H=16, I=8\]"):
+        op(x, ids, w, w_up, w_down[:, :, :4])
+    with pytest.raises(ValueError, match="activation 'gelu' unsupported"):
+        op(x, ids, w, w_up, w_down, "gelu")
+    with pytest.raises(ValueError, match=r"topk_ids and topk_weights must both be \[T=5, k\]"):
+        op(x, ids[:3], w, w_up, w_down)
+
+
+def test_launch_config_grows_with_rows_per_expert():
+    decode = moe_config(64 * 6, 64, 2048, 1408, torch.bfloat16, compiled=True)
+    prefill = moe_config(2048 * 6, 64, 2048, 1408, torch.bfloat16, compiled=True)
+    assert decode.block_m == 16 and prefill.block_m == 128
+
+
+# ----------------------------------------------------------------------------- the pass
+@pytest.fixture(scope="module", params=MOE_FAMILIES)
+def fused_family(request):
+    om = optimize(request.param, overrides=[*RUNTIME, "transforms.fuse_moe.backend=triton"])
+    return request.param, om
+
+
+def _prompts(vocab: int):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (3, 11, 17, 1, 9)]
+
+
+def test_fused_families_match_hf(fused_family):
+    family, om = fused_family
+    rec = next(r for r in om.history if r.name == "fuse_moe")
+    layers = rec.details["layers"]
+    assert layers and all(entry["backend"] == "triton" and entry["reason"] for entry in layers), rec.details
+    targets = {n.target for n in om.gm.graph.nodes if n.op == "call_function"}
+    assert torch.ops.autodeploy.triton_moe_experts.default in targets
+    assert not targets & (grouped_mm_ops() | {torch.ops.aten.sort.default, torch.ops.aten.index_put_.default})
+    prompts = _prompts(om.eager_model.config.vocab_size)
+    outs = om.generate(prompts, max_new_tokens=6)
+    assert outs == [hf_greedy_generate(om.eager_model, p, 6) for p in prompts], family
+    p = prompts[2]
+    with torch.no_grad():
+        ref = om.eager_model(torch.tensor([p])).logits[0].float()
+    assert (om.prefill_logits(p) - ref).abs().max().item() < 1e-4, family
+
+
+def test_reference_backend_matches_hf():
+    om = optimize("deepseek_v2", overrides=[*RUNTIME, "transforms.fuse_moe.backend=torch"])
+    prompts = _prompts(om.eager_model.config.vocab_size)
+    assert om.generate(prompts, max_new_tokens=4) == [hf_greedy_generate(om.eager_model, p, 4) for p in prompts]
+    targets = {n.target for n in om.gm.graph.nodes if n.op == "call_function"}
+    assert torch.ops.autodeploy.torch_moe_experts.default in targets
+
+
+def test_auto_on_cpu_keeps_the_model_experts_and_says_why():
+    om = optimize("glm_4_7_flash", overrides=RUNTIME)
+    rec = next(r for r in om.history if r.name == "fuse_moe")
+    (entry,) = rec.details["layers"]
+    assert entry["backend"] is None and "CUDA only" in entry["reason"]
+    assert "kept" in rec.summary
+    assert any(n.target in grouped_mm_ops() for n in om.gm.graph.nodes if n.op == "call_function")
+
+
+def test_triton_backend_without_triton_device_is_refused(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="fuse_moe.backend=triton cannot run here: Triton kernels need a CUDA GPU"):
+        optimize("glm_4_7_flash", overrides=[*RUNTIME, "transforms.fuse_moe.backend=triton"])
+
+
+def test_a_region_that_differs_is_left_alone_with_the_reason():
+    from autodeploy_mla.testing.tiny_configs import build_tiny_model
+    from autodeploy_mla.transforms.export import export_model
+
+    gm = export_model(build_tiny_model("deepseek_v3"))
+    sort = next(n for n in gm.graph.nodes if n.target == torch.ops.aten.sort.default)
+    assert match_experts(sort, grouped_mm_ops()).top_k == 2
+    silu = next(n for n in gm.graph.nodes if n.target == torch.ops.aten.silu.default
+                and "experts" in str(n.meta.get("nn_module_stack")))
+    silu.target = torch.ops.aten.gelu.default
+    with pytest.raises(_NoMatch, match="gate activation aten.gelu.default unsupported"):
+        match_experts(sort, grouped_mm_ops())
+
+
+# ----------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 5, 64, 700])
+def test_gpu_bf16_against_fp32(t):
+    dev = torch.device("cuda")
+    x, ids, w, w_up, w_down = (a.to(dev) for a in _inputs(t, 6, 64, 256, 192, dtype=torch.bfloat16, seed=t))
+    out = torch.ops.autodeploy.triton_moe_experts(x, ids, w, w_up, w_down)
+    ref = torch.ops.autodeploy.torch_moe_experts(x.float(), ids, w, w_up.float(), w_down.float())
+    assert (out.float() - ref).abs().max() / ref.abs().max() < 2e-2
+
+
+@pytest.mark.gpu
+def test_gpu_model_fused_and_graph_replayed_matches_hf_bf16():
+    om = optimize("deepseek_v2", overrides=["model.device=cuda", "model.dtype=bfloat16", "runtime.max_batch_size=4",
+                                            "runtime.max_seq_len=64", "runtime.max_num_tokens=32"])
+    rec = next(r for r in om.history if r.name == "fuse_moe")
+    assert all(e["backend"] == "triton" for e in rec.details["layers"]), rec.details
+    prompts = _prompts(om.eager_model.config.vocab_size)
+    for p in prompts[:3]:
+        with torch.no_grad():
+            ref = om.eager_model(torch.tensor([p], device="cuda")).logits[0].float()
+        ours = om.prefill_logits(p).float()
+        assert (ours - ref).abs().max() / ref.abs().max() < 5e-2
+    outs = om.generate(prompts, max_new_tokens=8)  # decode steps replay CUDA graphs with the fused op
+    assert all(len(o) == 8 for o in outs)
