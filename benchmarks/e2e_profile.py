@@ -4,7 +4,7 @@ Builds a model config as e2e_roofline.py does (bf16, random weights), then profi
 (batch B x context C) and one prefill chunk with torch.profiler and sums the device time of every
 kernel per step into classes by kernel name: attention, dense GEMM, grouped GEMM (MoE experts),
 MoE routing (sort/topk/histc/scatter/index), Inductor-fused Triton kernels, other elementwise and
-reduction kernels, copies. Prints a table per case and the top kernels, writes JSON.
+reduction kernels, copies; our fused MoE kernels as their own class. Prints a table per case and the top kernels, writes JSON.
 
     python benchmarks/e2e_profile.py --out /tmp/prof --models v2_lite --variants base,moe
 """
@@ -30,6 +30,7 @@ from e2e_roofline import _ints, build_model  # noqa: E402
 
 #: (class, regex on the kernel name), first match wins.
 CLASSES = (
+    ("fused_moe", r"^(count_kernel|place_kernel|up_kernel|down_kernel)$"),
     ("attention", r"flashinfer|BatchMLA|mla_|_mla|Mla|MLA|attn|Attention|fmha|flash"),
     ("grouped_gemm", r"grouped|Grouped|moe|Moe|MoE"),
     ("gemm", r"gemm|Gemm|GEMM|nvjet|cutlass|xmma|cublas|sm90_|sm80_|splitK|gemv|Kernel2"),

@@ -280,7 +280,21 @@ def render(path: Path) -> None:
              f"Machine: {meta.get('gpu')}, torch {meta.get('torch')}, transformers {meta.get('transformers')}. "
              f"Measured peaks: copy {p['copy_gb_s']:.0f} GB/s (read + write), bf16 matmul "
              f"{p['matmul_tflops']:.0f} TFLOP/s ({p['matmul_n']}^3).", "",
-             f"Command: `{meta.get('command')}` (total {meta.get('total_s', 0):.0f} s).", "",
+             f"Command: `{meta.get('command')}` (total {meta.get('total_s', 0):.0f} s).", ""]
+    for c in meta.get("calls", []):  # a table merged from several calls: each with its own peaks
+        cp = c["peaks"]
+        lines += [f"- `{c['command']}` ({c.get('total_s', 0):.0f} s; peaks copy {cp['copy_gb_s']:.0f} GB/s, "
+                  f"matmul {cp['matmul_tflops']:.0f} TFLOP/s){': ' + c['note'] if c.get('note') else ''}"]
+    lines += ["", "| model | variant | B1 C1k x floor | B64 C1k x floor | prefill 2048 % of peak |",
+              "|---|---|---:|---:|---:|"]
+    for e in data["runs"]:
+        def pick(b: int, c: int) -> str:
+            r = next((r for r in e["decode"] if (r["batch"], r["context"]) == (b, c)), None)
+            return f"{r['x_floor']:.2f}" if r else "-"
+        pf = next((f"{r['pct_peak']:.1f}%" for r in e["prefill"] if r["tokens"] == 2048), "-")
+        lines.append(f"| {e['model']} | {e['variant']} | {pick(1, 1024)} | {pick(64, 1024)} | {pf} |")
+    lines += ["", "Targets (issue 13): B64 C1k <= 1.4x, B1 <= 1.5x, prefill 2048 >= 50% on V2-Lite and GLM-4.7-Flash.",
+              "",
              "Decode floor = (weights read: non-expert + lm_head + expected touched routed experts + embedding rows; "
              "plus the latent cache) / copy bandwidth. Prefill floor = FLOPs (active weights, expanded causal "
              "attention) / bf16 peak. Random weights, bf16; steps through ModelRunner with CUDA graphs.", ""]

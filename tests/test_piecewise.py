@@ -240,7 +240,8 @@ def test_config_errors():
     with pytest.raises(ValueError, match="max_num_tokens=8"):
         resolve_buckets([4, 16], 8, 4)
     assert resolve_buckets("auto", 8, 4) == [1, 2, 4, 8]
-    assert resolve_buckets("auto", 1024, 48) == [1, 2, 4, 8, 16, 32, 48, 64, 128, 256, 512]
+    assert resolve_buckets("auto", 1024, 48) == [1, 2, 4, 8, 16, 32, 48, 64, 128, 256, 512, 1024]
+    assert resolve_buckets("auto", 8192, 64)[-3:] == [512, 1024, 2048]  # capped at AUTO_BUCKET_LIMIT
 
 
 def test_steps_pad_to_buckets():

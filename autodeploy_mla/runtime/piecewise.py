@@ -42,7 +42,11 @@ from .cuda_graphs import BORROW, OWNED, CaptureError, GraphCapturer, cuda_graphs
 
 STATIC, DYNAMIC = "static", "dynamic"
 #: Token buckets of `buckets: auto`: powers of two up to this (and max_num_tokens), plus max_batch_size.
-AUTO_BUCKET_LIMIT = 512
+#: Up to 2048 so that prefill chunks of that size replay too: run eagerly, a 2048-token step of the
+#: DeepSeek-V2-Lite config spent ~15 ms of its ~55 ms launching ~2600 kernels (H200,
+#: benchmarks/e2e_profile.py); the graphs of the larger buckets cost capture time and pool memory
+#: for their activations only.
+AUTO_BUCKET_LIMIT = 2048
 
 
 # ----------------------------------------------------------------------------- the split graph

@@ -8,7 +8,8 @@ Four kernels over the step's `n = T * top_k` (token, expert) pairs, pair `i` bei
   chunk's `sorted_pairs[slot]` (the pair in each slot; `n` in padding slots) and its share of
   `block_expert[b]` (the expert of each BLOCK_M-row block, -1 past the last). Ranks within an
   expert come from one-hot prefix sums, not atomics, so the layout is deterministic.
-- `up_kernel`: one program per (row block, BLOCK_N columns of the intermediate): gathers its rows of
+- `up_kernel`: one program per (BLOCK_N columns of the intermediate, row block), columns fastest so
+  that a block's gathered rows are re-read from L2, not HBM, by its column tiles: gathers its rows of
   the input by token, multiplies by the expert's gate and up rows (two accumulators over the same
   input tile) and writes act(gate) * up: the [slots, I] intermediate never exists unactivated.
 - `down_kernel`: the intermediate rows times the expert's down projection, scaled by each pair's
@@ -96,8 +97,8 @@ def up_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """OUT[slot, n] = act(x[tok] . W[e, n]) * (x[tok] . W[e, N + n]) for the block's slots."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    pid_n = tl.program_id(0)  # fastest: a row block's column tiles run together, its rows stay in L2
+    pid_m = tl.program_id(1)
     e = tl.load(BLOCK_EXPERT + pid_m)
     if e < 0:
         return
@@ -137,8 +138,8 @@ def down_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """OUT[pair, n] = weight[pair] * (A[slot] . W[e, n]) for the block's slots."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    pid_n = tl.program_id(0)  # fastest: a row block's column tiles run together, its rows stay in L2
+    pid_m = tl.program_id(1)
     e = tl.load(BLOCK_EXPERT + pid_m)
     if e < 0:
         return

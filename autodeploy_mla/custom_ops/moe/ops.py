@@ -119,13 +119,13 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
                                   E_P2=e_p2, BLOCK_M=bm, CHUNK=chunk, ROWS=cfg.align_rows(e_p2))
     prec = _dot_prec(x.dtype)
     inter = torch.empty(max_blocks * bm, i, dtype=x.dtype, device=dev)
-    K.up_kernel[(max_blocks, -(-i // cfg.up_n))](
+    K.up_kernel[(-(-i // cfg.up_n), max_blocks)](
         x, w_up, sorted_pairs, block_expert, inter, n, h, i,
         x.stride(0), x.stride(1), w_up.stride(0), w_up.stride(1), w_up.stride(2), inter.stride(0),
         TOP_K=k, BLOCK_M=bm, BLOCK_N=cfg.up_n, BLOCK_K=cfg.up_k, DOT_PREC=prec,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     pair_out = torch.empty(n, h, dtype=x.dtype, device=dev)
-    K.down_kernel[(max_blocks, -(-h // cfg.down_n))](
+    K.down_kernel[(-(-h // cfg.down_n), max_blocks)](
         inter, w_down, sorted_pairs, block_expert, wts, pair_out, n, i, h,
         inter.stride(0), w_down.stride(0), w_down.stride(1), w_down.stride(2), pair_out.stride(0),
         BLOCK_M=bm, BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k, DOT_PREC=prec,
