@@ -161,16 +161,22 @@ def profile_kernels(om, batch: int, pos: int, tok: list[int], steps: int = 5) ->
         for i in range(steps):
             tok = decode_step(om.runner, batch, pos + i, tok).argmax(-1).tolist()
         _sync(om.device)
-    total_us, n_kernels = 0.0, 0
+    events = device_events(prof)
+    total_us = sum(us for _, us in events)
+    return {"kernel_ms": total_us / 1e3 / steps, "kernels_per_step": len(events) / steps}
+
+
+def device_events(prof) -> list[tuple[str, float]]:
+    """(name, device µs) of every device-side event (kernels, memcpy, memset) a profile recorded."""
+    out = []
     for e in prof.events():
         if getattr(e, "device_type", None) != torch.autograd.DeviceType.CUDA:
             continue
         dt = getattr(e, "device_time", None)
         if dt is None:
             dt = getattr(e, "cuda_time", 0.0)
-        total_us += float(dt)
-        n_kernels += 1
-    return {"kernel_ms": total_us / 1e3 / steps, "kernels_per_step": n_kernels / steps}
+        out.append((e.name, float(dt)))
+    return out
 
 
 # ----------------------------------------------------------------------------- HF

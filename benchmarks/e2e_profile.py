@@ -25,7 +25,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from e2e_decode import decode_step, fill_ours  # noqa: E402
+from e2e_decode import decode_step, device_events, fill_ours  # noqa: E402
 from e2e_roofline import _ints, build_model  # noqa: E402
 
 #: (class, regex on the kernel name), first match wins.
@@ -46,18 +46,6 @@ def classify(name: str) -> str:
         if re.search(pat, name):
             return cls
     return "other"
-
-
-def _device_events(prof) -> list[tuple[str, float]]:
-    out = []
-    for e in prof.events():
-        if getattr(e, "device_type", None) != torch.autograd.DeviceType.CUDA:
-            continue
-        dt = getattr(e, "device_time", None)
-        if dt is None:
-            dt = getattr(e, "cuda_time", 0.0)
-        out.append((e.name, float(dt)))
-    return out
 
 
 def summarize(events: list[tuple[str, float]], steps: int, wall_ms: float, top: int = 25) -> dict[str, Any]:
@@ -103,7 +91,7 @@ def profile_decode(om, batch: int, context: int, steps: int = 5, warm: int = 3) 
     finally:
         for sid in list(om.runner.allocator.owners()):
             om.runner.allocator.free(sid)
-    return summarize(_device_events(prof), steps, wall)
+    return summarize(device_events(prof), steps, wall)
 
 
 def profile_prefill(om, tokens: int, steps: int = 2) -> dict[str, Any]:
@@ -130,7 +118,7 @@ def profile_prefill(om, tokens: int, steps: int = 2) -> dict[str, Any]:
             one()
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) * 1e3 / steps
-    return summarize(_device_events(prof), steps, wall)
+    return summarize(device_events(prof), steps, wall)
 
 
 def print_case(title: str, r: dict[str, Any]) -> None:

@@ -265,9 +265,10 @@ def bench_model(name: str, variant: str, args: argparse.Namespace, peaks: dict[s
 def passes_on(om) -> dict[str, Any]:
     """What the build actually did, from its pass history (not from the variant's name)."""
     rec = {r.name: r for r in om.history}
-    pw = om.config.transforms.get("piecewise") or {}
+    pw = rec.get("piecewise")
     moe = rec.get("fuse_moe")
-    return {"piecewise_compile": pw.get("compile", "none"), "cuda_graphs": om.device.type == "cuda",
+    return {"piecewise_compile": pw.details.get("compile", "none") if pw is not None else "none",
+            "cuda_graphs": om.device.type == "cuda",
             "fuse_moe": moe.summary if moe is not None and moe.enabled else "off"}
 
 

@@ -190,10 +190,11 @@ def match_experts(sort: Node, grouped: set[Any]) -> ExpertsMatch:
     if (down.args[2] if len(down.args) > 2 else down.kwargs.get("offs")) is not offs:
         raise _NoMatch("the two grouped GEMMs do not share their offsets")
     region.add(offs)
-    region.update(n for n in offs.all_input_nodes if n is not None)  # histc (and its cast)
-    for n in list(region):
-        if is_op(n, {aten.histc.default}):
-            region.add(_back_casts(n.args[0], region))
+    for hist in offs.all_input_nodes:  # cumsum(histc(cast(sorted ids)))
+        if not is_op(hist, {aten.histc.default}):
+            raise _NoMatch(f"the grouped GEMM offsets are not a cumsum of a histc ({hist.target})")
+        region.add(hist)
+        _back_casts(hist.args[0], region)
 
     # * weights[perm] -> [inverse] -> view [T, k, H] -> sum over k
     wmul = _one_user(_through_casts(down, region), "the down GEMM")
@@ -284,7 +285,6 @@ def _erase_region(graph: torch.fx.Graph, region: set[Node]) -> None:
                 graph.erase_node(n)
                 region.discard(n)
                 changed = True
-    graph.eliminate_dead_code()
 
 
 # ----------------------------------------------------------------------------- the pass
@@ -341,6 +341,8 @@ def fuse_moe(ctx: BuildContext, opts: FuseMoEOptions) -> PassResult:
             rewrite(gm, m, backend)
             fused += 1
         layers.append(entry)
+    if fused:
+        gm.graph.eliminate_dead_code()  # the regions' index arithmetic (sym sizes, aranges): once, not per layer
     if not layers:
         return PassResult("no MoE experts regions", {"layers": []})
     kept = len(layers) - fused

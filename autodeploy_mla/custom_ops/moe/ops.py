@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from ..triton_mla.tuning import interpreting, pow2
+from ..triton_mla.tuning import dot_precision, interpreting, pow2
 from .tuning import MoEConfig, moe_config
 
 try:  # Triton is optional: without it `triton_moe_experts` raises and the pass never picks it.
@@ -87,18 +87,12 @@ def _(x, topk_ids, topk_weights, w_up, w_down, activation="silu"):
 
 
 # ----------------------------------------------------------------------------- Triton
-def _dot_prec(dtype: torch.dtype) -> str:
-    if dtype == torch.float32:
-        return "ieee"  # exact fp32 products (no tf32), as the reference computes
-    return "upcast" if interpreting() else "tf32"  # "tf32" is ignored for 16-bit operands
-
-
 def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_up: torch.Tensor,
-              w_down: torch.Tensor, config: Optional[MoEConfig] = None) -> torch.Tensor:
+              w_down: torch.Tensor, config: Optional[MoEConfig] = None, activation: str = "silu") -> torch.Tensor:
     """The Triton experts computation; `config` overrides the launch config (benchmarks, tests)."""
     if not HAS_TRITON:
         raise RuntimeError(f"triton_moe_experts needs triton ({TRITON_IMPORT_ERROR}); pip install 'triton>=3.4'")
-    t, k, e, h, i = check_moe_inputs("triton_moe_experts", x, topk_ids, topk_weights, w_up, w_down, "silu")
+    t, k, e, h, i = check_moe_inputs("triton_moe_experts", x, topk_ids, topk_weights, w_up, w_down, activation)
     n = t * k
     if n == 0:
         return x.new_zeros(t, h)
@@ -117,7 +111,7 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     K.count_kernel[(num_chunks,)](ids, partial, n, E_P2=e_p2, CHUNK=chunk)
     K.place_kernel[(num_chunks,)](ids, partial, sorted_pairs, block_expert, n, num_chunks, max_blocks,
                                   E_P2=e_p2, BLOCK_M=bm, CHUNK=chunk, ROWS=cfg.align_rows(e_p2))
-    prec = _dot_prec(x.dtype)
+    prec = dot_precision(x.dtype)
     inter = torch.empty(max_blocks * bm, i, dtype=x.dtype, device=dev)
     K.up_kernel[(-(-i // cfg.up_n), max_blocks)](
         x, w_up, sorted_pairs, block_expert, inter, n, h, i,
@@ -139,8 +133,7 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
 def triton_moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_up: torch.Tensor,
                        w_down: torch.Tensor, activation: str = "silu") -> torch.Tensor:
     """Fused experts on Triton kernels (same contract as torch_moe_experts)."""
-    check_moe_inputs("triton_moe_experts", x, topk_ids, topk_weights, w_up, w_down, activation)
-    return fused_moe(x, topk_ids, topk_weights, w_up, w_down)
+    return fused_moe(x, topk_ids, topk_weights, w_up, w_down, activation=activation)
 
 
 @triton_moe_experts.register_fake

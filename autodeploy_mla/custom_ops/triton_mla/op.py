@@ -40,6 +40,7 @@ from .tuning import (
     absorb_prefill_config,
     choose_prefill_path,
     decode_config,
+    dot_precision,
     expand_config,
     expansion_supported,
     interpreting,
@@ -124,12 +125,6 @@ class _Call:
         return torch.empty(*shape, dtype=dtype, device=device)
 
 
-def _dot_prec(dtype: torch.dtype) -> str:
-    if dtype == torch.float32:
-        return "ieee"  # exact fp32 products (no tf32), as the reference computes
-    return "upcast" if interpreting() else "tf32"  # "tf32" is ignored for 16-bit operands
-
-
 def _capturing() -> bool:
     """True while a CUDA graph is being captured (then only static bounds may size the grid)."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
@@ -160,7 +155,7 @@ def _launch_absorbed(call: _Call, q_abs, q_pe, mla_cache, page_table, cu_seqlen,
     meta = dict(
         N=n, R=r, DR=dr, PAGE_SIZE=page_size, NUM_HB=num_hb, BLOCK_H=cfg.block_h, BLOCK_Q=cfg.block_q,
         BLOCK_N=cfg.block_n, BLOCK_R=pow2(r), BLOCK_DR=pow2(dr),
-        DOT_PREC=_dot_prec(q_abs.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        DOT_PREC=dot_precision(q_abs.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     reduce_meta = dict(R=r, BLOCK_R=pow2(r), num_warps=4 if r <= 256 else 8)
 
@@ -227,7 +222,7 @@ def _prefill_expanded(call: _Call, q_nope, q_pe, mla_cache, kv_b_proj_weight, pa
         kv.stride(0), lat.stride(0), out.stride(1), out.stride(2),
         DN=dn, DV=dv, DR=dr, R=r, BLOCK_M=bm, BLOCK_N=bn,
         BLOCK_DN=pow2(dn), BLOCK_DV=pow2(dv), BLOCK_DR=pow2(dr),
-        DOT_PREC=_dot_prec(q_nope.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        DOT_PREC=dot_precision(q_nope.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 

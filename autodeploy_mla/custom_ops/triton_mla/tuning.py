@@ -22,6 +22,13 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def dot_precision(dtype: torch.dtype) -> str:
+    """DOT_PREC of the kernels' `_dot` for operands of `dtype`."""
+    if dtype == torch.float32:
+        return "ieee"  # exact fp32 products (no tf32), as the reference computes
+    return "upcast" if interpreting() else "tf32"  # "tf32" is ignored for 16-bit operands
+
+
 # ----------------------------------------------------------------------------- limits (check())
 #: Largest latent / rope width one program holds in registers (the accumulator is [rows, R] fp32).
 MAX_KV_LORA_RANK = 1024
