@@ -51,5 +51,6 @@ def test_report_records_every_layer(built):
     assert len(rep["layers"]) == n_layers
     for lay in rep["layers"]:
         assert lay["backend"] == "torch" and lay["reason"] and lay["dims"]["num_heads"] > 0
-    assert [p["name"] for p in rep["passes"]] == ["export", "match_mla", "shard", "load_weights", "fuse_moe",
-                                                  "insert_cached_mla_attention", "gather_logits", "piecewise"]
+    assert [p["name"] for p in rep["passes"]] == ["export", "match_mla", "shard", "load_weights", "fuse_gemms",
+                                                  "fuse_moe", "insert_cached_mla_attention", "gather_logits",
+                                                  "piecewise"]

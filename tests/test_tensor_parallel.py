@@ -238,7 +238,11 @@ def test_sharded_weight_shapes_and_collectives(tp_runs, single_runs):
         rules = ranks[0][job]["shard_details"]["rules"]
         for target, (shape, placeholder) in ranks[0][job]["weights"].items():
             assert not placeholder, target
-            if target in rules and not rules[target]["rule"].endswith("(rank 0)"):
+            if ".fused_" in target:  # fuse_gemms ran after shard: rank slices of the members, concatenated
+                # (gate + up: column-parallel halves; q_a + kv_a: replicated, whole)
+                assert shape[1] == full[target][1] and shape[0] in (full[target][0], full[target][0] // 2), target
+                assert (shape[0] < full[target][0]) == ("gate" in target), target
+            elif target in rules and not rules[target]["rule"].endswith("(rank 0)"):
                 d = rules[target]["dim"]
                 assert shape[d] * 2 == full[target][d], target
                 assert shape[:d] + shape[d + 1:] == full[target][:d] + full[target][d + 1:], target

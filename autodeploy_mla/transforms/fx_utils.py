@@ -99,5 +99,10 @@ def refresh_shapes(gm: GraphModule) -> None:
                 n.meta["val"] = out
             return out
 
-    with torch.no_grad():
+    # The Python dispatcher runs composite ops (linear -> matmul) through their SymInt-aware Python
+    # decompositions, as export did; the C++ composites may call numel() on symbolic sizes (seen on
+    # CUDA: a new linear whose input strides send matmul down its bmm branch).
+    from torch._dispatch.python import enable_python_dispatcher
+
+    with torch.no_grad(), enable_python_dispatcher():
         _Prop(gm).run(*vals)
