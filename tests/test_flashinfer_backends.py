@@ -25,6 +25,7 @@ from autodeploy_mla.custom_ops import flashinfer_trtllm_mla as ft
 from autodeploy_mla.custom_ops.fallback import resolve_fallback
 from autodeploy_mla.custom_ops.flashinfer_common import FI_METADATA, PlanKey
 from autodeploy_mla.custom_ops.flashinfer_mla import FlashInferPolicy
+from autodeploy_mla.custom_ops.prefill_cost import PathCost, PrefillCostFacts, path_costs
 from autodeploy_mla.custom_ops.step_context import using_sessions
 from autodeploy_mla.custom_ops.flashinfer_metadata import (
     StepCounts,
@@ -329,17 +330,21 @@ def test_fa_untileable_heads_use_fallback_for_prefill(fake_fi):
     assert st_.plans == len(sch) - 1  # decode steps still planned and run on FlashInfer
 
 
-@pytest.mark.parametrize("policy,fast,threshold,routed", [
-    ("auto", ("torch",), 8 * 16, True),  # first step: 8 prefill tokens x 16 heads
-    ("auto", ("torch",), 8 * 16 + 1, False),  # below the work threshold
-    ("auto", ("triton",), 1, False),  # the fallback (torch here) is not a fast one
-    ("flashinfer", ("torch",), 1, False),
-    ("fallback", (), 10**9, True),
+def _facts(expanded_overhead_us: float) -> PrefillCostFacts:
+    """Both paths at 1 TFLOP/s; absorbed costs 100 us per call, expanded `expanded_overhead_us`."""
+    return PrefillCostFacts(PathCost(1.0, 1.0, 100.0), PathCost(1.0, 1.0, expanded_overhead_us), "test")
+
+
+@pytest.mark.parametrize("policy,fast,facts,routed", [
+    ("auto", ("torch",), _facts(0.0), True),  # expanded is cheaper for DS16's prefill step
+    ("auto", ("torch",), _facts(10**6), False),  # expanded's fixed cost outweighs its FLOP saving
+    ("auto", ("triton",), _facts(0.0), False),  # the fallback (torch here) is not a fast one
+    ("flashinfer", ("torch",), _facts(0.0), False),
+    ("fallback", (), _facts(10**6), True),
 ])
-def test_fa_prefill_policy(fake_fi, policy, fast, threshold, routed):
+def test_fa_prefill_policy(fake_fi, policy, fast, facts, routed):
     fake_fi()
-    pol = FlashInferPolicy(prefill=policy, fast_prefill_fallbacks=fast, route_prefill_min_head_tokens=threshold,
-                           fallback_order=("torch",))
+    pol = FlashInferPolicy(prefill=policy, fast_prefill_fallbacks=fast, prefill_cost=facts, fallback_order=("torch",))
     sch = STANDARD_SCHEDULES["prefill_then_decode"]
     res = fa(DS16, sch, pol, page_size=16, dtype=BF16)
     assert res.max_rel_error() < 1e-2
@@ -601,7 +606,9 @@ def test_gpu_prefill_routed_to_triton_by_default():
     fb = resolve_fallback([d], BF16, Target.detect("cuda", 64), pol.fallback_order, FI_METADATA)
     if fb.name not in pol.fast_prefill_fallbacks:
         pytest.skip(f"fallback is {fb.name}: prefill stays on FlashInfer")
-    big = -(-pol.route_prefill_min_head_tokens // d.num_heads)  # prefill tokens that reach the threshold
+    # the shortest fresh prefill the cost model sends to Triton (2048 at N=128 on the H200 facts)
+    big = next(t for t in range(64, 8192, 64)
+               if (lambda a, e: e < a)(*path_costs(d, torch.tensor([t, 77]), torch.tensor([t, 77]))))
     sch = [{0: big, 1: 77}, {0: 1, 1: 1, 2: 130}] + [{0: 1, 1: 1, 2: 1}] * 4
     res = fa(d, sch, pol, page_size=64, dtype=BF16, device="cuda", scale=0.11, seed=5)
     assert 0 < res.max_rel_error() < 1e-2

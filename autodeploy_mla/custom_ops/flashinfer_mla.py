@@ -26,9 +26,10 @@ Per-step fallback. Some steps go, whole, to the fallback op (Triton if registere
 the node, else the torch reference; both vectorised): for safety, multi-token steps when N does not
 divide FlashInfer's 64/128-row query tile (a causal tile-boundary defect,
 capabilities.FA_PREFILL_SAFE_HEADS) and steps whose plan would exceed MLAPlan's 16384 work items;
-by policy (`FlashInferPolicy.prefill`, default "auto"), steps with large prefill (prefill tokens x N
->= route_prefill_min_head_tokens) when the fallback is Triton, which measured faster there on H200
-(docs/benchmarks/flashinfer_plan.md). Decode-only steps always use FlashInfer.
+by policy (`FlashInferPolicy.prefill`, default "auto"), steps with prefill tokens whose estimated time
+on the fallback's expanded path is lower than on FlashInfer's absorbed path, from the step's FLOPs
+under the node's dims and each path's measured throughput (prefill_cost.py; fit to
+docs/benchmarks/flashinfer_plan.md) when the fallback is Triton. Decode-only steps always use FlashInfer.
 
 CUDA graphs. Decode-only steps that a whole-graph decode CUDA graph may replay — those the model
 runner marks `StepDescriptor.cuda_graph` (a decode batch padded to one of its token buckets), or
@@ -72,6 +73,7 @@ from .flashinfer_common import (
 from .flashinfer_metadata import MLACsr, StepCounts, fa_plan_work_bound, fa_plan_work_count, mla_csr
 from .mla_dims import MLADims, resolve_scale
 from .op_contract import MLAInputs, append_to_paged_cache, check_cached_inputs, define_cached_op
+from .prefill_cost import SM90_FACTS, PrefillCostFacts, path_costs
 from .step_context import require_session
 
 OP = "flashinfer_mla_with_cache"
@@ -84,15 +86,17 @@ PREFILL_POLICIES = ("auto", "flashinfer", "fallback")
 class FlashInferPolicy:
     """Per-model knobs of the FlashInfer MLA backend.
 
-    prefill: where steps with prefill tokens run. "auto": on the fallback op when that is a backend
-    measured faster for large prefill (`fast_prefill_fallbacks`) and the step's prefill tokens x N
-    reach `route_prefill_min_head_tokens`, else on FlashInfer; "flashinfer": always on FlashInfer
-    (except the safety fallbacks); "fallback": always on the fallback op.
+    prefill: where steps with prefill tokens run. "auto": on the fallback op when it is a backend
+    with a measured expanded prefill (`fast_prefill_fallbacks`) and `prefill_cost` estimates the
+    step cheaper there, else on FlashInfer; "flashinfer": always on FlashInfer (except the safety
+    fallbacks); "fallback": always on the fallback op.
 
-    route_prefill_min_head_tokens: on H200 (N=128) the absorbed path won up to 512 prefill tokens
-    and on mixed steps with 1024 prefill tokens + 62 decodes; Triton won from 2048 prefill tokens
-    (fresh, chunked on a 3584-token prefix, or 8x512): absorbed attention runs in the 576/512-wide
-    latent space, ~3.4x the FLOPs of expanded 192/128 heads (docs/benchmarks/flashinfer_plan.md).
+    prefill_cost: measured throughput and fixed cost of each path (prefill_cost.SM90_FACTS, from
+    H200). The estimate takes the node's dims (N, R, Dr, Dn, Dv) and every sequence's query and
+    context length: absorbed attention is ~(2R + Dr)/(Dn + Dr + Dv) times the attention FLOPs of
+    expanded heads (3.4x for DeepSeek, 2.1x for GLM-4.7-Flash) but needs no K/V expansion. On
+    H200 it reproduces every measured winner (docs/benchmarks/flashinfer_plan.md): FlashInfer up
+    to ~512 fresh tokens at N=128 and on mixed steps, Triton from 2048 tokens or long prefixes.
 
     strided_io: head-major query/latent storage passed to FlashInfer as strided [T, N, R] views
     (saves two copies per layer); False = contiguous token-major tensors (kept for benchmarking).
@@ -104,7 +108,7 @@ class FlashInferPolicy:
     capacity, capabilities.FA_MAX_WORK_ITEMS; lower it only to exercise that path)."""
 
     prefill: Literal["auto", "flashinfer", "fallback"] = "auto"
-    route_prefill_min_head_tokens: int = 2048 * 128
+    prefill_cost: PrefillCostFacts = SM90_FACTS
     fast_prefill_fallbacks: tuple[str, ...] = ("triton",)
     fallback_order: tuple[str, ...] = DEFAULT_FALLBACK_ORDER
     strided_io: bool = True
@@ -158,6 +162,7 @@ class FlashInferMLASession(FlashInferSession):
         self.device = spec.device
         self.kernel = fa_kernel_for(spec.target.device) or "fa2"
         self.num_sm = spec.target.device.num_sms
+        self.key_dims = {PlanKey.of(d, spec.dtype): d for d in spec.dims}  # for the prefill cost estimate
         self.float_workspace: Optional[torch.Tensor] = None
         self.eager: dict[PlanKey, Any] = {}
         self.graph: dict[tuple[PlanKey, int], Any] = {}
@@ -221,15 +226,21 @@ class FlashInferMLASession(FlashInferSession):
             self.plan_events[id(wrapper)] = ev
         self.plans += 1
 
-    def _route_prefill(self, key: PlanKey, counts: StepCounts) -> bool:
-        """Whether a step with prefill tokens goes to the fallback op by policy (not for safety)."""
+    def _route_prefill(self, key: PlanKey, csr: MLACsr) -> Optional[str]:
+        """Why a step with prefill tokens goes to the fallback op by policy (not for safety), or None."""
         p = self.policy
+        name = self.configs[key].name
         if p.prefill == "flashinfer":
-            return False
+            return None
         if p.prefill == "fallback":
-            return True
-        return (self.configs[key].name in p.fast_prefill_fallbacks  # auto
-                and counts.num_prefill_tokens * key.num_heads >= p.route_prefill_min_head_tokens)
+            return f"step with prefill tokens routed to {name} (prefill=fallback)"
+        if name not in p.fast_prefill_fallbacks:  # auto
+            return None
+        absorbed, expanded = path_costs(self.key_dims[key], csr.qo_lens, csr.kv_len, p.prefill_cost)
+        if expanded >= absorbed:
+            return None
+        return (f"step with prefill tokens routed to {name}: estimated {expanded:.0f} us expanded vs "
+                f"{absorbed:.0f} us absorbed per layer")
 
     def prepare(self, meta: StepMetadata, step: StepDescriptor) -> None:
         """Plan every config once for the step described by the metadata's host mirrors."""
@@ -246,9 +257,9 @@ class FlashInferMLASession(FlashInferSession):
         qo_lens = csr.qo_lens
         routed = False
         for key in self.configs:
-            if not counts.decode_only and self._route_prefill(key, counts):
-                plan.fallback[key] = (f"step with prefill tokens routed to {self.configs[key].name} "
-                                      f"(prefill={self.policy.prefill})")
+            why = None if counts.decode_only else self._route_prefill(key, csr)
+            if why is not None:
+                plan.fallback[key] = why
                 routed = True
                 continue
             if not counts.decode_only and not fa_prefill_safe(key.num_heads):
