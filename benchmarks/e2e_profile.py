@@ -48,6 +48,50 @@ def classify(name: str) -> str:
     return "other"
 
 
+#: idle gaps between consecutive device events, by length (us): launch gaps inside a CUDA graph are
+#: the first bins, host work the device waits for (plan, eager launches, sampling) the last ones
+GAP_BINS = ((0.0, 3.0), (3.0, 20.0), (20.0, 200.0), (200.0, float("inf")))
+
+
+def gaps(prof, steps: int) -> dict[str, float]:
+    """Device idle time per step between consecutive kernels/copies, in ms per GAP_BINS bin."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA and e.time_range.end > 0)
+    out = {f"{lo:g}-{hi:g}us": 0.0 for lo, hi in GAP_BINS}
+    end = spans[0][1] if spans else 0.0
+    for s, e in spans[1:]:
+        g = s - end
+        if g > 0:
+            lo, hi = next(b for b in GAP_BINS if b[0] <= g < b[1])
+            out[f"{lo:g}-{hi:g}us"] += g / 1e3 / steps
+        end = max(end, e)
+    return out
+
+
+def launch_floor(kernels: int = 1000, reps: int = 20) -> dict[str, float]:
+    """Device time per kernel of a CUDA graph of `kernels` tiny dependent kernels (a 1-element add):
+    the least a graph node costs on this GPU, whatever the kernel does."""
+    x = torch.zeros(1, device="cuda")
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            x.add_(1)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(kernels):
+            x.add_(1)
+    g.replay()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        g.replay()
+    b.record()
+    torch.cuda.synchronize()
+    return {"kernels": kernels, "us_per_kernel": a.elapsed_time(b) * 1e3 / reps / kernels}
+
+
 def summarize(events: list[tuple[str, float]], steps: int, wall_ms: float, top: int = 25) -> dict[str, Any]:
     by_cls: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
@@ -91,7 +135,7 @@ def profile_decode(om, batch: int, context: int, steps: int = 5, warm: int = 3) 
     finally:
         for sid in list(om.runner.allocator.owners()):
             om.runner.allocator.free(sid)
-    return summarize(device_events(prof), steps, wall)
+    return {**summarize(device_events(prof), steps, wall), "gaps_ms": gaps(prof, steps)}
 
 
 def profile_prefill(om, tokens: int, steps: int = 2) -> dict[str, Any]:
@@ -118,7 +162,7 @@ def profile_prefill(om, tokens: int, steps: int = 2) -> dict[str, Any]:
             one()
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) * 1e3 / steps
-    return summarize(device_events(prof), steps, wall)
+    return {**summarize(device_events(prof), steps, wall), "gaps_ms": gaps(prof, steps)}
 
 
 def print_case(title: str, r: dict[str, Any]) -> None:
@@ -127,6 +171,9 @@ def print_case(title: str, r: dict[str, Any]) -> None:
     print("| class | ms/step | kernels/step | share |\n|---|---:|---:|---:|")
     for k, v in r["classes"].items():
         print(f"| {k} | {v['ms']:.3f} | {v['count']:.0f} | {100 * v['share']:.1f}% |")
+    if "gaps_ms" in r:
+        print("device idle between kernels, ms/step by gap length: "
+              + ", ".join(f"{k} {v:.3f}" for k, v in r["gaps_ms"].items()))
     print("| top kernel | class | ms/step | per step |\n|---|---|---:|---:|")
     for t in r["top"][:15]:
         print(f"| `{t['name'][:90]}` | {t['class']} | {t['ms']:.3f} | {t['count']:.0f} |")
@@ -154,6 +201,9 @@ def main() -> None:
         pname, _, opt = key.partition(".")
         transforms.setdefault(pname, {})[opt] = json.loads(val)
     data: dict[str, Any] = {"command": "python " + " ".join(sys.argv), "runs": []}
+    if args.device == "cuda":
+        data["launch_floor"] = launch_floor()
+        print(f"CUDA-graph launch floor: {data['launch_floor']['us_per_kernel']:.2f} us per kernel")
     for name in args.models.split(","):
         for variant in args.variants.split(","):
             om = build_model(name, variant, args, transforms)

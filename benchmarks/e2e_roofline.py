@@ -174,16 +174,31 @@ def time_prefill(om, tokens: int, reps: int) -> dict[str, float]:
 VARIANT_PARTS: dict[str, dict[str, dict[str, Any]]] = {
     "inductor": {"piecewise": {"compile": "inductor"}},
     "moe": {"fuse_moe": {"enabled": True}},
+    "gemms": {"fuse_gemms": {"enabled": True}},
 }
+
+
+#: variant parts that set a backend policy instead of a pass option
+POLICY_PARTS = ("absorbed",)  # absorbed: every FlashInfer prefill step on FlashInfer (no cost-model routing)
+
+
+def variant_policies(variant: str) -> dict[str, Any]:
+    """Backend policies of a variant (`absorbed`: FlashInferPolicy(prefill="flashinfer"))."""
+    from autodeploy_mla.custom_ops.flashinfer_mla import FlashInferPolicy
+
+    parts = variant.split("+")
+    return {"flashinfer_mla": FlashInferPolicy(prefill="flashinfer")} if "absorbed" in parts else {}
 
 
 def variant_transforms(variant: str) -> dict[str, dict[str, Any]]:
     """Pass options of a variant: every switch of VARIANT_PARTS off unless named ("inductor+moe")."""
-    parts = [p for p in variant.split("+") if p not in ("base", "none", "")]
+    parts = [p for p in variant.split("+") if p not in ("base", "none", "", *POLICY_PARTS)]
     unknown = [p for p in parts if p not in VARIANT_PARTS]
     if unknown:
-        raise ValueError(f"unknown variant part(s) {unknown}; known: base, {', '.join(VARIANT_PARTS)}")
-    out: dict[str, dict[str, Any]] = {"piecewise": {"compile": "none"}, "fuse_moe": {"enabled": False}}
+        raise ValueError(f"unknown variant part(s) {unknown}; known: base, {', '.join(VARIANT_PARTS)}, "
+                         f"{', '.join(POLICY_PARTS)}")
+    out: dict[str, dict[str, Any]] = {"piecewise": {"compile": "none"}, "fuse_moe": {"enabled": False},
+                                      "fuse_gemms": {"enabled": False}}
     for p in parts:
         for k, v in VARIANT_PARTS[p].items():
             out.setdefault(k, {}).update(v)
@@ -214,7 +229,7 @@ def build_model(name: str, variant: str, args: argparse.Namespace, transforms: O
            "transforms": variant_transforms(variant)}
     for k, v in (transforms or {}).items():
         cfg["transforms"].setdefault(k, {}).update(v)
-    return optimize(None, cfg)
+    return optimize(None, cfg, backend_policies=variant_policies(variant))
 
 
 def bench_model(name: str, variant: str, args: argparse.Namespace, peaks: dict[str, float]) -> dict[str, Any]:
@@ -267,9 +282,18 @@ def passes_on(om) -> dict[str, Any]:
     rec = {r.name: r for r in om.history}
     pw = rec.get("piecewise")
     moe = rec.get("fuse_moe")
+    gemms = rec.get("fuse_gemms")
     return {"piecewise_compile": pw.details.get("compile", "none") if pw is not None else "none",
             "cuda_graphs": om.device.type == "cuda",
-            "fuse_moe": moe.summary if moe is not None and moe.enabled else "off"}
+            "fuse_moe": moe.summary if moe is not None and moe.enabled else "off",
+            "fuse_gemms": gemms.summary if gemms is not None and gemms.enabled else "off",
+            "fi_prefill": _fi_prefill(om)}
+
+
+def _fi_prefill(om) -> str:
+    """How the FlashInfer session routes prefill steps ("auto" = the prefill cost model)."""
+    sess = om.runner.sessions.get("flashinfer_mla")
+    return sess.policy.prefill if sess is not None else "n/a"
 
 
 # ----------------------------------------------------------------------------- report
