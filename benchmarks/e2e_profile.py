@@ -179,9 +179,37 @@ def print_case(title: str, r: dict[str, Any]) -> None:
         print(f"| `{t['name'][:90]}` | {t['class']} | {t['ms']:.3f} | {t['count']:.0f} |")
 
 
+def render(path: Path) -> None:
+    """Markdown next to the JSON: per run and case, device time by kernel class, idle gaps, top kernels."""
+    data = json.loads(path.read_text())
+    lines = ["# Where a step's device time goes, by kernel class", "", f"Command: `{data['command']}`", ""]
+    for c in data.get("calls", []):
+        lines.append(f"- `{c['command']}`{': ' + c['note'] if c.get('note') else ''}")
+    if "launch_floor" in data:
+        lf = data["launch_floor"]
+        lines += ["", f"CUDA-graph launch floor: {lf['us_per_kernel']:.2f} us per kernel ({lf['kernels']} dependent "
+                  "1-element adds in one graph)."]
+    for run in data["runs"]:
+        for case, r in run["cases"].items():
+            lines += ["", f"## {run['model']} / {run['variant']} — {case}", "",
+                      f"wall {r['wall_ms_per_step']:.2f} ms/step, kernels {r['kernel_ms_per_step']:.2f} ms "
+                      f"({r['kernels_per_step']:.0f} kernels per step)."]
+            if "gaps_ms" in r:
+                lines.append("Device idle between kernels (ms/step, by gap length; the longest bin includes the "
+                             "host work between profiled steps): "
+                             + ", ".join(f"{k} {v:.3f}" for k, v in r["gaps_ms"].items()) + ".")
+            lines += ["", "| class | ms/step | kernels/step | share |", "|---|---:|---:|---:|"]
+            lines += [f"| {k} | {v['ms']:.3f} | {v['count']:.0f} | {100 * v['share']:.1f}% |"
+                      for k, v in r["classes"].items()]
+            lines += ["", "| top kernel | class | ms/step | per step |", "|---|---|---:|---:|"]
+            lines += [f"| `{t['name'][:90]}` | {t['class']} | {t['ms']:.3f} | {t['count']:.0f} |" for t in r["top"][:10]]
+    path.with_suffix(".md").write_text("\n".join(lines) + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--render", type=Path, help="write the markdown of an e2e_profile.json and exit")
     ap.add_argument("--models", default="v2_lite")
     ap.add_argument("--variants", default="base", help="as e2e_roofline.py --variants")
     ap.add_argument("--batches", type=_ints, default=[1, 64])
@@ -194,6 +222,11 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], metavar="PASS.OPTION=JSON",
                     help="pass options for the build, e.g. --set fuse_moe.enabled=false")
     args = ap.parse_args()
+    if args.render:
+        render(args.render)
+        return
+    if args.out is None:
+        ap.error("--out is required (or --render)")
     args.out.mkdir(parents=True, exist_ok=True)
     transforms: dict[str, dict[str, Any]] = {}
     for item in args.set:
@@ -220,6 +253,7 @@ def main() -> None:
                 print_case(f"{name}/{variant} prefill {t}", r)
             data["runs"].append(run)
             (args.out / "e2e_profile.json").write_text(json.dumps(data, indent=1))
+            render(args.out / "e2e_profile.json")
             del om
             torch.cuda.empty_cache()
 
