@@ -32,7 +32,7 @@ from torch.fx import GraphModule, Node
 from torch.utils._pytree import tree_map
 
 from .context import BuildContext
-from .fx_utils import ASSERT_METADATA, aten, is_op, module_path, val
+from .fx_utils import ASSERT_METADATA, aten, is_op, module_path, module_tensor, val
 from .registry import PassOptions, PassResult, Stage, register_pass
 
 _LINEAR = aten.linear.default
@@ -118,7 +118,7 @@ def _fused_name(members: list[_Member]) -> tuple[str, str]:
 
 def _concat_params(gm: GraphModule, members: list[_Member], attr: str, parent: str, name: str) -> str:
     """Register cat(member params) on `parent` as `name`; make each member's parameter a view of it."""
-    tensors = [gm.get_parameter(str(getattr(m, attr).target)) for m in members]
+    tensors = [module_tensor(gm, str(getattr(m, attr).target)) for m in members]  # parameters or buffers
     fused = torch.cat([t.detach() for t in tensors], 0)
     start = 0
     for t in tensors:
