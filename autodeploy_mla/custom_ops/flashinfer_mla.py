@@ -162,7 +162,11 @@ class FlashInferMLASession(FlashInferSession):
         self.device = spec.device
         self.kernel = fa_kernel_for(spec.target.device) or "fa2"
         self.num_sm = spec.target.device.num_sms
-        self.key_dims = {PlanKey.of(d, spec.dtype): d for d in spec.dims}  # for the prefill cost estimate
+        # For the prefill cost estimate: nodes of one plan key share N, R, Dr but may differ in Dn/Dv; the
+        # widest expanded heads make the estimate conservative (towards FlashInfer, the planned path).
+        self.key_dims: dict[PlanKey, MLADims] = {}
+        for d in sorted(spec.dims, key=lambda d: d.qk_nope_head_dim + d.v_head_dim):
+            self.key_dims[PlanKey.of(d, spec.dtype)] = d  # the widest of each key comes last and stays
         self.float_workspace: Optional[torch.Tensor] = None
         self.eager: dict[PlanKey, Any] = {}
         self.graph: dict[tuple[PlanKey, int], Any] = {}
