@@ -106,10 +106,12 @@ def _world(pipeline: Pipeline) -> Optional[TensorParallel]:
 
 def _eager_model(cfg: AppConfig, pipeline: Pipeline, world: Optional[TensorParallel], device: torch.device,
                  dtype: torch.dtype) -> nn.Module:
-    """The full HF model, or a weightless skeleton when the shard pass reads checkpoint slices."""
-    if world is not None and cfg.model.path is not None:
+    """The full HF model, or a weightless skeleton when every rank makes only its slices: from a
+    checkpoint (`shard.load: slices`) or from hashed random weights (`model.init: hashed`)."""
+    if world is not None and pipeline.enabled("load_weights"):
         opts = pipeline.options("shard")
-        if isinstance(opts, ShardOptions) and opts.load == "slices" and pipeline.enabled("load_weights"):
+        by_slices = isinstance(opts, ShardOptions) and opts.load == "slices"
+        if (cfg.model.path is not None and by_slices) or (cfg.model.hf_config is not None and cfg.model.init == "hashed"):
             return build_skeleton(cfg.model, device, dtype)
     return build_model(cfg.model, device, dtype)
 

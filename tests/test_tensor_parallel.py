@@ -111,6 +111,8 @@ def _jobs() -> list[ProbeJob]:
         ProbeJob("glm_moe", "glm_4_7_flash", [*RUNTIME, "transforms.fuse_moe.backend=triton"], PROMPTS, NEW,
                  LOGITS_PROMPT),
         ProbeJob("native", make_native, RUNTIME, NATIVE_PROMPTS, NEW, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]),
+        # hashed random weights: each rank builds a skeleton and generates only its slices
+        ProbeJob("glm_hashed", "glm_4_7_flash", [*RUNTIME, "model.init=hashed"], PROMPTS, NEW, LOGITS_PROMPT),
     ]
 
 
@@ -211,7 +213,7 @@ def test_teardown_frees_cuda_graphs_first_and_cannot_hang(monkeypatch):
     stuck.set()
 
 
-@pytest.mark.parametrize("job", ["glm", "glm_moe", "native"])
+@pytest.mark.parametrize("job", ["glm", "glm_moe", "native", "glm_hashed"])
 def test_two_ranks_match_single_process(tp_runs, single_runs, job):
     r0, r1 = tp_runs[0][0][job], tp_runs[0][1][job]
     ref = single_runs[job]
@@ -221,14 +223,32 @@ def test_two_ranks_match_single_process(tp_runs, single_runs, job):
     assert torch.equal(r0["logits"], r1["logits"])  # all-reduce results are identical on every rank
     full_n = ref["om"].report()["layers"][0]["dims"]["num_heads"]
     assert all(lay["dims"]["num_heads"] == full_n // 2 for lay in r0["layers"])
-    assert not r0["skeleton"]  # random weights: full model built from the seed, then sliced
+    # transformers' random weights: full model built from the seed, then sliced; hashed: a skeleton
+    assert r0["skeleton"] == (job == "glm_hashed")
     assert r0["env"] == MULTICAST_OFF_ENV  # set by the launcher in every rank
     assert r0["sampled"] == r1["sampled"]  # random sampling agrees too (same RNG state on every rank)
 
 
-def test_glm_tokens_match_hf(tp_runs, single_runs):
-    eager = single_runs["glm"]["om"].eager_model
-    assert tp_runs[0][0]["glm"]["tokens"] == [hf_greedy_generate(eager, p, NEW) for p in PROMPTS]
+@pytest.mark.parametrize("job", ["glm", "glm_hashed"])
+def test_glm_tokens_match_hf(tp_runs, single_runs, job):
+    eager = single_runs[job]["om"].eager_model  # hashed: the full model generated in this process
+    assert tp_runs[0][0][job]["tokens"] == [hf_greedy_generate(eager, p, NEW) for p in PROMPTS]
+
+
+def test_hashed_init_ranks_make_only_their_slices(tp_runs, single_runs):
+    """With model.init=hashed no rank holds the full model: load_weights generated this rank's
+    slices (less than the full model's bytes). That they are the single process's weights, sliced,
+    is what the token and logit equality of test_two_ranks_match_single_process shows."""
+    full = {t: getattr_path(single_runs["glm_hashed"]["om"].gm, t) for t in tp_runs[0][0]["glm_hashed"]["weights"]}
+    for rank in (0, 1):
+        r = tp_runs[0][rank]["glm_hashed"]
+        load = r["load_details"]
+        assert load["source"] == "hashed init slices" and load["tensors"] > 0
+        assert 0 < load["bytes_read"] < 0.85 * load["full_model_bytes"]
+        assert all(not placeholder for _, placeholder in r["weights"].values())
+        assert r["weights"].keys() == full.keys()
+    assert single_runs["glm_hashed"]["om"].history[[h.name for h in single_runs["glm_hashed"]["om"].history]
+                                                   .index("load_weights")].details["source"] == "model"
 
 
 def test_sharded_weight_shapes_and_collectives(tp_runs, single_runs):

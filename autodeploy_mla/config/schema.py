@@ -23,6 +23,11 @@ class ModelConfig(_Strict):
     path: Optional[str] = Field(None, description="HF checkpoint directory (config.json + *.safetensors)")
     hf_config: Optional[dict[str, Any]] = Field(None, description="HF config dict; weights are seeded random")
     seed: int = 0
+    init: Literal["transformers", "hashed"] = Field(
+        "transformers",
+        description="random weights (hf_config): transformers' own init from `seed`, or `hashed` (every "
+        "element a function of seed, name and index: tensor-parallel ranks make only their slices)",
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: str = "auto"
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
@@ -32,6 +37,9 @@ class ModelConfig(_Strict):
     def _one_source(self) -> "ModelConfig":
         if self.path is not None and self.hf_config is not None:
             raise ValueError("model: set either `path` (checkpoint) or `hf_config` (random weights), not both")
+        if self.init == "hashed" and self.path is not None:
+            raise ValueError(f"model.init=hashed makes random weights, but model.path={self.path!r} is a checkpoint "
+                             "with its own; drop model.init or use model.hf_config")
         return self
 
 

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from .factory import ModelLoadError
+from .random_init import HashedInit
 from .skeleton import is_placeholder, placeholder, skeleton_info
 
 Range = tuple[int, int]
@@ -260,20 +261,74 @@ def model_name(target: str, names: Union[set[str], frozenset[str]]) -> Optional[
     return None
 
 
+class _CheckpointWeights:
+    """Weights by name and selection, read from the skeleton's checkpoint."""
+
+    def __init__(self, path: Path) -> None:
+        self.reader = CheckpointReader(path)
+
+    def get(self, candidates: Sequence[str], full: tuple[int, ...], sel: Selection, is_param: bool,
+            dtype: torch.dtype, device: torch.device) -> Optional[torch.Tensor]:
+        src = None
+        for cand in candidates:
+            try:
+                src = source_for(self.reader, cand, full)
+                break
+            except ModelLoadError:
+                if cand == candidates[-1] and is_param:
+                    raise
+        if src is None:  # a persistent buffer the checkpoint lacks: keep its constructed value
+            return None
+        return read_source(self.reader, src, sel)
+
+    @property
+    def bytes_read(self) -> int:
+        return self.reader.bytes_read
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+class _HashedWeights:
+    """Weights by name and selection, generated on the device (models/random_init.py)."""
+
+    def __init__(self, init: HashedInit) -> None:
+        self.init = init
+        self.bytes_read = 0
+
+    def get(self, candidates: Sequence[str], full: tuple[int, ...], sel: Selection, is_param: bool,
+            dtype: torch.dtype, device: torch.device) -> Optional[torch.Tensor]:
+        if not is_param:  # buffers are real in a skeleton: keep their constructed value
+            return None
+        t = self.init.tensor(candidates[0], full, dtype, device, sel)  # a tied weight's first name
+        self.bytes_read += t.numel() * t.element_size()
+        return t
+
+    def close(self) -> None:
+        pass
+
+
 def load_graph_weights(
     gm: nn.Module, model: nn.Module, specs: dict[str, ShardSpec], device: torch.device,
     targets: Optional[Iterable[str]] = None,
 ) -> dict[str, Any]:
     """Fill every weight (and persistent buffer) of `gm` (`targets`: its get_attr targets; default:
-    all of a GraphModule's) from the checkpoint of the skeleton `model`, reading only `specs[target]`'s
-    slices of sharded weights. Returns what was read."""
+    all of a GraphModule's) from the skeleton `model`'s checkpoint or hashed init, making only
+    `specs[target]`'s slices of sharded weights. Returns what was read (or generated)."""
     info = skeleton_info(model)
     known = set(info.params) | set(info.persistent_buffers)
     if targets is None:
         targets = [n.target for n in gm.graph.nodes if n.op == "get_attr"]  # type: ignore[union-attr]
     targets = list(dict.fromkeys(targets))
     loaded, kept, full_bytes = 0, [], 0
-    with CheckpointReader(info.checkpoint) as reader:
+    source: Union[_CheckpointWeights, _HashedWeights]
+    if info.checkpoint is not None:
+        source = _CheckpointWeights(info.checkpoint)
+    elif info.init is not None:
+        source = _HashedWeights(info.init)
+    else:
+        raise ModelLoadError("a weightless model with neither a checkpoint nor a hashed init to fill it from")
+    try:
         for target in targets:
             cur = module_tensor(gm, target)
             if not isinstance(cur, torch.Tensor):
@@ -284,33 +339,28 @@ def load_graph_weights(
                     raise ModelLoadError(f"graph weight {target} is a placeholder with no model name to load it by")
                 continue
             # The model's (unsharded) shape: the graph may already hold this rank's slice.
-            full = tuple((model.get_parameter(name) if name in info.params else model.get_buffer(name)).shape)
-            candidates = info.aliases.get(name, (name,))
-            src = None
-            for cand in candidates:
-                try:
-                    src = source_for(reader, cand, full)
-                    break
-                except ModelLoadError:
-                    if cand == candidates[-1] and name in info.params:
-                        raise
-            if src is None:  # a persistent buffer the checkpoint lacks: keep its constructed value
+            is_param = name in info.params
+            full = tuple((model.get_parameter(name) if is_param else model.get_buffer(name)).shape)
+            spec = specs.get(target)
+            if spec is not None and spec.zero:
+                t: Optional[torch.Tensor] = torch.zeros(spec.shape(full), dtype=cur.dtype, device=device)
+            else:
+                t = source.get(info.aliases.get(name, (name,)), full,
+                               spec.selection(len(full)) if spec else (None,) * len(full), is_param, cur.dtype, device)
+            if t is None:
                 kept.append(name)
                 continue
-            spec = specs.get(target)
             full_bytes += cur.element_size() * int(torch.Size(full).numel())
-            if spec is not None and spec.zero:
-                t = torch.zeros(spec.shape(full), dtype=cur.dtype)
-            else:
-                t = read_source(reader, src, spec.selection(len(full)) if spec else (None,) * len(full))
             if tuple(t.shape) != tuple(cur.shape):
-                raise ModelLoadError(f"graph weight {target}: read {list(t.shape)} from the checkpoint, the graph "
+                raise ModelLoadError(f"graph weight {target}: made {list(t.shape)} from {info.source}, the graph "
                                      f"expects {list(cur.shape)} (shard spec: {spec})")
             set_module_tensor(gm, target, t.to(device=device, dtype=cur.dtype).contiguous())
             loaded += 1
-        bytes_read = reader.bytes_read
+        bytes_read = source.bytes_read
+    finally:
+        source.close()
     left = [t for t in targets if isinstance(module_tensor(gm, t), torch.Tensor) and is_placeholder(module_tensor(gm, t))]
     if left:
-        raise ModelLoadError(f"weights still unloaded after reading the checkpoint: {', '.join(left[:5])}")
-    return {"checkpoint": str(info.checkpoint), "tensors": loaded, "bytes_read": bytes_read,
+        raise ModelLoadError(f"weights still unloaded after filling from {info.source}: {', '.join(left[:5])}")
+    return {"checkpoint": info.source, "tensors": loaded, "bytes_read": bytes_read,
             "full_model_bytes": full_bytes, "buffers_kept": kept}

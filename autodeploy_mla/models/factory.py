@@ -2,19 +2,24 @@
 
 Two sources: an HF checkpoint directory (config.json + safetensors, loaded by transformers), or an
 HF config dict (random weights from a fixed seed, for tests and the embedded default; the family
-YAMLs in model_configs/ carry one). A checkpoint that lacks any of the model's weights is refused
+YAMLs in model_configs/ carry one). Random weights come from transformers' init, or with
+`model.init: hashed` from a per-element hash (models/random_init.py) that tensor-parallel ranks can
+evaluate on their slices alone. A checkpoint that lacks any of the model's weights is refused
 with the list of missing tensors: transformers would fill them with random values.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
 from ..config.schema import ModelConfig
+from .random_init import HashedInit
 
 
 
@@ -51,11 +56,89 @@ def causal_lm_class(config: Any) -> Any:
     raise ModelLoadError(f"{type(config).__name__}: transformers has no causal-LM class for model_type {config.model_type!r}")
 
 
+def hf_config(cfg: ModelConfig) -> Any:
+    """The transformers config of `cfg`'s model: the checkpoint's config.json, or `model.hf_config`."""
+    import transformers
+
+    if cfg.path is not None:
+        path = Path(cfg.path)
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"model.path {cfg.path!r} has no config.json; expected an HF checkpoint directory")
+        try:
+            return transformers.AutoConfig.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
+        except Exception as exc:
+            raise ModelLoadError(f"reading the config of the checkpoint at {path} failed: "
+                                 f"{type(exc).__name__}: {exc}") from exc
+    if cfg.hf_config is None:
+        raise ModelLoadError(
+            "no model: set model.path (a checkpoint directory) or model.hf_config, or name a model family "
+            "(`--model deepseek_v3`, `optimize(\"deepseek_v3\")`; `autodeploy models` lists them)"
+        )
+    hf = dict(cfg.hf_config)
+    model_type = hf.pop("model_type", None)
+    if model_type is None:
+        raise ModelLoadError("model.hf_config needs a `model_type` (e.g. deepseek_v3)")
+    try:
+        return transformers.AutoConfig.for_model(model_type, **hf)
+    except Exception as exc:
+        raise ModelLoadError(f"model.hf_config is not a valid {model_type} config: {exc}") from exc
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Modules constructed inside register their parameters on the meta device (buffers stay real):
+    a model's structure without its weights' memory or init time."""
+    original = nn.Module.register_parameter
+
+    def register(self: nn.Module, name: str, param: Optional[nn.Parameter]) -> None:
+        original(self, name, param)
+        p = self._parameters.get(name)
+        if p is not None and p.device.type != "meta":
+            self._parameters[name] = nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
+
+    nn.Module.register_parameter = register  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def meta_model(cfg: ModelConfig, config: Any) -> nn.Module:
+    """The HF model of `config` with every parameter on the meta device (buffers real, fp32)."""
+    try:
+        with parameters_on_meta():
+            return causal_lm_class(config)._from_config(config, dtype=torch.float32,
+                                                        attn_implementation=cfg.attn_implementation)
+    except ModelLoadError:
+        raise
+    except Exception as exc:
+        raise ModelLoadError(f"building the {type(config).__name__} model failed: {type(exc).__name__}: {exc}") from exc
+
+
+def _hashed_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """The hf_config model with `model.init: hashed` weights, generated on `device` in `dtype`."""
+    model = meta_model(cfg, hf_config(cfg))
+    model.to(dtype)  # floating buffers follow the model dtype; parameters stay meta until filled
+    init = HashedInit.for_model(model, cfg.seed)
+    made: dict[int, nn.Parameter] = {}  # tied parameters stay tied
+    for mod_name, mod in model.named_modules(remove_duplicate=False):
+        prefix = f"{mod_name}." if mod_name else ""
+        for attr, p in list(mod._parameters.items()):
+            if p is None:
+                continue
+            if id(p) not in made:
+                made[id(p)] = nn.Parameter(init.tensor(prefix + attr, p.shape, p.dtype, device), requires_grad=False)
+            mod._parameters[attr] = made[id(p)]
+    return model.to(device).eval()
+
+
 def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> nn.Module:
     """The eager HF model in eval mode on `device`/`dtype`."""
     import transformers
 
     kwargs = {"attn_implementation": cfg.attn_implementation}
+    if cfg.hf_config is not None and cfg.init == "hashed":
+        return _hashed_model(cfg, device, dtype)
     if cfg.path is not None:
         path = Path(cfg.path)
         if not (path / "config.json").is_file():
@@ -70,14 +153,7 @@ def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> n
             raise ModelLoadError(f"loading the checkpoint at {path} failed: {type(exc).__name__}: {exc}") from exc
         _refuse_incomplete(path, info)
     elif cfg.hf_config is not None:
-        hf = dict(cfg.hf_config)
-        model_type = hf.pop("model_type", None)
-        if model_type is None:
-            raise ModelLoadError("model.hf_config needs a `model_type` (e.g. deepseek_v3)")
-        try:
-            config = transformers.AutoConfig.for_model(model_type, **hf)
-        except Exception as exc:
-            raise ModelLoadError(f"model.hf_config is not a valid {model_type} config: {exc}") from exc
+        config = hf_config(cfg)
         torch.manual_seed(cfg.seed)
         if device.type == "cuda":
             # Random weights made where they live, in their dtype: a 16-30 B model built as fp32 on
@@ -88,10 +164,7 @@ def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> n
             model = causal_lm_class(config)._from_config(config, dtype=torch.float32, **kwargs)
             model = model.to(dtype)
     else:
-        raise ModelLoadError(
-            "no model: set model.path (a checkpoint directory) or model.hf_config, or name a model family "
-            "(`--model deepseek_v3`, `optimize(\"deepseek_v3\")`; `autodeploy models` lists them)"
-        )
+        hf_config(cfg)  # raises: no model source
     return model.to(device).eval()
 
 

@@ -64,6 +64,7 @@ def probe_rank(rank: int, jobs: Sequence[ProbeJob]) -> dict[str, dict[str, Any]]
         # disagreement from a near-tie that 16-bit rounding may flip).
         first_logits = [om.prefill_logits(list(p))[-1].float().cpu() for p in job.prompts]
         rec = next((r for r in om.history if r.name == "shard"), None)
+        load = next((r for r in om.history if r.name == "load_weights"), None)
         weights = {}
         for n in om.gm.graph.nodes:
             if n.op == "get_attr":
@@ -80,6 +81,7 @@ def probe_rank(rank: int, jobs: Sequence[ProbeJob]) -> dict[str, dict[str, Any]]
             "first_logits": first_logits,
             "shard_summary": rec.summary if rec else None,
             "shard_details": rec.details if rec else None,
+            "load_details": load.details if load else None,
             "layers": rep["layers"],
             "all_reduces": count_all_reduces(om.gm),
             "weights": weights,
