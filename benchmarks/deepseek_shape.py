@@ -131,3 +131,26 @@ GLM_47_FLASH = {
     "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
     "tie_word_embeddings": False,
 }
+
+
+# deepseek-ai/DeepSeek-V2 config.json (236 B parameters, 21 B active): 60 layers, N 128, q_lora 1536,
+# 160 routed experts x 1536 top-6 (group-limited: 8 groups, 3 chosen), 2 shared, first layer dense.
+# Does not fit one H200 in bf16 (~472 GB): built at tensor parallel 8 with model.init=hashed.
+DEEPSEEK_V2 = {
+    **V2_LITE,
+    "hidden_size": 5120,
+    "intermediate_size": 12288,
+    "moe_intermediate_size": 1536,
+    "num_hidden_layers": 60,
+    "num_attention_heads": 128,
+    "num_key_value_heads": 128,
+    "q_lora_rank": 1536,
+    "n_routed_experts": 160,
+    "routed_scaling_factor": 16.0,
+    "topk_method": "group_limited_greedy",
+    "n_group": 8,
+    "topk_group": 3,
+}
+
+#: Published configs by the name the scripts take (`--model`).
+PUBLISHED = {"v2_lite": V2_LITE, "glm_4_7_flash": GLM_47_FLASH, "deepseek_v2": DEEPSEEK_V2}

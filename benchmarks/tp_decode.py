@@ -1,22 +1,34 @@
-"""Tensor-parallel decode step latency: 1 GPU vs 2 GPUs (the `shard` pass, NCCL all-reduce).
+"""Tensor-parallel scaling: decode step latency, prefill throughput, all-reduce share, build time and
+memory per rank at world sizes 1, 2, 4, 8 (the `shard` pass, NCCL all-reduce).
 
-Model: a DeepSeek-V3-shaped `transformers` model with the real MLA dims (N 128, q_lora 1536, R 512,
-Dr 64, Dn 128, Dv 128, hidden 7168), a few layers (first dense, the rest MoE with fewer/smaller
-routed experts than the real 256 x 2048), vocab 32768, random weights, bf16 - the same model as
-benchmarks/e2e_decode.py. With 2 ranks every rank holds N/2 = 64 heads, half of every MLP/expert,
-the full latent cache, and runs one all-reduce per attention block and one per MLP/MoE block.
+Models (`--model`): `v3_shape` (default; a DeepSeek-V3-shaped `transformers` model with the real MLA
+dims N 128, q_lora 1536, R 512, Dr 64, Dn 128, Dv 128, hidden 7168, a few layers with fewer/smaller
+routed experts; the model of benchmarks/e2e_decode.py), or a published config: `v2_lite`
+(DeepSeek-V2-Lite, 15.7 B), `glm_4_7_flash` (GLM-4.7-Flash, 29.9 B, N 20, Dn 192 != Dv 256),
+`deepseek_v2` (DeepSeek-V2, 236 B: needs 8 H200s). Random bf16 weights with `model.init: hashed`
+(default): every rank builds a weightless skeleton and generates only its own slices, so no rank
+ever holds the full model. With W ranks every rank holds N/W heads, 1/W of every MLP/expert, the
+full latent cache, and runs one all-reduce per attention block and one per MLP/MoE block.
 
 One decode step = every sequence of the batch adds one token at context length C, through
 `ModelRunner.forward`: host metadata, the graph (piecewise runner: CUDA graphs on by default,
 collectives captured inside them), the sampling sync (argmax of this rank's logits rows -> host; no
-rank-0 broadcast). Median over steps; for 2 ranks the slower rank's median is reported. Caches are
-filled with random latents (no prefill is timed).
+rank-0 broadcast). Median over steps; for several ranks the slower rank's median is reported.
+Caches are filled with random latents (no prefill is timed there). `--prefill P`: one P-token
+prompt prefilled from an empty cache (median of 3). `--agree K`: greedy tokens of 4 prompts x K new
+tokens, compared with world size 1 in the table. `--profile C,B`: 3 profiled steps per rank; the
+all-reduce share of the step is the NCCL kernels' device time (including any wait for the slower
+rank) over all kernels' device time.
 
     python benchmarks/tp_decode.py --out /tmp/tp            # on a 2-GPU host (nvidia-h200-x2)
+    python benchmarks/tp_decode.py --model glm_4_7_flash --world-sizes 1,2 --batches 1,8,64 --prefill 2048 \
+        --agree 8 --profile 1024,64 --out /tmp/tp_glm
     python benchmarks/tp_decode.py --render /tmp/tp/tp_decode.json   # markdown table + plot (CPU ok)
+    python benchmarks/tp_decode.py --render w1/tp_decode.json w2/tp_decode.json --out merged  # runs merged
     python benchmarks/tp_decode.py --quick --device cpu --out /tmp/tpq  # CPU/gloo dry run of the plumbing
 
-Copy tp_decode.{json,md,png} into docs/benchmarks/ and quote the machine and command from the JSON.
+Copy the JSON/md/png into docs/benchmarks/ (tp_decode.* for v3_shape, tp_scaling.* for published
+configs) and quote the machine and command from the JSON.
 """
 
 from __future__ import annotations
@@ -32,24 +44,68 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from deepseek_shape import decode_runtime, deepseek_v3_shaped, extra_tokens  # benchmarks/ is sys.path[0] when run as a script
+from deepseek_shape import PUBLISHED, decode_runtime, deepseek_v3_shaped, extra_tokens  # benchmarks/ is sys.path[0] as a script
 
 DEFAULT_BATCHES = (1, 8, 32, 64)
 DEFAULT_CONTEXTS = (1024, 4096)
 PROFILE_STEPS = 3  # steps run under torch.profiler with --profile
+AGREE_PROMPTS = ([5, 9, 200, 17], [3, 3, 8, 1, 90, 2, 7, 7, 7, 100, 11], [42], [7, 1, 250, 9, 9, 30, 31, 32, 33])
+
+
+def hf_config_of(args: argparse.Namespace) -> dict[str, Any]:
+    """The HF config dict of `--model` (the V3 shape from the dimension arguments; --quick shrinks it)."""
+    if args.model == "v3_shape" or args.quick:
+        return deepseek_v3_shaped(args)
+    return dict(PUBLISHED[args.model])
 
 
 def build_config(args: argparse.Namespace, device: str) -> dict[str, Any]:
+    runtime = decode_runtime(args, extra_tokens(args, PROFILE_STEPS))
+    if args.prefill:  # one prompt of `prefill` tokens in one step (its pages fit in the decode reservation)
+        runtime["max_num_tokens"] = max(runtime["max_num_tokens"], args.prefill)
+        runtime["max_seq_len"] = max(runtime["max_seq_len"], args.prefill + args.agree + 8)
+    piecewise: dict[str, Any] = {"enabled": True, "on_cpu": args.quick, "cuda_graphs": not args.no_cuda_graphs}
+    # Captured token counts: the decode batches (and the prefill length) only, not every power of two:
+    # each bucket is one more CUDA graph per piece to capture at warm-up.
+    piecewise["buckets"] = sorted(set(args.batches) | ({args.prefill} if args.prefill else set()))
     return {
-        "model": {"hf_config": deepseek_v3_shaped(args), "dtype": "bfloat16" if device == "cuda" else "float32",
-                  "device": device, "seed": 0},
-        "runtime": decode_runtime(args, extra_tokens(args, PROFILE_STEPS)),
-        "transforms": {
-            "insert_cached_mla_attention": {"backend": args.backend},
-            "piecewise": {"enabled": True, "on_cpu": args.quick, "buckets": sorted(set(args.batches)),
-                          "cuda_graphs": not args.no_cuda_graphs},
-        },
+        "model": {"hf_config": hf_config_of(args), "dtype": "bfloat16" if device == "cuda" else "float32",
+                  "device": device, "seed": 0, "init": args.init},
+        "runtime": runtime,
+        "transforms": {"insert_cached_mla_attention": {"backend": args.backend}, "piecewise": piecewise},
     }
+
+
+def _max_over_ranks(x: float, world: int, device: torch.device) -> float:
+    """The largest `x` of all ranks (the slower rank decides a step's time)."""
+    if world == 1:
+        return x
+    import torch.distributed as dist
+
+    t = torch.tensor([x], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def time_prefill(runner: Any, tokens: int, vocab: int, reps: int = 3) -> float:
+    """Median ms of prefilling one `tokens`-long prompt from an empty cache (the first run is a warm-up)."""
+    from autodeploy_mla.runtime.sequence_info import StepSequence
+
+    g = torch.Generator().manual_seed(tokens)
+    ids = torch.randint(2, vocab, (tokens,), generator=g).tolist()
+    ts = []
+    for i in range(reps + 1):
+        runner.allocator.ensure(0, tokens)
+        try:
+            _sync(runner.device)
+            t0 = time.perf_counter()
+            _, logits = runner.forward([StepSequence(0, ids, 0)], runner.allocator.pages_of)
+            logits[0, :1].argmax(-1).tolist()
+            if i:
+                ts.append((time.perf_counter() - t0) * 1e3)
+        finally:
+            runner.allocator.free(0)
+    return statistics.median(ts)
 
 
 def _sync(device: torch.device) -> None:
@@ -59,8 +115,6 @@ def _sync(device: torch.device) -> None:
 
 def bench_rank(rank: int, args: argparse.Namespace, device_type: str) -> dict[str, Any]:
     """One rank: build (shard pass on when world > 1), then time decode steps per (context, batch)."""
-    import torch.distributed as dist
-
     from autodeploy_mla.api import optimize
     from autodeploy_mla.distributed.env import env_info
     from autodeploy_mla.runtime.sequence_info import StepSequence
@@ -75,12 +129,26 @@ def bench_rank(rank: int, args: argparse.Namespace, device_type: str) -> dict[st
     t0 = time.perf_counter()
     om = optimize(None, cfg, overrides=sets)
     build_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    om.warmup()  # Inductor compiles + CUDA graph captures of every bucket
+    warmup_s = time.perf_counter() - t0
+    if rank == 0:
+        print(f"world {world}: build {build_s:.0f}s, warm-up {warmup_s:.0f}s", flush=True)
     dev = om.device
     runner = om.runner
     shard = next((r.summary for r in om.history if r.name == "shard" and r.enabled), "")
     backends = sorted({lay["backend"] for lay in om.report()["layers"]})
     heads = om.report()["layers"][0]["dims"]["num_heads"]
-    mem_gb = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
+    weight_gb = sum(t.numel() * t.element_size() for t in {id(t): t for t in
+                    [*om.gm.parameters(), *om.gm.buffers()]}.values()) / 2**30
+    load = next((r.details for r in om.history if r.name == "load_weights"), {})
+    agree = om.generate([list(p) for p in AGREE_PROMPTS], max_new_tokens=args.agree) if args.agree else None
+    prefill: dict[str, Any] = {}
+    if args.prefill:
+        ms = _max_over_ranks(time_prefill(runner, args.prefill, om.vocab_size), world, dev)
+        prefill = {"tokens": args.prefill, "ms": ms, "tokens_per_s": args.prefill / ms * 1e3}
+        if rank == 0:
+            print(json.dumps({"world_size": world, "prefill": prefill}), flush=True)
     rows = []
     extra = extra_tokens(args, PROFILE_STEPS)
 
@@ -96,7 +164,7 @@ def bench_rank(rank: int, args: argparse.Namespace, device_type: str) -> dict[st
                 c.normal_(generator=g)
             tok, ts = [1] * batch, []
             pos0 = context - args.warmup
-            err, paths = None, {}
+            err, paths, profiled = None, {}, {}
             paths0 = step_paths()
 
             def step(i: int) -> None:
@@ -116,7 +184,9 @@ def bench_rank(rank: int, args: argparse.Namespace, device_type: str) -> dict[st
                         ts.append((time.perf_counter() - t1) * 1e3)
                 paths = dict(step_paths() - paths0)
                 if args.profile == [context, batch]:
-                    profile_steps(step, args.warmup + args.steps, Path(args.out) / f"profile_w{world}_r{rank}.txt")
+                    share = profile_steps(step, args.warmup + args.steps,
+                                          Path(args.out) / f"profile_w{world}_r{rank}.txt")
+                    profiled = {"profiled_" + k: _max_over_ranks(v, world, dev) for k, v in share.items()}
             except Exception as exc:  # noqa: BLE001 - recorded; every rank fails the same way
                 err = f"{type(exc).__name__}: {exc}"[:400]
             for sid in range(batch):
@@ -128,22 +198,23 @@ def bench_rank(rank: int, args: argparse.Namespace, device_type: str) -> dict[st
                 row["error"] = err
             else:
                 ts.sort()
-                med = statistics.median(ts)
-                if world > 1:  # the slower rank decides
-                    t = torch.tensor([med], dtype=torch.float64, device=dev if device_type == "cuda" else "cpu")
-                    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-                    med = float(t.item())
+                med = _max_over_ranks(statistics.median(ts), world, dev)  # the slower rank decides
                 row.update({"step_ms": med, "p10_ms": ts[len(ts) // 10], "p90_ms": ts[(9 * len(ts)) // 10],
-                            "steps": len(ts), "tokens_per_s": batch / med * 1e3})
+                            "steps": len(ts), "tokens_per_s": batch / med * 1e3, **profiled})
             rows.append(row)
             if rank == 0:
                 print(json.dumps(row), flush=True)
-    return {"world_size": world, "rows": rows, "build_s": build_s, "shard": shard, "backends": backends,
-            "heads_per_rank": heads, "max_memory_gb": mem_gb}
+    mem_gb = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
+    return {"world_size": world, "rows": rows, "build_s": build_s, "warmup_s": warmup_s, "shard": shard, "backends": backends,
+            "heads_per_rank": heads, "max_memory_gb": mem_gb, "weight_gb_per_rank": weight_gb,
+            "cache_gb_per_rank": sum(c.numel() * c.element_size() for c in runner.caches.caches.values()) / 2**30,
+            "weights_made": {k: load.get(k) for k in ("source", "bytes_read", "full_model_bytes")},
+            "prefill": prefill, "agree_tokens": agree}
 
 
-def profile_steps(step: Any, first: int, path: Path) -> None:
-    """Run PROFILE_STEPS more steps under torch.profiler; write the ops by device time and by host time to `path`."""
+def profile_steps(step: Any, first: int, path: Path) -> dict[str, float]:
+    """Run PROFILE_STEPS more steps under torch.profiler; write the ops by device time and by host time
+    to `path`; return the per-step kernel time and the all-reduce (NCCL kernel) time and share."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
@@ -155,6 +226,10 @@ def profile_steps(step: Any, first: int, path: Path) -> None:
     path.write_text(f"{PROFILE_STEPS} decode steps, torch threads {torch.get_num_threads()}\n"
                     + avg.table(sort_by=key, row_limit=25) + "\nby host time\n"
                     + avg.table(sort_by="self_cpu_time_total", row_limit=25))
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    total = sum(e.device_time for e in kernels) / 1e3 / PROFILE_STEPS  # us -> ms per step
+    nccl = sum(e.device_time for e in kernels if "nccl" in e.name.lower()) / 1e3 / PROFILE_STEPS
+    return {"kernel_ms": total, "allreduce_ms": nccl, "allreduce_share": nccl / total if total else 0.0}
 
 
 def environment(device_type: str) -> dict[str, Any]:
@@ -170,19 +245,48 @@ def environment(device_type: str) -> dict[str, Any]:
     return env
 
 
-def render(path: Path) -> None:
-    data = json.loads(path.read_text())
+def model_line(data: dict[str, Any]) -> str:
+    m = data["model"]
+    name = data.get("model_name", "v3_shape")
+    what = "DeepSeek-V3-shaped" if name == "v3_shape" else f"published {name} config"
+    return (f"Model: {what}, {m['num_hidden_layers']} layers, N {m['num_attention_heads']}, R {m['kv_lora_rank']}, "
+            f"hidden {m['hidden_size']}, {m.get('n_routed_experts', 0)} experts x {m['moe_intermediate_size']} "
+            f"top-{m.get('num_experts_per_tok', 0)}, dtype {data['dtype']}, weights `model.init: "
+            f"{data.get('init', 'transformers')}`.")
+
+
+def merge(paths: list[Path]) -> dict[str, Any]:
+    """One result from runs of the same model at different world sizes (e.g. one device call each):
+    rows and per-world entries of later files replace those of earlier ones for the same world size."""
+    data = json.loads(paths[0].read_text())
+    for p in paths[1:]:
+        more = json.loads(p.read_text())
+        if (more.get("model_name"), more["model"]) != (data.get("model_name"), data["model"]):
+            raise SystemExit(f"{p}: another model than {paths[0]}; merge runs of one model only")
+        sizes = {w["world_size"] for w in more["worlds"]}
+        data["rows"] = [r for r in data["rows"] if r["world_size"] not in sizes] + more["rows"]
+        data["worlds"] = sorted([w for w in data["worlds"] if w["world_size"] not in sizes] + more["worlds"],
+                                key=lambda w: w["world_size"])
+        data["command"] = f"{data['command']}; {more['command']}"
+    return data
+
+
+def render(path: Path, data: Optional[dict[str, Any]] = None) -> None:
+    """Markdown table + plot next to `path` (from `data` if given, else the JSON at `path`)."""
+    data = data if data is not None else json.loads(path.read_text())
     rows = data["rows"]
     by = {(r["world_size"], r["context"], r["batch"]): r for r in rows}
     worlds = sorted({r["world_size"] for r in rows})
-    m = data["model"]
-    lines = [f"# Tensor-parallel decode step latency ({data['environment'].get('gpu', 'cpu')})", "",
-             f"Command: `{data['command']}`", "",
-             f"Model: DeepSeek-V3-shaped, {m['num_hidden_layers']} layers, N {m['num_attention_heads']}, "
-             f"R {m['kv_lora_rank']}, dtype {data['dtype']}. Step = host metadata + graph + argmax sync; "
-             "median ms (2 ranks: the slower rank).", "",
-             "| context | batch | " + " | ".join(f"{w} GPU ms" for w in worlds) + " | speed-up | timed steps ran as |",
-             "|---|---|" + "---|" * len(worlds) + "---|---|"]
+    top = max(worlds)
+    lines = [f"# Tensor-parallel scaling ({data['environment'].get('gpu', 'cpu')})", "",
+             f"Command: `{data['command']}`", "", model_line(data),
+             "Decode step = host metadata + graph + argmax sync; median ms (several ranks: the slower rank). "
+             "Speed-up = 1 GPU / each world size. All-reduce = NCCL kernel time per step, incl. waiting on the "
+             "slower rank (profiled rows only).", "",
+             "| context | batch | " + " | ".join(f"{w} GPU ms" for w in worlds) + " | "
+             + " | ".join(f"speed-up {w}" for w in worlds if w > 1) + f" | tokens/s ({top} GPU) | all-reduce ms (share) "
+             "| timed steps ran as |",
+             "|---|---|" + "---|" * len(worlds) + "---|" * len([w for w in worlds if w > 1]) + "---|---|---|"]
     for context in sorted({r["context"] for r in rows}):
         for batch in sorted({r["batch"] for r in rows}):
             cells, ms = [], {}
@@ -193,15 +297,43 @@ def render(path: Path) -> None:
                     cells.append(f"{r['step_ms']:.3f}")
                 else:
                     cells.append(r.get("error", "-")[:40])
-            sp = f"{ms[1] / ms[max(worlds)]:.2f}x" if 1 in ms and max(worlds) in ms and max(worlds) > 1 else "-"
+            sps = [f"{ms[1] / ms[w]:.2f}x" if 1 in ms and w in ms else "-" for w in worlds if w > 1]
+            tps = f"{batch / ms[top] * 1e3:.0f}" if top in ms else "-"
+            ar = "; ".join(f"{w}: {by[(w, context, batch)]['profiled_allreduce_ms']:.2f} "
+                           f"({by[(w, context, batch)]['profiled_allreduce_share']:.0%})"
+                           for w in worlds if "profiled_allreduce_ms" in by.get((w, context, batch), {}) and w > 1)
             paths = "; ".join(f"{w}: " + ", ".join(f"{k} {v}" for k, v in sorted(by[(w, context, batch)]["paths"].items()))
                               for w in worlds if by.get((w, context, batch), {}).get("paths"))
-            lines.append(f"| {context} | {batch} | " + " | ".join(cells) + f" | {sp} | {paths or '-'} |")
+            lines.append(f"| {context} | {batch} | " + " | ".join(cells) + " | " + " | ".join(sps)
+                         + (" | " if sps else "") + f"{tps} | {ar or '-'} | {paths or '-'} |")
     lines.append("")
-    for w in data["worlds"]:
-        mem = "-" if w["max_memory_gb"] is None else f"{w['max_memory_gb']:.1f} GiB"
-        lines.append(f"- {w['world_size']} rank(s): backends {w['backends']}, heads/rank {w['heads_per_rank']}, "
-                     f"build {w['build_s']:.1f}s, peak memory {mem}; {w['shard'] or 'no sharding'}")
+    worlds_info = {w["world_size"]: w for w in data["worlds"]}
+    if any(w.get("prefill") for w in data["worlds"]):
+        base = worlds_info.get(1, {}).get("prefill", {}).get("ms")
+        lines += ["| world size | prefill tokens | ms | tokens/s | speed-up |", "|---|---|---|---|---|"]
+        for w, info in sorted(worlds_info.items()):
+            pf = info.get("prefill") or {}
+            if pf:
+                sp = f"{base / pf['ms']:.2f}x" if base else "-"
+                lines.append(f"| {w} | {pf['tokens']} | {pf['ms']:.2f} | {pf['tokens_per_s']:.0f} | {sp} |")
+        lines.append("")
+    ref = worlds_info.get(1, {}).get("agree_tokens")
+    for w, info in sorted(worlds_info.items()):
+        mem = "-" if info["max_memory_gb"] is None else f"{info['max_memory_gb']:.1f} GiB"
+        made = info.get("weights_made") or {}
+        src = (f", weights made by slices: {made['bytes_read'] / 2**30:.1f} of {made['full_model_bytes'] / 2**30:.1f} GiB "
+               f"({made['source']})" if made.get("bytes_read") else "")
+        agree = ""
+        if ref and info.get("agree_tokens") and w > 1:
+            same = sum(a == b for a, b in zip(ref, info["agree_tokens"]))
+            first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+                     for a, b in zip(ref, info["agree_tokens"])]
+            agree = (f"; greedy tokens vs 1 GPU: {same}/{len(ref)} prompts identical"
+                     + (f" (first difference at new token {[f for f in first if f is not None]})" if same < len(ref) else ""))
+        lines.append(f"- {w} rank(s): backends {info['backends']}, heads/rank {info['heads_per_rank']}, "
+                     f"build {info['build_s']:.1f}s + warm-up {info.get('warmup_s', 0):.0f}s, weights {info.get('weight_gb_per_rank', 0):.1f} GiB/rank, "
+                     f"cache {info.get('cache_gb_per_rank', 0):.1f} GiB/rank, peak memory {mem}{src}{agree}; "
+                     f"{info['shard'] or 'no sharding'}")
     if data.get("notes"):  # added by hand after the run: what was measured around it
         lines += ["", "Notes:", *[f"- {n}" for n in data["notes"]]]
     md = path.with_suffix(".md")
@@ -227,7 +359,7 @@ def render(path: Path) -> None:
     ax.set_xscale("log", base=2)
     ax.grid(True, alpha=0.3)
     ax.legend()
-    ax.set_title("DeepSeek-V3-shaped MLA decode: tensor parallel 1 vs 2 GPUs")
+    ax.set_title(f"{data.get('model_name', 'v3_shape')} decode: tensor parallel " + " vs ".join(f"{w}" for w in worlds) + " GPUs")
     fig.tight_layout()
     fig.savefig(path.with_suffix(".png"), dpi=120)
 
@@ -235,11 +367,17 @@ def render(path: Path) -> None:
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="/tmp/tp_decode")
-    ap.add_argument("--render", help="render table + plot from this JSON and exit")
+    ap.add_argument("--render", nargs="+", help="render table + plot from this JSON (several: runs of one model at "
+                    "different world sizes, merged into the --out directory) and exit")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--world-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2])
     ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=list(DEFAULT_BATCHES))
     ap.add_argument("--contexts", type=lambda s: [int(x) for x in s.split(",")], default=list(DEFAULT_CONTEXTS))
+    ap.add_argument("--model", default="v3_shape", choices=["v3_shape", *PUBLISHED])
+    ap.add_argument("--init", default="hashed", choices=["hashed", "transformers"],
+                    help="random weights: hashed = every rank generates only its slices")
+    ap.add_argument("--prefill", type=int, default=0, help="also time one prefill of this many tokens per world size")
+    ap.add_argument("--agree", type=int, default=0, help="greedy tokens of 4 prompts x this many, compared with 1 GPU")
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=7168)
@@ -263,7 +401,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--quick", action="store_true", help="tiny dims for a CPU dry run (gloo)")
     args = ap.parse_args(argv)
     if args.render:
-        render(Path(args.render))
+        if len(args.render) == 1:
+            render(Path(args.render[0]))
+        else:
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            merged = merge([Path(p) for p in args.render])
+            out = Path(args.out) / Path(args.render[0]).name
+            out.write_text(json.dumps(merged, indent=1, default=str))
+            render(out, merged)
         return 0
     if args.quick:
         args.hidden, args.heads, args.intermediate, args.moe_intermediate, args.vocab = 128, 4, 128, 32, 256
@@ -282,7 +427,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     result: dict[str, Any] = {
         "command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
         "environment": environment(device_type),
-        "model": deepseek_v3_shaped(args),
+        "model_name": args.model,
+        "init": args.init,
+        "model": hf_config_of(args),
         "dtype": "bfloat16" if device_type == "cuda" else "float32",
         "rows": [],
         "worlds": [],
