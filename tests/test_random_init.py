@@ -84,3 +84,28 @@ def test_hashed_init_refusals():
     cfg = load_config("glm_4_7_flash", overrides=["model.device=cpu"]).model  # init: transformers
     with pytest.raises(ModelLoadError, match="model.init=hashed"):
         build_skeleton(cfg, CPU, torch.float32)
+
+
+def test_expert_placeholders_have_matrix_strides_for_grouped_mm():
+    """On CUDA transformers runs MoE experts through torch._grouped_mm, whose fake kernel (export)
+    needs the last two dims of a weight to have a matrix's strides: skeleton placeholders of 3-d
+    weights are one zero matrix stacked with zero strides, shared by every expert weight."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from autodeploy_mla.models.checkpoint import ShardSpec
+    from autodeploy_mla.models.skeleton import placeholder
+
+    cfg = load_config("glm_4_7_flash", overrides=RUNTIME).model
+    skel = build_skeleton(cfg, CPU, torch.bfloat16)
+    experts = [p for n, p in skel.named_parameters() if p.dim() == 3]
+    assert experts and all(is_placeholder(p) and p.stride()[0] == 0 and p.stride()[-1] == 1 for p in experts)
+    assert len({p.untyped_storage().data_ptr() for p in experts}) == 1  # one matrix behind all of them
+    e, out, inn = experts[0].shape
+    half = ShardSpec(1, ((0, out // 4), (out // 2, out // 2 + out // 4)), "test").slice(experts[0])
+    assert is_placeholder(half) and half.shape == (e, out // 2, inn)
+    assert half.untyped_storage().data_ptr() == experts[0].untyped_storage().data_ptr()
+    x = torch.zeros(10, 16, dtype=torch.bfloat16)
+    offs = torch.tensor([2, 5, 7, 10], dtype=torch.int32)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        w = mode.from_tensor(placeholder((4, 24, 16), torch.bfloat16, CPU)).transpose(-2, -1)
+        assert torch._grouped_mm(mode.from_tensor(x), w, offs=mode.from_tensor(offs)).shape == (10, 24)

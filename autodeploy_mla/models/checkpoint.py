@@ -227,7 +227,7 @@ class ShardSpec:
     def slice(self, t: torch.Tensor) -> torch.Tensor:
         """This rank's part of `t`; a placeholder of the sliced shape when `t` is one (skeletons)."""
         if is_placeholder(t):
-            return placeholder(self.shape(t.shape), t.dtype, t.device)
+            return placeholder(self.shape(t.shape), t.dtype, t.device, base=t)
         if self.zero:
             return torch.zeros(self.shape(t.shape), dtype=t.dtype, device=t.device)
         parts = [t.narrow(self.dim, a, b - a) for a, b in self.ranges]

@@ -57,13 +57,27 @@ def skeleton_info(model: nn.Module) -> SkeletonInfo:
     return model._autodeploy_skeleton  # type: ignore[attr-defined,no-any-return]
 
 
-def placeholder(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A tensor of `shape` that owns one element (zero strides)."""
-    return torch.zeros((), dtype=dtype, device=device).expand(*shape)
+def placeholder(shape: Sequence[int], dtype: torch.dtype, device: torch.device,
+                base: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """A tensor of `shape` that owns (almost) nothing: one element expanded (zero strides), or, for 3-d
+    and larger shapes, one [rows, cols] zero matrix stacked with zero strides — grouped_mm's fake kernel
+    (MoE experts [E, out, in] on CUDA) insists that the last two dims have a matrix's strides. `base`:
+    a placeholder whose storage is reused when it is large enough (slices of a placeholder, and every
+    expert weight of a skeleton, share one matrix)."""
+    shape = tuple(int(s) for s in shape)
+    if len(shape) < 3:
+        return torch.zeros((), dtype=dtype, device=device).expand(*shape)
+    rows, cols = shape[-2:]
+    need = max(1, rows * cols)
+    if base is None or base.dtype != dtype or base.device != device or base.untyped_storage().nbytes() < need * base.element_size():
+        base = torch.zeros(need, dtype=dtype, device=device)
+    return base.as_strided(shape, (0,) * (len(shape) - 2) + (cols, 1), 0)
 
 
 def is_placeholder(t: torch.Tensor) -> bool:
-    return t.numel() > 1 and all(s == 0 for s in t.stride())
+    """A placeholder of `placeholder()`: more than one element, zero stride on the leading dim (real
+    weights are dense)."""
+    return t.numel() > 1 and t.dim() >= 1 and t.stride(0) == 0
 
 
 def build_skeleton(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> nn.Module:
@@ -75,6 +89,7 @@ def build_skeleton(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -
     model.to(dtype)  # floating buffers follow the model dtype, as in build_model; parameters stay meta
     params: set[str] = set()
     memo: dict[int, nn.Parameter] = {}  # tied parameters stay tied
+    bases: dict[torch.dtype, torch.Tensor] = {}  # one matrix per dtype behind every >= 3-d placeholder
     names_of: dict[int, list[str]] = {}
     persistent: set[str] = set()
     for mod_name, mod in model.named_modules(remove_duplicate=False):
@@ -83,7 +98,10 @@ def build_skeleton(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -
             if p is None:
                 continue
             if id(p) not in memo:
-                memo[id(p)] = nn.Parameter(placeholder(p.shape, p.dtype, device), requires_grad=False)
+                ph = placeholder(p.shape, p.dtype, device, bases.get(p.dtype))
+                if ph.dim() >= 3 and (p.dtype not in bases or ph.untyped_storage().nbytes() > bases[p.dtype].untyped_storage().nbytes()):
+                    bases[p.dtype] = ph
+                memo[id(p)] = nn.Parameter(ph, requires_grad=False)
             names_of.setdefault(id(memo[id(p)]), []).append(prefix + name)
             mod._parameters[name] = memo[id(p)]
             params.add(prefix + name)
