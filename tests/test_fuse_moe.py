@@ -73,6 +73,21 @@ def test_triton_is_deterministic_and_block_sizes_agree():
         assert torch.allclose(fused_moe(x, ids, w, w_up, w_down, config=cfg), a, atol=1e-6)
 
 
+@pytest.mark.parametrize("shape", [(70, 3, 5, 16, 8), (37, 3, 5, 40, 44), (9, 4, 8, 32, 24)])
+def test_sorted_rows_tma_path_equals_the_loop(monkeypatch, shape):
+    """The prefill path (rows copied into expert order, operands by tensor descriptor) — forced on in
+    the interpreter, where the eligibility check (SM90+, aligned contiguous weights) says no."""
+    from autodeploy_mla.custom_ops.moe import ops
+
+    assert not ops.sorted_tma_ok(*_inputs(*shape)[:1], *_inputs(*shape)[3:])  # CPU: never chosen
+    monkeypatch.setattr(ops, "sorted_tma_ok", lambda *a: True)
+    x, ids, w, w_up, w_down = _inputs(*shape, seed=sum(shape))
+    ref = loop_reference(x, ids, w, w_up, w_down)
+    for bm in (16, 32):
+        cfg = MoEConfig(block_m=bm, up_n=16, up_k=16, down_n=16, down_k=16, num_warps=1, num_stages=1, sorted_tma=True)
+        assert torch.allclose(fused_moe(x, ids, w, w_up, w_down, config=cfg).double(), ref, atol=1e-5, rtol=1e-5)
+
+
 def test_bf16_close_to_fp32():
     x, ids, w, w_up, w_down = _inputs(12, 2, 4, 32, 16, dtype=torch.bfloat16, seed=3)
     ref = loop_reference(x, ids, w, w_up, w_down)
@@ -102,6 +117,7 @@ def test_launch_config_grows_with_rows_per_expert():
     decode = moe_config(64 * 6, 64, 2048, 1408, torch.bfloat16, compiled=True)
     prefill = moe_config(2048 * 6, 64, 2048, 1408, torch.bfloat16, compiled=True)
     assert decode.block_m == 16 and prefill.block_m == 128
+    assert prefill.sorted_tma and not decode.sorted_tma
 
 
 # ----------------------------------------------------------------------------- the pass
@@ -172,7 +188,7 @@ def test_a_region_that_differs_is_left_alone_with_the_reason():
 
 # ----------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
-@pytest.mark.parametrize("t", [1, 5, 64, 700])
+@pytest.mark.parametrize("t", [1, 5, 64, 700, 2048])  # 700, 2048: the sorted-rows TMA path
 def test_gpu_bf16_against_fp32(t):
     dev = torch.device("cuda")
     x, ids, w, w_up, w_down = (a.to(dev) for a in _inputs(t, 6, 64, 256, 192, dtype=torch.bfloat16, seed=t))

@@ -163,3 +163,89 @@ def down_kernel(
     acc = acc * wt[:, None]
     o_ptr = OUT + pairs.to(tl.int64)[:, None] * stride_ot + offs_n[None, :]
     tl.store(o_ptr, acc.to(OUT.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
+
+
+# ----------------------------------------------------------------------------- sorted rows + TMA (prefill)
+# At hundreds of rows per expert the GEMMs are compute-bound and the gathered row loads above keep
+# them from TMA: `gather_kernel` first copies each slot's token row into a sorted [slots, H] buffer
+# (zeros in padding slots), so every operand of both GEMMs is a plain 2-d tile that a tensor
+# descriptor (TMA on SM90) loads. Weights are read as 2-d [E * rows, in] views: expert e's tile
+# starts at row e * rows.
+@triton.jit(do_not_specialize=["n_pairs"])
+def gather_kernel(
+    X, SORTED, BLOCK_EXPERT, XS,
+    n_pairs, H, stride_xt,
+    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """XS[slot] = x[token of slot's pair] (0 in padding slots) for the row blocks that hold an expert."""
+    pid_m = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    e = tl.load(BLOCK_EXPERT + pid_m)
+    if e < 0:
+        return
+    slots = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(SORTED + slots)
+    rmask = pairs < n_pairs
+    tok = (pairs // TOP_K).to(tl.int64)
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = offs_h < H
+    v = tl.load(X + tok[:, None] * stride_xt + offs_h[None, :], mask=rmask[:, None] & hmask[None, :], other=0.0)
+    tl.store(XS + slots.to(tl.int64)[:, None] * H + offs_h[None, :], v, mask=hmask[None, :])
+
+
+@triton.jit
+def up_sorted_kernel(
+    XS_DESC, W_DESC, BLOCK_EXPERT, OUT,
+    K, N, stride_ot,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """OUT[slot, n] = act(xs[slot] . W[e, n]) * (xs[slot] . W[e, N + n]), all operands by descriptor."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    e = tl.load(BLOCK_EXPERT + pid_m)
+    if e < 0:
+        return
+    m0 = pid_m * BLOCK_M
+    row_g = e * 2 * N + pid_n * BLOCK_N
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        a = XS_DESC.load([m0, k0])
+        wg = W_DESC.load([row_g, k0])
+        wu = W_DESC.load([row_g + N, k0])
+        acc_g += _dot(a, tl.trans(wg), DOT_PREC)
+        acc_u += _dot(a, tl.trans(wu), DOT_PREC)
+    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # silu(gate) * up
+    slots = m0 + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    o_ptr = OUT + slots.to(tl.int64)[:, None] * stride_ot + offs_n[None, :]
+    tl.store(o_ptr, h.to(OUT.dtype.element_ty), mask=(offs_n < N)[None, :])
+
+
+@triton.jit(do_not_specialize=["n_pairs"])
+def down_sorted_kernel(
+    A_DESC, W_DESC, SORTED, BLOCK_EXPERT, TOPK_W, OUT,
+    n_pairs, K, N, stride_ot,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """OUT[pair, n] = weight[pair] * (A[slot] . W[e, n]), operands by descriptor."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    e = tl.load(BLOCK_EXPERT + pid_m)
+    if e < 0:
+        return
+    m0 = pid_m * BLOCK_M
+    row_w = e * N + pid_n * BLOCK_N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        a = A_DESC.load([m0, k0])
+        w = W_DESC.load([row_w, k0])
+        acc += _dot(a, tl.trans(w), DOT_PREC)
+    slots = m0 + tl.arange(0, BLOCK_M)
+    pairs = tl.load(SORTED + slots)
+    rmask = pairs < n_pairs
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    wt = tl.load(TOPK_W + pairs, mask=rmask, other=0.0).to(tl.float32)
+    acc = acc * wt[:, None]
+    o_ptr = OUT + pairs.to(tl.int64)[:, None] * stride_ot + offs_n[None, :]
+    tl.store(o_ptr, acc.to(OUT.dtype.element_ty), mask=rmask[:, None] & (offs_n < N)[None, :])

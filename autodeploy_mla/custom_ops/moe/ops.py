@@ -15,7 +15,9 @@ The reference is a dense loop over experts (every token through every expert, ma
 routing weight): exact, vectorised, no host sync, and slow — for tests and small CPU models. The
 Triton op is the fast path (kernels.py): a deterministic padded layout by expert, then two GEMM
 kernels over row blocks of one expert each, with the gate fused into the first and the routing
-weight into the second. Launch configs: `tuning.moe_config`.
+weight into the second. At prefill sizes (`MoEConfig.sorted_tma`, SM90+, contiguous weights) the
+token rows are first copied into expert order so both GEMMs load every operand by TMA descriptor.
+Launch configs: `tuning.moe_config`.
 """
 
 from __future__ import annotations
@@ -113,6 +115,10 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
                                   E_P2=e_p2, BLOCK_M=bm, CHUNK=chunk, ROWS=cfg.align_rows(e_p2))
     prec = dot_precision(x.dtype)
     inter = torch.empty(max_blocks * bm, i, dtype=x.dtype, device=dev)
+    if cfg.sorted_tma and sorted_tma_ok(x, w_up, w_down):
+        pair_out = _sorted_tma_gemms(x, w_up, w_down, wts, sorted_pairs, block_expert, inter, cfg, n, k, h, i,
+                                     max_blocks, prec)
+        return pair_out if k == 1 else pair_out.view(t, k, h).sum(1)
     K.up_kernel[(-(-i // cfg.up_n), max_blocks)](
         x, w_up, sorted_pairs, block_expert, inter, n, h, i,
         x.stride(0), x.stride(1), w_up.stride(0), w_up.stride(1), w_up.stride(2), inter.stride(0),
@@ -127,6 +133,43 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     if k == 1:
         return pair_out
     return pair_out.view(t, k, h).sum(1)  # accumulates in fp32 for 16-bit inputs
+
+
+def sorted_tma_ok(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> bool:
+    """Whether the sorted-rows/TMA path can take these operands: tensor descriptors need a dense last
+    dim and 16-byte aligned rows and bases (a transposed weight view takes the gathered path)."""
+    if x.device.type != "cuda" or interpreting() or torch.cuda.get_device_capability(x.device) < (9, 0):
+        return False
+    es = x.element_size()
+    return all(t.is_contiguous() and (t.shape[-1] * es) % 16 == 0 and t.data_ptr() % 16 == 0
+               for t in (w_up, w_down)) and (x.shape[1] * es) % 16 == 0
+
+
+def _sorted_tma_gemms(x, w_up, w_down, wts, sorted_pairs, block_expert, inter, cfg: MoEConfig, n: int, k: int,
+                      h: int, i: int, max_blocks: int, prec: str) -> torch.Tensor:
+    """Both GEMMs over rows copied into expert order (kernels.gather_kernel), operands by descriptor."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    bm = cfg.block_m
+    e = w_up.shape[0]
+    xs = torch.empty(max_blocks * bm, h, dtype=x.dtype, device=x.device)
+    block_h = 128
+    K.gather_kernel[(max_blocks, -(-h // block_h))](x, sorted_pairs, block_expert, xs, n, h, x.stride(0),
+                                                    TOP_K=k, BLOCK_M=bm, BLOCK_H=block_h)
+    xs_d = TensorDescriptor.from_tensor(xs, [bm, cfg.up_k])
+    wu_d = TensorDescriptor.from_tensor(w_up.view(e * 2 * i, h), [cfg.up_n, cfg.up_k])
+    K.up_sorted_kernel[(-(-i // cfg.up_n), max_blocks)](
+        xs_d, wu_d, block_expert, inter, h, i, inter.stride(0),
+        BLOCK_M=bm, BLOCK_N=cfg.up_n, BLOCK_K=cfg.up_k, DOT_PREC=prec,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    a_d = TensorDescriptor.from_tensor(inter, [bm, cfg.down_k])
+    wd_d = TensorDescriptor.from_tensor(w_down.view(e * h, i), [cfg.down_n, cfg.down_k])
+    pair_out = torch.empty(n, h, dtype=x.dtype, device=x.device)
+    K.down_sorted_kernel[(-(-h // cfg.down_n), max_blocks)](
+        a_d, wd_d, sorted_pairs, block_expert, wts, pair_out, n, i, h, pair_out.stride(0),
+        BLOCK_M=bm, BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k, DOT_PREC=prec,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return pair_out
 
 
 @torch.library.custom_op("autodeploy::triton_moe_experts", mutates_args=())
