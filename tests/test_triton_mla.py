@@ -119,6 +119,20 @@ def test_page_sizes(page_size):
     assert res.max_rel_error() < 1e-5
 
 
+@pytest.mark.parametrize("heavy_first", [True, False])
+@pytest.mark.parametrize("split_nope", [True, False])
+def test_expanded_prefill_grid_orders_and_nope_chunks(monkeypatch, heavy_first, split_nope):
+    """Dn 48 (not a power of two: 32 + 16 chunks, or one tile padded to 64) and both grid orders of the
+    expanded prefill kernel (heads x query blocks from the last, or query blocks x heads) agree with
+    the oracle, with several query blocks per sequence."""
+    monkeypatch.setattr(top, "expand_config",
+                        lambda *a, **k: tuning.ExpandConfig(16, 16, 4, 1, heavy_first=heavy_first, split_nope=split_nope))
+    assert tuning.nope_chunks(48) == (32, 16) and tuning.nope_chunks(48, split=False) == (64, 0)
+    res = scenario(MLADims(3, 48, 8, 24, 32), {**STANDARD_SCHEDULES, **EXTRA_SCHEDULES}["long_chunks"], "expand",
+                   page_size=4, seed=7)
+    assert res.max_rel_error() < 1e-5
+
+
 def test_head_block_tails(monkeypatch):
     """N=20 over head blocks of 16 (and 2 tokens x 16 heads for absorbed prefill): the last block
     is partial and every head must still be computed."""

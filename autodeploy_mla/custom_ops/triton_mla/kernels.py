@@ -242,13 +242,14 @@ def gather_kv_kernel(
 
 @triton.jit
 def _expanded_tiles(
-    acc, m_i, l_i, qn, qp, KV, LAT, kv0, k_col, lo, hi, row_limit, qk_scale,
+    acc, m_i, l_i, qn, qn2, qp, KV, LAT, kv0, k_col, lo, hi, row_limit, qk_scale,
     stride_kv_row, stride_lat_row,
     DN: tl.constexpr, DV: tl.constexpr, DR: tl.constexpr, R: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_DN: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
-    CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_DN: tl.constexpr, BLOCK_DN2: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_DR: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    """Online-softmax over key tiles [lo, hi); CAUSAL=False for tiles every row fully sees."""
+    """Online-softmax over key tiles [lo, hi); CAUSAL=False for tiles every row fully sees. The nope
+    dims are BLOCK_DN (+ BLOCK_DN2 past them when DN is not a power of two, e.g. 192 = 128 + 64)."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_dn = tl.arange(0, BLOCK_DN)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -259,6 +260,11 @@ def _expanded_tiles(
         kn = tl.load(KV + rows[:, None] * stride_kv_row + k_col + offs_dn[None, :],
                      mask=pmask[:, None] & (offs_dn[None, :] < DN), other=0.0)
         s = _dot(qn, tl.trans(kn), DOT_PREC)
+        if BLOCK_DN2 > 0:
+            offs_dn2 = BLOCK_DN + tl.arange(0, BLOCK_DN2)
+            kn2 = tl.load(KV + rows[:, None] * stride_kv_row + k_col + offs_dn2[None, :],
+                          mask=pmask[:, None] & (offs_dn2[None, :] < DN), other=0.0)
+            s += _dot(qn2, tl.trans(kn2), DOT_PREC)
         if DR > 0:
             offs_dr = tl.arange(0, BLOCK_DR)
             kp = tl.load(LAT + rows[:, None] * stride_lat_row + R + offs_dr[None, :],
@@ -289,12 +295,18 @@ def expanded_prefill_kernel(
     stride_kv_row, stride_lat_row, stride_o_t, stride_o_h,
     DN: tl.constexpr, DV: tl.constexpr, DR: tl.constexpr, R: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_DN: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    BLOCK_DN: tl.constexpr, BLOCK_DN2: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
+    DOT_PREC: tl.constexpr, HEAVY_FIRST: tl.constexpr,
 ):
-    # grid: (query block, head, prefill sequence). K/V rows of sequence b start at KV_CU[b] in the
-    # expanded buffers; its new tokens are the last q_len of its kv_len = input_pos + q_len rows.
-    mb = tl.program_id(0)
+    # grid: (query block, head, prefill sequence); with HEAVY_FIRST the query blocks of a head are
+    # numbered from the last, so the causal blocks that see the most keys start first and the short
+    # ones fill the tail (a head's blocks stay adjacent: they share its K/V columns in L2). K/V rows
+    # of sequence b start at KV_CU[b] in the expanded buffers; its new tokens are the last q_len of
+    # its kv_len = input_pos + q_len rows.
+    if HEAVY_FIRST:
+        mb = tl.num_programs(0) - 1 - tl.program_id(0)
+    else:
+        mb = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
     q_start = tl.load(CU_SEQLEN + b)
@@ -312,6 +324,11 @@ def expanded_prefill_kernel(
     offs_dr = tl.arange(0, BLOCK_DR)
     qn = tl.load(Q_NOPE + tok[:, None] * stride_qn_t + h * stride_qn_h + offs_dn[None, :],
                  mask=mmask[:, None] & (offs_dn[None, :] < DN), other=0.0)
+    qn2 = qn  # placeholder when BLOCK_DN2 == 0 (never used)
+    if BLOCK_DN2 > 0:
+        offs_dn2 = BLOCK_DN + tl.arange(0, BLOCK_DN2)
+        qn2 = tl.load(Q_NOPE + tok[:, None] * stride_qn_t + h * stride_qn_h + offs_dn2[None, :],
+                      mask=mmask[:, None] & (offs_dn2[None, :] < DN), other=0.0)
     qp = qn  # placeholder when DR == 0 (never used)
     if DR > 0:
         qp = tl.load(Q_PE + tok[:, None] * stride_qp_t + h * stride_qp_h + offs_dr[None, :],
@@ -325,11 +342,13 @@ def expanded_prefill_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     acc, m_i, l_i = _expanded_tiles(
-        acc, m_i, l_i, qn, qp, KV, LAT, kv0, k_col, 0, full_end, row_limit, qk_scale,
-        stride_kv_row, stride_lat_row, DN, DV, DR, R, BLOCK_N, BLOCK_DN, BLOCK_DV, BLOCK_DR, False, DOT_PREC)
+        acc, m_i, l_i, qn, qn2, qp, KV, LAT, kv0, k_col, 0, full_end, row_limit, qk_scale,
+        stride_kv_row, stride_lat_row, DN, DV, DR, R, BLOCK_N, BLOCK_DN, BLOCK_DN2, BLOCK_DV, BLOCK_DR, False,
+        DOT_PREC)
     acc, m_i, l_i = _expanded_tiles(
-        acc, m_i, l_i, qn, qp, KV, LAT, kv0, k_col, full_end, kv_end, row_limit, qk_scale,
-        stride_kv_row, stride_lat_row, DN, DV, DR, R, BLOCK_N, BLOCK_DN, BLOCK_DV, BLOCK_DR, True, DOT_PREC)
+        acc, m_i, l_i, qn, qn2, qp, KV, LAT, kv0, k_col, full_end, kv_end, row_limit, qk_scale,
+        stride_kv_row, stride_lat_row, DN, DV, DR, R, BLOCK_N, BLOCK_DN, BLOCK_DN2, BLOCK_DV, BLOCK_DR, True,
+        DOT_PREC)
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(OUT + tok[:, None] * stride_o_t + h * stride_o_h + offs_dv[None, :], out.to(OUT.dtype.element_ty),
              mask=mmask[:, None] & (offs_dv[None, :] < DV))

@@ -44,6 +44,7 @@ from .tuning import (
     expand_config,
     expansion_supported,
     interpreting,
+    nope_chunks,
     pow2,
     split_plan,
     validate_dims,
@@ -216,13 +217,16 @@ def _prefill_expanded(call: _Call, q_nope, q_pe, mla_cache, kv_b_proj_weight, pa
     kv = torch.matmul(lat[:, :r], kv_b_proj_weight.t())  # [total_kv, N*(Dn+Dv)]: K_nope | V per head
     cfg = expand_config(dims, q_nope.dtype, triton.cdiv(max_q, 128) * n * n_pre, tuning.num_sms(dev))
     bm, bn = cfg.block_m, cfg.block_n
-    K.expanded_prefill_kernel[(triton.cdiv(max_q, bm), n, n_pre)](
+    num_qb = triton.cdiv(max_q, bm)
+    dn1, dn2 = nope_chunks(dn, cfg.split_nope)
+    K.expanded_prefill_kernel[(num_qb, n, n_pre)](
         q_nope, q_pe, kv, lat, cu_seqlen, input_pos, kv_cu, out, qk_scale,
         q_nope.stride(1), q_nope.stride(2), q_pe.stride(1), q_pe.stride(2),
         kv.stride(0), lat.stride(0), out.stride(1), out.stride(2),
         DN=dn, DV=dv, DR=dr, R=r, BLOCK_M=bm, BLOCK_N=bn,
-        BLOCK_DN=pow2(dn), BLOCK_DV=pow2(dv), BLOCK_DR=pow2(dr),
-        DOT_PREC=dot_precision(q_nope.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BLOCK_DN=dn1, BLOCK_DN2=dn2, BLOCK_DV=pow2(dv), BLOCK_DR=pow2(dr),
+        DOT_PREC=dot_precision(q_nope.dtype), HEAVY_FIRST=cfg.heavy_first,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 

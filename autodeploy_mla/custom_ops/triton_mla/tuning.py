@@ -130,6 +130,17 @@ class ExpandConfig:
     block_n: int
     num_warps: int
     num_stages: int
+    heavy_first: bool = True  # a head's query blocks from the last: the longest causal blocks start first
+    split_nope: bool = True  # Dn not a power of two (GLM 192): two exact chunks (128 + 64), not one padded to 256
+
+
+def nope_chunks(dn: int, split: bool = True) -> tuple[int, int]:
+    """(BLOCK_DN, BLOCK_DN2) of the expanded prefill kernel: Dn as one power-of-two tile, or (split and
+    Dn not a power of two) the largest power of two below it plus a second tile for the rest."""
+    if not split or dn & (dn - 1) == 0 or dn < 32:  # tl.dot tiles are >= 16 wide
+        return pow2(dn), 0
+    hi = 1 << (dn.bit_length() - 1)
+    return hi, pow2(dn - hi)
 
 
 def decode_config(dims: MLADims, dtype: torch.dtype) -> AbsorbedConfig:
@@ -165,8 +176,8 @@ def expand_config(dims: MLADims, dtype: torch.dtype, programs_at_128: Optional[i
     20 programs) use 64-query blocks, which double the programs."""
     dmax = max(pow2(dims.qk_nope_head_dim), pow2(dims.v_head_dim))
     small = programs_at_128 is not None and programs_at_128 < sms
-    if dmax <= 128:
-        return ExpandConfig(64, 64, 4, 2) if small else ExpandConfig(128, 64, 8, 2)
+    if dmax <= 128:  # 2026-11-24 A/B (benchmarks/bench_expand_prefill.py): 3 stages 125 vs 138 us at N=16
+        return ExpandConfig(64, 64, 4, 2) if small else ExpandConfig(128, 64, 8, 3)
     return ExpandConfig(64, 32, 4, 3) if small else ExpandConfig(128, 32, 8, 3)
 
 
