@@ -249,3 +249,21 @@ def down_sorted_kernel(
     acc = acc * wt[:, None]
     o_ptr = OUT + pairs.to(tl.int64)[:, None] * stride_ot + offs_n[None, :]
     tl.store(o_ptr, acc.to(OUT.dtype.element_ty), mask=rmask[:, None] & (offs_n < N)[None, :])
+
+
+@triton.jit
+def topk_sum_kernel(
+    PAIR_OUT, OUT, T, H,
+    TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """OUT[t] = sum over j of PAIR_OUT[t * TOP_K + j], accumulated in fp32 (one pass over [T, k, H])."""
+    pid_t = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = (offs_t < T)[:, None] & (offs_h < H)[None, :]
+    rows = offs_t.to(tl.int64) * TOP_K
+    acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
+    for j in range(TOP_K):
+        acc += tl.load(PAIR_OUT + (rows + j)[:, None] * H + offs_h[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.store(OUT + offs_t.to(tl.int64)[:, None] * H + offs_h[None, :], acc.to(OUT.dtype.element_ty), mask=mask)

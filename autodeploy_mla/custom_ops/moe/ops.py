@@ -118,7 +118,7 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     if cfg.sorted_tma and sorted_tma_ok(x, w_up, w_down):
         pair_out = _sorted_tma_gemms(x, w_up, w_down, wts, sorted_pairs, block_expert, inter, cfg, n, k, h, i,
                                      max_blocks, prec)
-        return pair_out if k == 1 else pair_out.view(t, k, h).sum(1)
+        return _sum_over_topk(pair_out, t, k, h)
     K.up_kernel[(-(-i // cfg.up_n), max_blocks)](
         x, w_up, sorted_pairs, block_expert, inter, n, h, i,
         x.stride(0), x.stride(1), w_up.stride(0), w_up.stride(1), w_up.stride(2), inter.stride(0),
@@ -130,9 +130,19 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
         inter.stride(0), w_down.stride(0), w_down.stride(1), w_down.stride(2), pair_out.stride(0),
         BLOCK_M=bm, BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k, DOT_PREC=prec,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return _sum_over_topk(pair_out, t, k, h)
+
+
+def _sum_over_topk(pair_out: torch.Tensor, t: int, k: int, h: int) -> torch.Tensor:
+    """[T*k, H] per-pair outputs -> [T, H], summed in fp32 by one Triton pass (torch's generic
+    reduction over the middle dim of [T, k, H] took twice the bytes' time: 29 vs ~14 us at T=2048)."""
     if k == 1:
         return pair_out
-    return pair_out.view(t, k, h).sum(1)  # accumulates in fp32 for 16-bit inputs
+    out = torch.empty(t, h, dtype=pair_out.dtype, device=pair_out.device)
+    block_t, block_h = (4 if t >= 512 else 1), min(1024, pow2(h))
+    K.topk_sum_kernel[(-(-t // block_t), -(-h // block_h))](pair_out, out, t, h, TOP_K=k, BLOCK_T=block_t,
+                                                           BLOCK_H=block_h)
+    return out
 
 
 def sorted_tma_ok(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> bool:
