@@ -310,13 +310,15 @@ def render(path: Path) -> None:
         cp = c["peaks"]
         lines += [f"- `{c['command']}` ({c.get('total_s', 0):.0f} s; peaks copy {cp['copy_gb_s']:.0f} GB/s, "
                   f"matmul {cp['matmul_tflops']:.0f} TFLOP/s){': ' + c['note'] if c.get('note') else ''}"]
-    lines += ["", "| model | variant | B1 C1k x floor | B64 C1k x floor | prefill 2048 % of peak |",
+    lines += ["", "Step times (ms) next to the ratios: the measured peaks differ by host (741-796 TFLOP/s bf16), "
+              "so compare the milliseconds across rows of different calls.", "",
+              "| model | variant | B1 C1k x floor (ms) | B64 C1k x floor (ms) | prefill 2048 % of peak (ms) |",
               "|---|---|---:|---:|---:|"]
     for e in data["runs"]:
         def pick(b: int, c: int) -> str:
             r = next((r for r in e["decode"] if (r["batch"], r["context"]) == (b, c)), None)
-            return f"{r['x_floor']:.2f}" if r else "-"
-        pf = next((f"{r['pct_peak']:.1f}%" for r in e["prefill"] if r["tokens"] == 2048), "-")
+            return f"{r['x_floor']:.2f} ({r['step_ms']:.2f})" if r else "-"
+        pf = next((f"{r['pct_peak']:.1f}% ({r['step_ms']:.2f})" for r in e["prefill"] if r["tokens"] == 2048), "-")
         lines.append(f"| {e['model']} | {e['variant']} | {pick(1, 1024)} | {pick(64, 1024)} | {pf} |")
     lines += ["", "Targets (issue 13): B64 C1k <= 1.4x, B1 <= 1.5x, prefill 2048 >= 50% on V2-Lite and GLM-4.7-Flash.",
               "",
