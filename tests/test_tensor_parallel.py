@@ -5,7 +5,8 @@ Two spawned runs for the whole file (process start-up and export dominate the ti
   so each rank reads only its slices with safetensors `get_slice`; rank 0 verifies against HF eager;
 - `spawn(probe_rank, 2, ...)` on a GLM-4.7-Flash-shaped model (random weights: full model sliced)
   and on a model that calls torch_mla natively with the head count spelled out in its reshapes.
-Each is compared with the single-process optimized model and (HF families) with HF eager.
+Each is compared with the single-process optimized model and (HF families) with HF eager. A third
+spawned run: 4 ranks on the GLM model with `model.init: hashed` (each rank makes only its slices).
 The GPU part (NCCL, bf16, 2 x H200) is at the end, marked `gpu`.
 """
 
@@ -233,6 +234,22 @@ def test_two_ranks_match_single_process(tp_runs, single_runs, job):
 def test_glm_tokens_match_hf(tp_runs, single_runs, job):
     eager = single_runs[job]["om"].eager_model  # hashed: the full model generated in this process
     assert tp_runs[0][0][job]["tokens"] == [hf_greedy_generate(eager, p, NEW) for p in PROMPTS]
+
+
+def test_four_ranks_hashed_glm_match_single_process(single_runs):
+    """World size 4 over gloo (one head per rank of the tiny GLM, a quarter of every MLP/expert),
+    every rank generating its own slices of the hashed weights: tokens and logits as one process."""
+    job = next(j for j in _jobs() if j.name == "glm_hashed")
+    ranks = spawn(probe_rank, 4, [job], all_results=True)
+    ref = single_runs["glm_hashed"]
+    for rank, res in enumerate(ranks):
+        r = res["glm_hashed"]
+        assert (r["rank"], r["world_size"]) == (rank, 4)
+        assert r["tokens"] == ref["tokens"]
+        assert torch.allclose(r["logits"], ref["logits"], atol=1e-4, rtol=1e-4)
+        assert all(lay["dims"]["num_heads"] == 1 for lay in r["layers"])
+        assert r["load_details"]["bytes_read"] < 0.6 * r["load_details"]["full_model_bytes"]
+    assert all(torch.equal(ranks[0]["glm_hashed"]["logits"], res["glm_hashed"]["logits"]) for res in ranks[1:])
 
 
 def test_hashed_init_ranks_make_only_their_slices(tp_runs, single_runs):
