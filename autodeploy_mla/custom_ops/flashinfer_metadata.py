@@ -95,8 +95,11 @@ def mla_csr(
         raise ValueError(
             f"mla_csr: num_seqs={nb} outside the metadata capacity ({seq_len_with_cache_host.numel()} sequences)."
         )
-    qo_indptr = cu_seqlen_host[: nb + 1].to(torch.int32).clone()
-    kv_len = seq_len_with_cache_host[:nb].to(torch.int32).clone()
+    # NumPy on the host mirrors throughout (this runs in every step's prepare): torch ops on tiny CPU
+    # tensors cost ~10 us each, and torch's masked index ran on the intra-op thread pool, which cost
+    # ~6 ms a step at 64 x 4096 tokens when two ranks' pools shared the host's cores (measured).
+    qo_indptr = np.array(cu_seqlen_host[: nb + 1].numpy(), dtype=np.int32)
+    kv_len = np.array(seq_len_with_cache_host[:nb].numpy(), dtype=np.int32)
     pages = (kv_len + (page_size - 1)) // page_size
     if nb and int(pages.max()) > page_table_host.shape[1]:
         raise ValueError(
@@ -108,13 +111,12 @@ def mla_csr(
             "mla_csr: every sequence needs 1 <= new tokens <= kv length; got new tokens "
             f"{qo_lens.tolist()} and kv lengths {kv_len.tolist()}."
         )
-    kv_indptr = torch.zeros(nb + 1, dtype=torch.int32)
+    kv_indptr = np.zeros(nb + 1, dtype=np.int32)
     if nb:
-        kv_indptr[1:] = torch.cumsum(pages, 0)
-    # NumPy for the boolean gather: torch's masked index runs on the intra-op thread pool, which cost
-    # ~6 ms a step at 64 x 4096 tokens when two ranks' pools shared the host's cores (measured).
-    used = np.arange(page_table_host.shape[1])[None, :] < pages.numpy()[:, None]  # [nb, P]
-    kv_indices = torch.from_numpy(np.ascontiguousarray(page_table_host[:nb].numpy()[used], dtype=np.int32))
+        np.cumsum(pages, out=kv_indptr[1:])
+    used = np.arange(page_table_host.shape[1])[None, :] < pages[:, None]  # [nb, P]
+    kv_indices = np.ascontiguousarray(page_table_host[:nb].numpy()[used], dtype=np.int32)
+    qo_indptr, kv_indptr, kv_indices, kv_len = (torch.from_numpy(a) for a in (qo_indptr, kv_indptr, kv_indices, kv_len))
     return MLACsr(qo_indptr, kv_indptr, kv_indices, kv_len)
 
 

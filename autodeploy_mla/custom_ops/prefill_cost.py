@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .mla_dims import MLADims
@@ -64,8 +65,10 @@ def step_flops(dims: MLADims, qo_lens: torch.Tensor, kv_lens: torch.Tensor) -> S
     includes this step's tokens). Causal: new token j of a sequence sees kv - q + j + 1 keys."""
     n, r, dr, dn, dv = (dims.num_heads, dims.kv_lora_rank, dims.qk_rope_head_dim, dims.qk_nope_head_dim,
                         dims.v_head_dim)
-    q = qo_lens.to(torch.float64)
-    kv = kv_lens.to(torch.float64)
+    # NumPy on the host mirrors: this runs in every prefill step's prepare, and a dozen torch ops on
+    # tiny CPU tensors cost ~100 us there (~10 us this way)
+    q = (qo_lens.numpy() if isinstance(qo_lens, torch.Tensor) else np.asarray(qo_lens)).astype(np.float64)
+    kv = (kv_lens.numpy() if isinstance(kv_lens, torch.Tensor) else np.asarray(kv_lens)).astype(np.float64)
     visible = q * (kv - q) + q * (q + 1) / 2  # score entries per head, per sequence
     pre = q > 1
     # absorbed: q·W_kn and latent·W_v per token, then scores (R + Dr) and values (R) per entry
