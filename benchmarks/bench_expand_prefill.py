@@ -4,7 +4,7 @@ The Triton backend's expanded prefill (`expanded_prefill_kernel`, FlashAttention
 expanded by kv_b_proj) on one fresh T-token prefill (default 2048) for DeepSeek-V2-Lite's per-layer
 dims (N 16, Dn 128, Dr 64, Dv 128, R 512) and GLM-4.7-Flash's (N 20, Dn 192, Dr 64, Dv 256): device
 time of the whole op (latent gather, K/V expansion GEMM, attention) as a CUDA-graph replay, for
-each candidate `tuning.ExpandConfig`. `heavy_first`: a head's query blocks are scheduled from the
+each candidate `tuning.ExpandConfig` (and each tile with K/V loaded by TMA descriptor, `tma`). `heavy_first`: a head's query blocks are scheduled from the
 last (the causal blocks that see the most keys first); `split_nope`: a Dn that is not a power of
 two (192) is two exact tiles (128 + 64) instead of one padded to 256. Outputs are compared with the
 first variant of each shape (max |diff| / max |out|).
@@ -47,10 +47,12 @@ def run(tokens: int) -> list[dict[str, Any]]:
         flops = 2.0 * tokens * (tokens + 1) / 2 * d.num_heads * (d.qk_nope_head_dim + d.qk_rope_head_dim + d.v_head_dim)
         default = tuning.expand_config(d, torch.bfloat16, -(-tokens // 128) * d.num_heads, tuning.num_sms(dev))
         ref = None
-        for (bm, bn, w, st), hf, sp in itertools.product(tiles, [False, True], splits):
-            cfg = tuning.ExpandConfig(bm, bn, w, st, heavy_first=hf, split_nope=sp)
+        variants = [(t, hf, sp, False) for t, hf, sp in itertools.product(tiles, [False, True], splits)]
+        variants += [(t, True, True, True) for t in tiles]  # K/V tiles by TMA descriptor
+        for (bm, bn, w, st), hf, sp, tma in variants:
+            cfg = tuning.ExpandConfig(bm, bn, w, st, heavy_first=hf, split_nope=sp, tma=tma)
             row: dict[str, Any] = {"dims": name, "T": tokens, "cfg": [bm, bn, w, st], "heavy_first": hf,
-                                   "split_nope": sp, "default": cfg == default}
+                                   "split_nope": sp, "tma": tma, "default": cfg == default}
             try:
                 with op_launch_config("expand_config", cfg), \
                         case.op("triton", TritonPolicy(prefill_mode="expand")) as op:
@@ -74,13 +76,13 @@ def render(path: Path) -> None:
              f"Command: `{data['command']}`", "",
              "Whole op (latent gather + K/V expansion GEMM + attention), CUDA-graph replay, median us; "
              "TFLOP/s counts the causal attention FLOPs only. * = the default after this sweep.", "",
-             "| dims | T | BLOCK_M, BLOCK_N, warps, stages | heavy_first | split_nope | us | attention TFLOP/s | diff |",
-             "|---|---:|---|---|---|---:|---:|---:|"]
+             "| dims | T | BLOCK_M, BLOCK_N, warps, stages | heavy_first | split_nope | tma | us | attention TFLOP/s | diff |",
+             "|---|---:|---|---|---|---|---:|---:|---:|"]
     for r in data["rows"]:
         us = f"{r['us']:.1f}" if "us" in r else r.get("error", "-")[:40]
         tf = f"{r['attn_tflops']:.0f}" if "attn_tflops" in r else "-"
         lines.append(f"| {r['dims']} | {r['T']} | {r['cfg']}{' *' if r.get('default') else ''} | {r['heavy_first']} | "
-                     f"{r['split_nope']} | {us} | {tf} | {r.get('diff', float('nan')):.1e} |")
+                     f"{r['split_nope']} | {r.get('tma', False)} | {us} | {tf} | {r.get('diff', float('nan')):.1e} |")
     path.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     try:
@@ -92,7 +94,8 @@ def render(path: Path) -> None:
         return
     ok = [r for r in data["rows"] if "us" in r]
     fig, ax = plt.subplots(figsize=(9, 4))
-    labels = [f"{r['dims'][:4]} {r['cfg']}{' HF' if r['heavy_first'] else ''}{' S' if r['split_nope'] else ''}" for r in ok]
+    labels = [f"{r['dims'][:4]} {r['cfg']}{' HF' if r['heavy_first'] else ''}{' S' if r['split_nope'] else ''}"
+              f"{' TMA' if r.get('tma') else ''}" for r in ok]
     ax.barh(range(len(ok)), [r["us"] for r in ok], color=["C1" if r.get("default") else "C0" for r in ok])
     ax.set_yticks(range(len(ok)), labels, fontsize=6)
     ax.set_xlabel("whole expanded-prefill op, us (CUDA graph)")

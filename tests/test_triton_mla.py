@@ -121,12 +121,14 @@ def test_page_sizes(page_size):
 
 @pytest.mark.parametrize("heavy_first", [True, False])
 @pytest.mark.parametrize("split_nope", [True, False])
-def test_expanded_prefill_grid_orders_and_nope_chunks(monkeypatch, heavy_first, split_nope):
-    """Dn 48 (not a power of two: 32 + 16 chunks, or one tile padded to 64) and both grid orders of the
-    expanded prefill kernel (heads x query blocks from the last, or query blocks x heads) agree with
-    the oracle, with several query blocks per sequence."""
-    monkeypatch.setattr(top, "expand_config",
-                        lambda *a, **k: tuning.ExpandConfig(16, 16, 4, 1, heavy_first=heavy_first, split_nope=split_nope))
+@pytest.mark.parametrize("tma", [False, True])
+def test_expanded_prefill_grid_orders_and_nope_chunks(monkeypatch, heavy_first, split_nope, tma):
+    """Dn 48 (not a power of two: 32 + 16 chunks, or one tile padded to 64), both grid orders of the
+    expanded prefill kernel (a head's query blocks from the last, or from the first) and K/V tiles by
+    tensor descriptor or by pointer agree with the oracle, with several query blocks per sequence and
+    several sequences per step (descriptor tiles then read past a sequence's rows)."""
+    monkeypatch.setattr(top, "expand_config", lambda *a, **k: tuning.ExpandConfig(
+        16, 16, 4, 1, heavy_first=heavy_first, split_nope=split_nope, tma=tma))
     assert tuning.nope_chunks(48) == (32, 16) and tuning.nope_chunks(48, split=False) == (64, 0)
     res = scenario(MLADims(3, 48, 8, 24, 32), {**STANDARD_SCHEDULES, **EXTRA_SCHEDULES}["long_chunks"], "expand",
                    page_size=4, seed=7)

@@ -243,13 +243,15 @@ def gather_kv_kernel(
 @triton.jit
 def _expanded_tiles(
     acc, m_i, l_i, qn, qn2, qp, KV, LAT, kv0, k_col, lo, hi, row_limit, qk_scale,
-    stride_kv_row, stride_lat_row,
+    stride_kv_row, stride_lat_row, KN_DESC, KN2_DESC, V_DESC, KP_DESC,
     DN: tl.constexpr, DV: tl.constexpr, DR: tl.constexpr, R: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_DN: tl.constexpr, BLOCK_DN2: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_DR: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_DR: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     """Online-softmax over key tiles [lo, hi); CAUSAL=False for tiles every row fully sees. The nope
-    dims are BLOCK_DN (+ BLOCK_DN2 past them when DN is not a power of two, e.g. 192 = 128 + 64)."""
+    dims are BLOCK_DN (+ BLOCK_DN2 past them when DN is not a power of two, e.g. 192 = 128 + 64).
+    USE_TMA: K/V tiles by tensor descriptor (rows past the sequence are masked out of the scores;
+    columns past a padded head dim meet zero query columns or are never stored)."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_dn = tl.arange(0, BLOCK_DN)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -257,18 +259,28 @@ def _expanded_tiles(
         pos = start + offs_n
         pmask = pos < hi
         rows = kv0 + pos
-        kn = tl.load(KV + rows[:, None] * stride_kv_row + k_col + offs_dn[None, :],
-                     mask=pmask[:, None] & (offs_dn[None, :] < DN), other=0.0)
+        if USE_TMA:
+            row0 = (kv0 + start).to(tl.int32)
+            kn = KN_DESC.load([row0, k_col])
+        else:
+            kn = tl.load(KV + rows[:, None] * stride_kv_row + k_col + offs_dn[None, :],
+                         mask=pmask[:, None] & (offs_dn[None, :] < DN), other=0.0)
         s = _dot(qn, tl.trans(kn), DOT_PREC)
         if BLOCK_DN2 > 0:
-            offs_dn2 = BLOCK_DN + tl.arange(0, BLOCK_DN2)
-            kn2 = tl.load(KV + rows[:, None] * stride_kv_row + k_col + offs_dn2[None, :],
-                          mask=pmask[:, None] & (offs_dn2[None, :] < DN), other=0.0)
+            if USE_TMA:
+                kn2 = KN2_DESC.load([row0, k_col + BLOCK_DN])
+            else:
+                offs_dn2 = BLOCK_DN + tl.arange(0, BLOCK_DN2)
+                kn2 = tl.load(KV + rows[:, None] * stride_kv_row + k_col + offs_dn2[None, :],
+                              mask=pmask[:, None] & (offs_dn2[None, :] < DN), other=0.0)
             s += _dot(qn2, tl.trans(kn2), DOT_PREC)
         if DR > 0:
-            offs_dr = tl.arange(0, BLOCK_DR)
-            kp = tl.load(LAT + rows[:, None] * stride_lat_row + R + offs_dr[None, :],
-                         mask=pmask[:, None] & (offs_dr[None, :] < DR), other=0.0)
+            if USE_TMA:
+                kp = KP_DESC.load([row0, R])
+            else:
+                offs_dr = tl.arange(0, BLOCK_DR)
+                kp = tl.load(LAT + rows[:, None] * stride_lat_row + R + offs_dr[None, :],
+                             mask=pmask[:, None] & (offs_dr[None, :] < DR), other=0.0)
             s += _dot(qp, tl.trans(kp), DOT_PREC)
         s = s * qk_scale
         if CAUSAL:
@@ -280,8 +292,11 @@ def _expanded_tiles(
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(KV + rows[:, None] * stride_kv_row + k_col + DN + offs_dv[None, :],
-                    mask=pmask[:, None] & (offs_dv[None, :] < DV), other=0.0)
+        if USE_TMA:
+            v = V_DESC.load([row0, k_col + DN])
+        else:
+            v = tl.load(KV + rows[:, None] * stride_kv_row + k_col + DN + offs_dv[None, :],
+                        mask=pmask[:, None] & (offs_dv[None, :] < DV), other=0.0)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PREC)
         m_i = m_new
     return acc, m_i, l_i
@@ -289,14 +304,14 @@ def _expanded_tiles(
 
 @triton.jit
 def expanded_prefill_kernel(
-    Q_NOPE, Q_PE, KV, LAT, CU_SEQLEN, INPUT_POS, KV_CU, OUT,
+    Q_NOPE, Q_PE, KV, LAT, CU_SEQLEN, INPUT_POS, KV_CU, OUT, KN_DESC, KN2_DESC, V_DESC, KP_DESC,
     qk_scale,
     stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
     stride_kv_row, stride_lat_row, stride_o_t, stride_o_h,
     DN: tl.constexpr, DV: tl.constexpr, DR: tl.constexpr, R: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DN: tl.constexpr, BLOCK_DN2: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
-    DOT_PREC: tl.constexpr, HEAVY_FIRST: tl.constexpr,
+    DOT_PREC: tl.constexpr, HEAVY_FIRST: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     # grid: (query block, head, prefill sequence); with HEAVY_FIRST the query blocks of a head are
     # numbered from the last, so the causal blocks that see the most keys start first and the short
@@ -343,12 +358,12 @@ def expanded_prefill_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     acc, m_i, l_i = _expanded_tiles(
         acc, m_i, l_i, qn, qn2, qp, KV, LAT, kv0, k_col, 0, full_end, row_limit, qk_scale,
-        stride_kv_row, stride_lat_row, DN, DV, DR, R, BLOCK_N, BLOCK_DN, BLOCK_DN2, BLOCK_DV, BLOCK_DR, False,
-        DOT_PREC)
+        stride_kv_row, stride_lat_row, KN_DESC, KN2_DESC, V_DESC, KP_DESC,
+        DN, DV, DR, R, BLOCK_N, BLOCK_DN, BLOCK_DN2, BLOCK_DV, BLOCK_DR, False, DOT_PREC, USE_TMA)
     acc, m_i, l_i = _expanded_tiles(
         acc, m_i, l_i, qn, qn2, qp, KV, LAT, kv0, k_col, full_end, kv_end, row_limit, qk_scale,
-        stride_kv_row, stride_lat_row, DN, DV, DR, R, BLOCK_N, BLOCK_DN, BLOCK_DN2, BLOCK_DV, BLOCK_DR, True,
-        DOT_PREC)
+        stride_kv_row, stride_lat_row, KN_DESC, KN2_DESC, V_DESC, KP_DESC,
+        DN, DV, DR, R, BLOCK_N, BLOCK_DN, BLOCK_DN2, BLOCK_DV, BLOCK_DR, True, DOT_PREC, USE_TMA)
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(OUT + tok[:, None] * stride_o_t + h * stride_o_h + offs_dv[None, :], out.to(OUT.dtype.element_ty),
              mask=mmask[:, None] & (offs_dv[None, :] < DV))

@@ -219,15 +219,29 @@ def _prefill_expanded(call: _Call, q_nope, q_pe, mla_cache, kv_b_proj_weight, pa
     bm, bn = cfg.block_m, cfg.block_n
     num_qb = triton.cdiv(max_q, bm)
     dn1, dn2 = nope_chunks(dn, cfg.split_nope)
+    descs = _kv_descriptors(kv, lat, bn, dn1, dn2, pow2(dv), pow2(dr) if dr else 0) if cfg.tma else None
     K.expanded_prefill_kernel[(num_qb, n, n_pre)](
-        q_nope, q_pe, kv, lat, cu_seqlen, input_pos, kv_cu, out, qk_scale,
+        q_nope, q_pe, kv, lat, cu_seqlen, input_pos, kv_cu, out, *(descs or (None,) * 4), qk_scale,
         q_nope.stride(1), q_nope.stride(2), q_pe.stride(1), q_pe.stride(2),
         kv.stride(0), lat.stride(0), out.stride(1), out.stride(2),
         DN=dn, DV=dv, DR=dr, R=r, BLOCK_M=bm, BLOCK_N=bn,
         BLOCK_DN=dn1, BLOCK_DN2=dn2, BLOCK_DV=pow2(dv), BLOCK_DR=pow2(dr),
-        DOT_PREC=dot_precision(q_nope.dtype), HEAVY_FIRST=cfg.heavy_first,
+        DOT_PREC=dot_precision(q_nope.dtype), HEAVY_FIRST=cfg.heavy_first, USE_TMA=descs is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+
+
+def _kv_descriptors(kv: torch.Tensor, lat: torch.Tensor, bn: int, dn1: int, dn2: int, dv: int, dr: int):
+    """Tensor descriptors of the expanded K_nope (one or two chunks), V and k_pe tiles, or None where
+    TMA cannot take the buffers (rows must be 16-byte aligned; SM90+ or the interpreter)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    if kv.device.type == "cuda" and torch.cuda.get_device_capability(kv.device) < (9, 0):
+        return None
+    if any((t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16 for t in (kv, lat)):
+        return None
+    return (TensorDescriptor.from_tensor(kv, [bn, dn1]), TensorDescriptor.from_tensor(kv, [bn, dn2]) if dn2 else None,
+            TensorDescriptor.from_tensor(kv, [bn, dv]), TensorDescriptor.from_tensor(lat, [bn, dr]) if dr else None)
 
 
 def _prefill_shape(cu_seqlen_host, input_pos_host, n_pre: int) -> tuple[int, int, int]:

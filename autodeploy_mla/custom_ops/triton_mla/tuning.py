@@ -132,6 +132,7 @@ class ExpandConfig:
     num_stages: int
     heavy_first: bool = True  # a head's query blocks from the last: the longest causal blocks start first
     split_nope: bool = True  # Dn not a power of two (GLM 192): two exact chunks (128 + 64), not one padded to 256
+    tma: bool = False  # K/V tiles by tensor descriptor (SM90+; the op checks alignment)
 
 
 def nope_chunks(dn: int, split: bool = True) -> tuple[int, int]:
@@ -176,9 +177,11 @@ def expand_config(dims: MLADims, dtype: torch.dtype, programs_at_128: Optional[i
     20 programs) use 64-query blocks, which double the programs."""
     dmax = max(pow2(dims.qk_nope_head_dim), pow2(dims.v_head_dim))
     small = programs_at_128 is not None and programs_at_128 < sms
-    if dmax <= 128:  # 2026-11-24 A/B (benchmarks/bench_expand_prefill.py): 3 stages 125 vs 138 us at N=16
-        return ExpandConfig(64, 64, 4, 2) if small else ExpandConfig(128, 64, 8, 3)
-    return ExpandConfig(64, 32, 4, 3) if small else ExpandConfig(128, 32, 8, 3)
+    # 2026-11-24 A/B (benchmarks/bench_expand_prefill.py, H200, T=2048, whole op): K/V by TMA descriptor
+    # with these tiles 114.7 us (N 16, was 137.9 before this sweep) and 203.5 us (GLM, was 243.4)
+    if dmax <= 128:
+        return ExpandConfig(64, 64, 4, 2) if small else ExpandConfig(64, 64, 4, 2, tma=True)
+    return ExpandConfig(64, 32, 4, 3) if small else ExpandConfig(128, 64, 8, 2, tma=True)
 
 
 def split_plan(progs: int, kv_bound: int, block_n: int, forced: int, device: torch.device) -> tuple[int, int]:
