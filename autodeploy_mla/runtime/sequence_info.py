@@ -35,6 +35,8 @@ that the ops ignore (they process `num_prefill_tokens + num_decode_seqs` tokens 
 
 from __future__ import annotations
 
+import itertools
+
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -289,8 +291,8 @@ class SequenceInfo:
             off += n
         h_np["batch_idx"][:num_tokens] = tok_seq
         h_np["cache_loc"][:num_tokens] = pt[tok_seq, tok_pos // ps].astype(np.int64) * ps + tok_pos % ps
-        h_np["input_ids"][:num_tokens] = np.fromiter(
-            (t for s in ordered for t in s.token_ids), dtype=np.int64, count=num_tokens
+        h_np["input_ids"][:num_tokens] = np.fromiter(  # chain: half the time of a nested generator
+            itertools.chain.from_iterable(s.token_ids for s in ordered), dtype=np.int64, count=num_tokens
         )
         h_np["position_ids"][:num_tokens] = tok_pos
         # Padded tokens: dummy decode sequences (decode-only steps), else ignored tokens of sequence 0;
