@@ -204,7 +204,36 @@ def render(path: Path) -> None:
                       for k, v in r["classes"].items()]
             lines += ["", "| top kernel | class | ms/step | per step |", "|---|---|---:|---:|"]
             lines += [f"| `{t['name'][:90]}` | {t['class']} | {t['ms']:.3f} | {t['count']:.0f} |" for t in r["top"][:10]]
+    lines += ["", "![plot](" + path.with_suffix(".png").name + ")"]
     path.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    plot(data, path.with_suffix(".png"))
+
+
+def plot(data: dict[str, Any], out: Path) -> None:
+    """One stacked bar per (run, case): ms per step by kernel class, plus the idle time up to the wall."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    bars = [(f"{run['model']} {run['variant'].split(' [')[0]}{' [' + run['variant'].split(' [')[1][:10] + ']' if ' [' in run['variant'] else ''} {case}",
+             r) for run in data["runs"] for case, r in run["cases"].items()]
+    classes = [c for c, _ in CLASSES] + ["other"]
+    fig, ax = plt.subplots(figsize=(10, 0.45 * len(bars) + 1.5))
+    left = [0.0] * len(bars)
+    for i, cls in enumerate(classes):
+        vals = [r["classes"].get(cls, {}).get("ms", 0.0) for _, r in bars]
+        ax.barh(range(len(bars)), vals, left=left, label=cls, color=f"C{i % 10}")
+        left = [a + b for a, b in zip(left, vals)]
+    idle = [max(0.0, r["wall_ms_per_step"] - r["kernel_ms_per_step"]) for _, r in bars]
+    ax.barh(range(len(bars)), idle, left=left, label="idle / host", color="lightgray")
+    ax.set_yticks(range(len(bars)), [b[0] for b in bars], fontsize=6)
+    ax.set_xlabel("ms per step (profiled)")
+    ax.legend(fontsize=6, ncol=5, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
 
 
 def main() -> None:
