@@ -45,6 +45,7 @@ from typing import Any, Optional
 
 import torch
 from deepseek_shape import PUBLISHED, decode_runtime, deepseek_v3_shaped, extra_tokens  # benchmarks/ is sys.path[0] as a script
+from e2e_roofline import time_prefill
 
 DEFAULT_BATCHES = (1, 8, 32, 64)
 DEFAULT_CONTEXTS = (1024, 4096)
@@ -87,27 +88,6 @@ def _max_over_ranks(x: float, world: int, device: torch.device) -> float:
     return float(t.item())
 
 
-def time_prefill(runner: Any, tokens: int, vocab: int, reps: int = 3) -> float:
-    """Median ms of prefilling one `tokens`-long prompt from an empty cache (the first run is a warm-up)."""
-    from autodeploy_mla.runtime.sequence_info import StepSequence
-
-    g = torch.Generator().manual_seed(tokens)
-    ids = torch.randint(2, vocab, (tokens,), generator=g).tolist()
-    ts = []
-    for i in range(reps + 1):
-        runner.allocator.ensure(0, tokens)
-        try:
-            _sync(runner.device)
-            t0 = time.perf_counter()
-            _, logits = runner.forward([StepSequence(0, ids, 0)], runner.allocator.pages_of)
-            logits[0, :1].argmax(-1).tolist()
-            if i:
-                ts.append((time.perf_counter() - t0) * 1e3)
-        finally:
-            runner.allocator.free(0)
-    return statistics.median(ts)
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -145,7 +125,7 @@ def bench_rank(rank: int, args: argparse.Namespace, device_type: str) -> dict[st
     agree = om.generate([list(p) for p in AGREE_PROMPTS], max_new_tokens=args.agree) if args.agree else None
     prefill: dict[str, Any] = {}
     if args.prefill:
-        ms = _max_over_ranks(time_prefill(runner, args.prefill, om.vocab_size), world, dev)
+        ms = _max_over_ranks(time_prefill(om, args.prefill, reps=3)["step_ms"], world, dev)
         prefill = {"tokens": args.prefill, "ms": ms, "tokens_per_s": args.prefill / ms * 1e3}
         if rank == 0:
             print(json.dumps({"world_size": world, "prefill": prefill}), flush=True)

@@ -11,7 +11,7 @@ with the list of missing tensors: transformers would fill them with random value
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Optional
 
@@ -115,20 +115,29 @@ def meta_model(cfg: ModelConfig, config: Any) -> nn.Module:
         raise ModelLoadError(f"building the {type(config).__name__} model failed: {type(exc).__name__}: {exc}") from exc
 
 
-def _hashed_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> nn.Module:
-    """The hf_config model with `model.init: hashed` weights, generated on `device` in `dtype`."""
-    model = meta_model(cfg, hf_config(cfg))
-    model.to(dtype)  # floating buffers follow the model dtype; parameters stay meta until filled
-    init = HashedInit.for_model(model, cfg.seed)
-    made: dict[int, nn.Parameter] = {}  # tied parameters stay tied
+def replace_parameters(model: nn.Module, make: Callable[[str, nn.Parameter], torch.Tensor]) -> dict[int, list[str]]:
+    """Replace every parameter of `model` by `make(name, old)` (as a frozen Parameter); tied parameters
+    stay tied (made once, under their first name). Returns new parameter id -> all its names."""
+    made: dict[int, nn.Parameter] = {}
+    names: dict[int, list[str]] = {}
     for mod_name, mod in model.named_modules(remove_duplicate=False):
         prefix = f"{mod_name}." if mod_name else ""
         for attr, p in list(mod._parameters.items()):
             if p is None:
                 continue
             if id(p) not in made:
-                made[id(p)] = nn.Parameter(init.tensor(prefix + attr, p.shape, p.dtype, device), requires_grad=False)
+                made[id(p)] = nn.Parameter(make(prefix + attr, p), requires_grad=False)
+            names.setdefault(id(made[id(p)]), []).append(prefix + attr)
             mod._parameters[attr] = made[id(p)]
+    return names
+
+
+def _hashed_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """The hf_config model with `model.init: hashed` weights, generated on `device` in `dtype`."""
+    model = meta_model(cfg, hf_config(cfg))
+    model.to(dtype)  # floating buffers follow the model dtype; parameters stay meta until filled
+    init = HashedInit.for_model(model, cfg.seed)
+    replace_parameters(model, lambda name, p: init.tensor(name, p.shape, p.dtype, device))
     return model.to(device).eval()
 
 

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from ..config.schema import ModelConfig
-from .factory import ModelLoadError, build_model, hf_config, meta_model
+from .factory import ModelLoadError, build_model, hf_config, meta_model, replace_parameters
 from .random_init import HashedInit
 
 
@@ -87,24 +87,18 @@ def build_skeleton(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -
                              "model.init=hashed: the weights must be obtainable by slices")
     model = meta_model(cfg, hf_config(cfg))
     model.to(dtype)  # floating buffers follow the model dtype, as in build_model; parameters stay meta
-    params: set[str] = set()
-    memo: dict[int, nn.Parameter] = {}  # tied parameters stay tied
-    bases: dict[torch.dtype, torch.Tensor] = {}  # one matrix per dtype behind every >= 3-d placeholder
-    names_of: dict[int, list[str]] = {}
+    # every >= 3-d placeholder (MoE experts) views one zero matrix per dtype, sized for the largest
+    bases: dict[torch.dtype, torch.Tensor] = {}
+    for p in model.parameters():
+        if p.dim() >= 3:
+            need = p.shape[-2] * p.shape[-1]
+            if p.dtype not in bases or bases[p.dtype].numel() < need:
+                bases[p.dtype] = torch.zeros(need, dtype=p.dtype, device=device)
+    names_of = replace_parameters(model, lambda name, p: placeholder(p.shape, p.dtype, device, bases.get(p.dtype)))
+    params = {n for ns in names_of.values() for n in ns}
     persistent: set[str] = set()
     for mod_name, mod in model.named_modules(remove_duplicate=False):
         prefix = f"{mod_name}." if mod_name else ""
-        for name, p in list(mod._parameters.items()):
-            if p is None:
-                continue
-            if id(p) not in memo:
-                ph = placeholder(p.shape, p.dtype, device, bases.get(p.dtype))
-                if ph.dim() >= 3 and (p.dtype not in bases or ph.untyped_storage().nbytes() > bases[p.dtype].untyped_storage().nbytes()):
-                    bases[p.dtype] = ph
-                memo[id(p)] = nn.Parameter(ph, requires_grad=False)
-            names_of.setdefault(id(memo[id(p)]), []).append(prefix + name)
-            mod._parameters[name] = memo[id(p)]
-            params.add(prefix + name)
         for name, b in list(mod._buffers.items()):
             if b is None:
                 continue
