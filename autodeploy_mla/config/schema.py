@@ -43,6 +43,16 @@ class ModelConfig(_Strict):
         return self
 
 
+KVCacheDtype = Literal["auto", "bfloat16", "float16", "float32", "fp8_e4m3"]
+
+
+class CacheScalesConfig(_Strict):
+    """Dequantisation scales of one FP8 cache layer (stored = value / scale, saturated at ±448)."""
+
+    latent: float = Field(1.0, gt=0, description="scale of the latent part (R elements per token)")
+    rope: float = Field(1.0, gt=0, description="scale of the rope-key part (Dr elements per token)")
+
+
 class RuntimeConfig(_Strict):
     """Fixed capacities of the cached runtime; CUDA graphs and metadata buffers are sized from these."""
 
@@ -56,6 +66,16 @@ class RuntimeConfig(_Strict):
     )
     overlap: bool = Field(
         True, description="schedule and launch step i+1 before waiting for step i's sampled tokens"
+    )
+    kv_cache_dtype: KVCacheDtype = Field(
+        "auto", description="paged latent cache dtype: auto (the model dtype) or fp8_e4m3 (half the bytes)"
+    )
+    kv_cache_layers: dict[str, KVCacheDtype] = Field(
+        default_factory=dict, description="per-layer override of kv_cache_dtype: layer-name glob or layer index -> dtype"
+    )
+    kv_cache_scales: dict[str, CacheScalesConfig] = Field(
+        default_factory=dict,
+        description="FP8 cache scales per layer: layer-name glob or layer index -> {latent, rope} (default 1.0)",
     )
 
 

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Optional, Protocol
 
 import torch
 
+from .cache_format import CacheScales
 from .mla_dims import MLADims
 from .torch_mla import source_arg
 
@@ -113,10 +114,15 @@ class Target:
 
 @dataclass(frozen=True)
 class CacheSpec:
-    """Per-layer paged cache: [num_pages, page_size, width] of `dtype`."""
+    """Per-layer paged cache: [num_pages, page_size, width] of `dtype` (FP8: dequantised with `scales`)."""
 
     width: int
     dtype: torch.dtype
+    scales: CacheScales = CacheScales()
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.width * self.dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -124,16 +130,21 @@ class SessionSpec:
     """What `setup()` needs to build a backend's per-model session."""
 
     dims: tuple[MLADims, ...]  # every node the backend serves in this model
-    dtype: torch.dtype
+    dtype: torch.dtype  # activations
     device: torch.device
     target: Target
     max_batch_size: int
     max_num_tokens: int
     max_pages_per_seq: int
+    #: the paged cache dtype of each node in `dims` (empty: every cache holds `dtype`)
+    cache_dtypes: tuple[torch.dtype, ...] = ()
 
     @property
     def page_size(self) -> int:
         return self.target.page_size
+
+    def node_cache_dtypes(self) -> tuple[torch.dtype, ...]:
+        return self.cache_dtypes or (self.dtype,) * len(self.dims)
 
 
 @dataclass(frozen=True)
@@ -213,8 +224,18 @@ class MLABackend:
     def check(self, dims: MLADims, dtype: torch.dtype, target: Target) -> CheckResult:
         raise NotImplementedError
 
-    def cache_spec(self, dims: MLADims, dtype: torch.dtype) -> CacheSpec:
-        return CacheSpec(width=dims.kv_lora_rank + dims.qk_rope_head_dim, dtype=dtype)
+    def check_cache(self, dims: MLADims, dtype: torch.dtype, cache_dtype: torch.dtype, target: Target) -> CheckResult:
+        """Whether this backend reads and writes a paged cache of `cache_dtype` for the node (checked
+        after `check`). By default only a cache of the activations' dtype; FP8-capable backends override."""
+        if cache_dtype == dtype:
+            return CheckResult(True, "cache in the model dtype")
+        return CheckResult(False, f"{self.name} reads only a cache of the activations' dtype "
+                                  f"({str(dtype).replace('torch.', '')}), not {str(cache_dtype).replace('torch.', '')}")
+
+    def cache_spec(self, dims: MLADims, dtype: torch.dtype, cache_dtype: Optional[torch.dtype] = None,
+                   scales: CacheScales = CacheScales()) -> CacheSpec:
+        return CacheSpec(width=dims.kv_lora_rank + dims.qk_rope_head_dim,
+                         dtype=dtype if cache_dtype is None else cache_dtype, scales=scales)
 
     def constants(self, node: "torch.fx.Node") -> tuple[Any, ...]:
         """Constants appended after the cache: the softmax scale (None = default)."""
@@ -228,11 +249,14 @@ class MLABackend:
 
     def check_all(self, spec: SessionSpec) -> None:
         """Raise ValueError naming the first node of `spec` this backend cannot serve."""
-        for d in spec.dims:
+        for d, cache_dtype in zip(spec.dims, spec.node_cache_dtypes()):
             res = self.check(d, spec.dtype, spec.target)
+            if res.ok:
+                res = self.check_cache(d, spec.dtype, cache_dtype, spec.target)
             if not res.ok:
-                raise ValueError(f"{self.name}.setup: cannot serve {d.short()} {spec.dtype} on "
-                                 f"{spec.target.short()}: {res.reason}")
+                raise ValueError(f"{self.name}.setup: cannot serve {d.short()} {spec.dtype} "
+                                 f"(cache {str(cache_dtype).replace('torch.', '')}) on {spec.target.short()}: "
+                                 f"{res.reason}")
 
 
 # The registry maps names to stateless descriptors. Backends register themselves when their module
@@ -269,6 +293,7 @@ def cached_ops() -> set[Any]:
 
 
 def make_session_spec(dims: Sequence[MLADims], dtype: torch.dtype, device: torch.device | str, target: Target,
-                      max_batch_size: int, max_num_tokens: int, max_pages_per_seq: int) -> SessionSpec:
+                      max_batch_size: int, max_num_tokens: int, max_pages_per_seq: int,
+                      cache_dtypes: Sequence[torch.dtype] = ()) -> SessionSpec:
     return SessionSpec(tuple(dims), dtype, torch.device(device), target, int(max_batch_size), int(max_num_tokens),
-                       int(max_pages_per_seq))
+                       int(max_pages_per_seq), tuple(cache_dtypes))

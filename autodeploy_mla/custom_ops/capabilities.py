@@ -21,6 +21,13 @@ Sources cited by the records:
 - ``FI_TESTS``: FlashInfer's ``tests/attention/test_deepseek_mla.py`` (page sizes 1, 16, 32 with the
   MLA wrapper, heads 4/16/32/64/128, NaN in the out-of-bounds tail of the last page).
 - ``H200_RUN``: this project's own GPU tests (docs/flashinfer_backends.md, docs/benchmarks/).
+- ``FI_072_SRC``: the FlashInfer 0.7.2.post1 wheel (``mla/_batch_mla/_backends/_fa_common.py``: an
+  FP8 KV cache needs SM90, bf16 queries, head_dim_ckv 512, head_dim_kpe 0 or 64 and per-tensor
+  ``ckv_scale`` / ``kpe_scale`` at run; ``trtllm_gen_backend.py``: TRT-LLM-gen needs query and KV of
+  one dtype, bf16 or e4m3; ``mla/_core.py``: tensor ``bmm1_scale`` / ``bmm2_scale`` on trtllm-gen).
+
+FP8 caches have their own records (`CACHE_FACTS`): which kernel reads an e4m3 cache, for which
+dims, and with which query dtype; `check_cache_against_facts` refuses anything they do not cover.
 """
 
 from __future__ import annotations
@@ -44,6 +51,8 @@ SOURCES: Mapping[str, str] = MappingProxyType({
     "_fa_plan_work_count, _validate_fa_causal_tile_bound)",
     "FI_TESTS": "FlashInfer tests/attention/test_deepseek_mla.py",
     "H200_RUN": "this project's H200 runs (docs/flashinfer_backends.md)",
+    "FI_072_SRC": "FlashInfer 0.7.2.post1 wheel source (mla/_batch_mla/_backends/_fa_common.py FP8 rules, "
+    "_wrapper.py run(ckv_scale, kpe_scale), trtllm_gen_backend.py dtype rule, mla/_core.py bmm scales)",
 })
 
 
@@ -279,3 +288,83 @@ def fact_rows() -> list[dict]:
             "sources": list(f.sources), "notes": f.notes,
         })
     return out
+
+
+# ---------------------------------------------------------------- FP8 latent caches
+@dataclass(frozen=True)
+class CacheFacts:
+    """One kernel family reading a paged cache of `cache_dtype` (other than the activations' dtype)."""
+
+    backend: str
+    kernel: str
+    min_version: Version
+    max_version: Version  # exclusive
+    sms: frozenset[int]
+    cache_dtype: torch.dtype
+    dtypes: frozenset[torch.dtype]  # activation dtypes the op accepts around it
+    rank_rope: frozenset[tuple[int, int]]
+    query: str  # how queries reach the kernel: "bf16" (as they are) | "e4m3" (quantised per step)
+    sources: tuple[str, ...] = ()
+    notes: str = ""
+    evidence: str = "source"
+
+    def covers(self, version: Version) -> bool:
+        return self.min_version <= version < self.max_version
+
+
+CACHE_FACTS: tuple[CacheFacts, ...] = (
+    CacheFacts(
+        "flashinfer_mla", "fa3", (0, 7, 2), (0, 8, 0), frozenset({90}), torch.float8_e4m3fn,
+        frozenset({torch.bfloat16}), frozenset({(512, 0), (512, 64)}), "bf16",
+        sources=("FI_072_SRC",),
+        notes="fa3 converts e4m3 tiles in shared memory; per-tensor ckv_scale / kpe_scale.",
+    ),
+    CacheFacts(
+        "flashinfer_trtllm_mla", "trtllm-gen", (0, 7, 2), (0, 8, 0), frozenset({100, 103}), torch.float8_e4m3fn,
+        frozenset({torch.bfloat16}), frozenset({(512, 64)}), "e4m3",
+        sources=("FI_072_SRC",),
+        notes="query and KV must share a dtype: queries are quantised to e4m3 each step with a device-side amax "
+        "scale (tensor bmm1_scale); untested on hardware (no SM100 available).",
+    ),
+)
+
+
+def check_cache_against_facts(backend: str, kernel: Optional[str], dims: MLADims, dtype: torch.dtype,
+                              cache_dtype: torch.dtype, target: Target) -> CheckResult:
+    """Whether `kernel` of `backend` reads a `cache_dtype` cache for this node (same dtype: always)."""
+    name = str(cache_dtype).replace("torch.", "")
+    if cache_dtype == dtype:
+        return CheckResult(True, "cache in the model dtype")
+    raw, ver = flashinfer_version(target.versions)
+    recs = [f for f in CACHE_FACTS if f.backend == backend and f.kernel == kernel and f.cache_dtype == cache_dtype]
+    if not recs:
+        return CheckResult(False, f"no {name} cache facts for {backend} ({kernel})")
+    if ver is None:
+        return CheckResult(False, f"flashinfer {raw!r}: version unknown")
+    reasons = []
+    for f in recs:
+        lo, hi = ".".join(map(str, f.min_version)), ".".join(map(str, f.max_version))
+        if not f.covers(ver):
+            reasons.append(f"{kernel} reads a {name} cache from flashinfer [{lo}, {hi}), installed {raw}")
+        elif target.device.sm not in f.sms:
+            reasons.append(f"{kernel} reads a {name} cache on SM{{{','.join(map(str, sorted(f.sms)))}}}, "
+                           f"this is {target.device.short()}")
+        elif dtype not in f.dtypes:
+            reasons.append(f"{kernel} with a {name} cache needs {'/'.join(sorted(str(d)[6:] for d in f.dtypes))} "
+                           f"activations, got {str(dtype)[6:]}")
+        elif (dims.kv_lora_rank, dims.qk_rope_head_dim) not in f.rank_rope:
+            pairs = ", ".join(f"({r},{d})" for r, d in sorted(f.rank_rope))
+            reasons.append(f"{kernel} reads a {name} cache for (R, Dr) in {{{pairs}}}, node has "
+                           f"({dims.kv_lora_rank},{dims.qk_rope_head_dim})")
+        else:
+            return CheckResult(True, f"{name} cache: {kernel} (queries {f.query}; {f.evidence}; {', '.join(f.sources)})")
+    return CheckResult(False, "; ".join(dict.fromkeys(reasons)))
+
+
+def cache_fact_rows() -> list[dict]:
+    return [{
+        "backend": f.backend, "kernel": f.kernel, "versions": f"[{'.'.join(map(str, f.min_version))}, "
+        f"{'.'.join(map(str, f.max_version))})", "sm": sorted(f.sms), "cache_dtype": str(f.cache_dtype)[6:],
+        "rank_rope": sorted(f.rank_rope), "query": f.query, "evidence": f.evidence, "sources": list(f.sources),
+        "notes": f.notes,
+    } for f in CACHE_FACTS]

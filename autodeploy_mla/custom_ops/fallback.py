@@ -15,6 +15,7 @@ from typing import Any, Optional
 import torch
 
 from .backend_registry import Target, all_backends
+from .cache_format import CacheScales
 from .mla_dims import MLADims
 from .op_contract import MLAInputs
 
@@ -27,9 +28,11 @@ class Fallback:
 
 
 def resolve_fallback(dims_list: Sequence[MLADims], dtype: torch.dtype, target: Target, order: Sequence[str],
-                     available_metadata: Sequence[str]) -> Fallback:
+                     available_metadata: Sequence[str], cache_dtype: Optional[torch.dtype] = None) -> Fallback:
     """First backend of `order` that is registered, takes a subset of `available_metadata` and accepts
-    every node; ValueError listing why each was passed over otherwise."""
+    every node and its cache dtype (default: `dtype`); ValueError listing why each was passed over
+    otherwise."""
+    cache_dtype = dtype if cache_dtype is None else cache_dtype
     registry = all_backends()
     tried = []
     for name in order:
@@ -40,7 +43,8 @@ def resolve_fallback(dims_list: Sequence[MLADims], dtype: torch.dtype, target: T
         if not set(be.metadata) <= set(available_metadata):
             tried.append(f"{name}: needs metadata {sorted(set(be.metadata) - set(available_metadata))}")
             continue
-        bad = [r.reason for d in dims_list if not (r := be.check(d, dtype, target)).ok]
+        bad = [r.reason for d in dims_list if not (r := be.check(d, dtype, target)).ok
+               or not (r := be.check_cache(d, dtype, cache_dtype, target)).ok]
         if bad:
             tried.append(f"{name}: {bad[0]}")
             continue
@@ -49,5 +53,5 @@ def resolve_fallback(dims_list: Sequence[MLADims], dtype: torch.dtype, target: T
 
 
 def call_fallback(fb: Fallback, x: MLAInputs, meta: Mapping[str, torch.Tensor], mla_cache: torch.Tensor,
-                  scale: Optional[float]) -> torch.Tensor:
-    return fb.op(*x, *(meta[m] for m in fb.metadata), mla_cache, scale)
+                  scale: Optional[float], scales: CacheScales) -> torch.Tensor:
+    return fb.op(*x, *(meta[m] for m in fb.metadata), mla_cache, scale, scales.latent, scales.rope)

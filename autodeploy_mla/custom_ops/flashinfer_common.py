@@ -9,11 +9,12 @@ from __future__ import annotations
 import importlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from .backend_registry import BackendSession, MLABackend, SessionSpec
+from .cache_format import cache_dtype_name
 from .fallback import Fallback, resolve_fallback
 from .flashinfer_metadata import StepCounts
 from .mla_dims import MLADims
@@ -54,19 +55,24 @@ def import_flashinfer_module(name: str) -> Any:
 
 @dataclass(frozen=True)
 class PlanKey:
-    """What a FlashInfer MLA plan depends on (besides the batch): heads, latent/rope widths, dtype."""
+    """What a FlashInfer MLA plan depends on (besides the batch): heads, latent/rope widths, the
+    activations' dtype and the cache's."""
 
     num_heads: int
     kv_lora_rank: int
     qk_rope_head_dim: int
     dtype: torch.dtype
+    cache_dtype: torch.dtype
 
     @classmethod
-    def of(cls, dims: MLADims, dtype: torch.dtype) -> "PlanKey":
-        return cls(dims.num_heads, dims.kv_lora_rank, dims.qk_rope_head_dim, dtype)
+    def of(cls, dims: MLADims, dtype: torch.dtype, cache_dtype: Optional[torch.dtype] = None) -> "PlanKey":
+        return cls(dims.num_heads, dims.kv_lora_rank, dims.qk_rope_head_dim, dtype,
+                   dtype if cache_dtype is None else cache_dtype)
 
     def short(self) -> str:
-        return f"N={self.num_heads} R={self.kv_lora_rank} Dr={self.qk_rope_head_dim} {str(self.dtype).replace('torch.', '')}"
+        cache = "" if self.cache_dtype == self.dtype else f" cache {cache_dtype_name(self.cache_dtype)}"
+        return (f"N={self.num_heads} R={self.kv_lora_rank} Dr={self.qk_rope_head_dim} "
+                f"{cache_dtype_name(self.dtype)}{cache}")
 
 
 def plan_configs(backend: MLABackend, spec: SessionSpec, fallback_order: Sequence[str]) -> dict[PlanKey, Fallback]:
@@ -74,9 +80,9 @@ def plan_configs(backend: MLABackend, spec: SessionSpec, fallback_order: Sequenc
     key, and resolve each group's fallback op."""
     backend.check_all(spec)
     groups: dict[PlanKey, list[MLADims]] = {}
-    for d in spec.dims:
-        groups.setdefault(PlanKey.of(d, spec.dtype), []).append(d)
-    return {k: resolve_fallback(ds, spec.dtype, spec.target, fallback_order, backend.metadata)
+    for d, cache_dtype in zip(spec.dims, spec.node_cache_dtypes()):
+        groups.setdefault(PlanKey.of(d, spec.dtype, cache_dtype), []).append(d)
+    return {k: resolve_fallback(ds, spec.dtype, spec.target, fallback_order, backend.metadata, k.cache_dtype)
             for k, ds in groups.items()}
 
 

@@ -7,7 +7,9 @@ absorbed paged path:
     latent = FlashInfer(q_abs, scale * q_pe, ckv = mla_cache[..., :R], kpe = mla_cache[..., R:])
     out = latent · W_vᵀ                           torch bmm
 
-The wrapper reads ckv / kpe as strided views of the one shared cache tensor: no copy.
+The wrapper reads ckv / kpe as strided views of the one shared cache tensor: no copy. An FP8 cache
+(SM90 fa3, FlashInfer >= 0.7.2, (R, Dr) = (512, 0 or 64): capabilities.CACHE_FACTS) is planned with
+kv_data_type e4m3 and run with the layer's ckv_scale / kpe_scale; queries stay bf16.
 
 Sessions. Everything this backend keeps — wrappers, plans, the workspace, fixed CUDA-graph buffers,
 the policy and the counters — lives in a `FlashInferMLASession` that `setup()` returns for one
@@ -59,7 +61,8 @@ from .backend_registry import (
     Target,
     register_backend,
 )
-from .capabilities import FA_MAX_WORK_ITEMS, check_against_facts, fa_kernel_for, fa_prefill_safe
+from .cache_format import CacheScales, is_fp8
+from .capabilities import FA_MAX_WORK_ITEMS, check_against_facts, check_cache_against_facts, fa_kernel_for, fa_prefill_safe
 from .fallback import Fallback, call_fallback
 from .flashinfer_common import (
     DEFAULT_FALLBACK_ORDER,
@@ -165,8 +168,9 @@ class FlashInferMLASession(FlashInferSession):
         # For the prefill cost estimate: nodes of one plan key share N, R, Dr but may differ in Dn/Dv; the
         # widest expanded heads make the estimate conservative (towards FlashInfer, the planned path).
         self.key_dims: dict[PlanKey, MLADims] = {}
-        for d in sorted(spec.dims, key=lambda d: d.qk_nope_head_dim + d.v_head_dim):
-            self.key_dims[PlanKey.of(d, spec.dtype)] = d  # the widest of each key comes last and stays
+        nodes = sorted(zip(spec.dims, spec.node_cache_dtypes()), key=lambda dc: dc[0].qk_nope_head_dim + dc[0].v_head_dim)
+        for d, cache_dtype in nodes:
+            self.key_dims[PlanKey.of(d, spec.dtype, cache_dtype)] = d  # the widest of each key comes last and stays
         self.float_workspace: Optional[torch.Tensor] = None
         self.eager: dict[PlanKey, Any] = {}
         self.graph: dict[tuple[PlanKey, int], Any] = {}
@@ -222,7 +226,8 @@ class FlashInferMLASession(FlashInferSession):
         wrapper.plan(
             qo_indptr=csr.qo_indptr, kv_indptr=csr.kv_indptr, kv_indices=csr.kv_indices, kv_len_arr=csr.kv_len,
             num_heads=key.num_heads, head_dim_ckv=key.kv_lora_rank, head_dim_kpe=key.qk_rope_head_dim,
-            page_size=self.spec.page_size, causal=True, sm_scale=1.0, q_data_type=key.dtype, kv_data_type=key.dtype,
+            page_size=self.spec.page_size, causal=True, sm_scale=1.0, q_data_type=key.dtype,
+            kv_data_type=key.cache_dtype,
         )
         if self.device.type == "cuda":
             ev = self.plan_events.get(id(wrapper)) or torch.cuda.Event()
@@ -323,23 +328,26 @@ def absorbed_attention(run, x: MLAInputs, n: int, mla_cache: torch.Tensor, dims:
     torch.bmm(latent_hm, w_v.transpose(1, 2), out=out.transpose(0, 1))
 
 
-def _wrapper_run(wrapper):
+def _wrapper_run(wrapper, scales: Optional[CacheScales] = None):
+    """run(...) of `wrapper`; with `scales` (an FP8 cache) the per-tensor ckv / kpe scales it requires."""
+    extra = {} if scales is None else {"ckv_scale": scales.latent, "kpe_scale": scales.rope}
+
     def run(q_abs, q_pe, ckv, kpe, latent_out):
-        wrapper.run(q_abs, q_pe, ckv, kpe, out=latent_out)
+        wrapper.run(q_abs, q_pe, ckv, kpe, out=latent_out, **extra)
     return run
 
 
 def _flashinfer_mla_with_cache(x: MLAInputs, meta: Mapping[str, torch.Tensor], mla_cache: torch.Tensor,
-                               scale: Optional[float]) -> torch.Tensor:
+                               scale: Optional[float], scales: CacheScales) -> torch.Tensor:
     """Append the step's tokens to the paged cache, then attend through FlashInfer. Returns [1, T, N, Dv]."""
     dims = check_cached_inputs(OP, x, mla_cache)
-    key = PlanKey.of(dims, x.q_nope.dtype)
+    key = PlanKey.of(dims, x.q_nope.dtype, mla_cache.dtype)
     sess: FlashInferMLASession = require_session(OP, "flashinfer_mla")  # type: ignore[assignment]
     plan = sess.step_for(key, meta["batch_info_host"])
     if key in plan.fallback:
-        return call_fallback(sess.configs[key], x, meta, mla_cache, scale)
+        return call_fallback(sess.configs[key], x, meta, mla_cache, scale, scales)
 
-    append_to_paged_cache(mla_cache, x, meta["cache_loc"])
+    append_to_paged_cache(mla_cache, x, meta["cache_loc"], scales)
     t_all = x.q_nope.shape[1]
     n = plan.counts.num_tokens
     out = x.q_nope.new_empty(1, t_all, dims.num_heads, dims.v_head_dim)
@@ -347,8 +355,8 @@ def _flashinfer_mla_with_cache(x: MLAInputs, meta: Mapping[str, torch.Tensor], m
         out[0, n:].zero_()  # padded tokens: finite, ignored
     if n == 0:
         return out
-    absorbed_attention(_wrapper_run(plan.wrappers[key]), x, n, mla_cache, dims, scale, out[0, :n],
-                       strided=sess.policy.strided_io)
+    run = _wrapper_run(plan.wrappers[key], scales if is_fp8(mla_cache.dtype) else None)
+    absorbed_attention(run, x, n, mla_cache, dims, scale, out[0, :n], strided=sess.policy.strided_io)
     return out
 
 
@@ -372,6 +380,9 @@ class FlashInferMLABackend(MLABackend):
             return CheckResult(True, res.reason + f"; N={dims.num_heads} does not divide FlashInfer's query tile, "
                                "so multi-token steps run on the fallback op (decode stays on FlashInfer)")
         return res
+
+    def check_cache(self, dims: MLADims, dtype: torch.dtype, cache_dtype: torch.dtype, target: Target) -> CheckResult:
+        return check_cache_against_facts(self.name, fa_kernel_for(target.device), dims, dtype, cache_dtype, target)
 
     def setup(self, spec: SessionSpec, policy: Optional[FlashInferPolicy] = None) -> FlashInferMLASession:
         policy = policy or FlashInferPolicy()

@@ -7,6 +7,9 @@ block table (rebuilt on the device once per step in `prepare()`, padded with the
 the zero-initialised workspace the kernel needs.
 
 Decode-only steps:  q = [q_nope · W_kn | q_pe]  ->  kernel (bmm1_scale = softmax scale)  ->  · W_vᵀ.
+FP8 cache (capabilities.CACHE_FACTS): the kernel needs an e4m3 query too, so q = [q_abs | q_pe ·
+s_rope / s_latent] is quantised with a per-step scale from its device-side amax (no host sync), and
+bmm1_scale = q_scale · s_latent · softmax scale, bmm2_scale = s_latent go as fp32 device tensors.
 Prefill and mixed steps go, whole, to the fallback op: Triton if registered and accepting the node,
 else the torch reference (both vectorised; no Python loop over sequences).
 
@@ -33,7 +36,8 @@ from .backend_registry import (
     Target,
     register_backend,
 )
-from .capabilities import check_against_facts
+from .cache_format import FP8_DTYPE, FP8_MAX, CacheScales, is_fp8
+from .capabilities import check_against_facts, check_cache_against_facts
 from .fallback import Fallback, call_fallback
 from .flashinfer_common import (
     DEFAULT_FALLBACK_ORDER,
@@ -126,20 +130,34 @@ class TrtllmMLASession(FlashInferSession):
                 "configs": {k.short(): fb.name for k, fb in self.configs.items()}}
 
 
+def fp8_query(query: torch.Tensor, r: int, scales: CacheScales, sm_scale: float
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(e4m3 query, bmm1_scale, bmm2_scale) for a kernel that reads query and cache in e4m3 with one KV
+    scale: the rope part is rescaled by s_rope / s_latent, the query's scale comes from its amax on
+    the device (1-element fp32 tensors: no host sync)."""
+    q = query.float()
+    if scales.rope != scales.latent:
+        q = torch.cat([q[..., :r], q[..., r:] * (scales.rope / scales.latent)], dim=-1)
+    q_scale = (q.abs().amax() / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny).reshape(1)
+    q8 = (q / q_scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    bmm2 = torch.full((1,), scales.latent, dtype=torch.float32, device=query.device)
+    return q8, q_scale * (scales.latent * sm_scale), bmm2
+
+
 def _trtllm_mla_with_cache(x: MLAInputs, meta: Mapping[str, torch.Tensor], mla_cache: torch.Tensor,
-                           scale: Optional[float]) -> torch.Tensor:
+                           scale: Optional[float], scales: CacheScales) -> torch.Tensor:
     """Decode-only steps through trtllm-gen; any step with prefill tokens through the fallback op."""
     dims = check_cached_inputs(OP, x, mla_cache)
-    key = PlanKey.of(dims, x.q_nope.dtype)
+    key = PlanKey.of(dims, x.q_nope.dtype, mla_cache.dtype)
     sess: TrtllmMLASession = require_session(OP, "flashinfer_trtllm_mla")  # type: ignore[assignment]
     counts = sess.check_step(key, meta["batch_info_host"])
     if not counts.decode_only:
         if counts.num_seqs > 0:
-            return call_fallback(sess.configs[key], x, meta, mla_cache, scale)
-        append_to_paged_cache(mla_cache, x, meta["cache_loc"])
+            return call_fallback(sess.configs[key], x, meta, mla_cache, scale, scales)
+        append_to_paged_cache(mla_cache, x, meta["cache_loc"], scales)
         return x.q_nope.new_zeros(1, x.q_nope.shape[1], dims.num_heads, dims.v_head_dim)
 
-    append_to_paged_cache(mla_cache, x, meta["cache_loc"])
+    append_to_paged_cache(mla_cache, x, meta["cache_loc"], scales)
     nh, dn, dv, r, dr = (dims.num_heads, dims.qk_nope_head_dim, dims.v_head_dim, dims.kv_lora_rank,
                          dims.qk_rope_head_dim)
     nb = counts.num_decode_seqs  # one token per sequence
@@ -154,6 +172,10 @@ def _trtllm_mla_with_cache(x: MLAInputs, meta: Mapping[str, torch.Tensor], mla_c
     query[:, 0, :, r:].copy_(q_pe[0, :nb])
     latent = q_nope.new_empty(nb, 1, nh, r)
     kwargs: dict[str, Any] = {"backend": "trtllm-gen"} if sess.takes_backend else {}
+    bmm1: Any = resolve_scale(dims, scale)
+    bmm2: Any = 1.0
+    if is_fp8(mla_cache.dtype):
+        query, bmm1, bmm2 = fp8_query(query, r, scales, bmm1)
     sess.decode_fn(
         query=query,
         kv_cache=mla_cache.unsqueeze(1),  # [pages, 1, page_size, R+Dr]: accepted by every 0.6/0.7 release
@@ -165,8 +187,8 @@ def _trtllm_mla_with_cache(x: MLAInputs, meta: Mapping[str, torch.Tensor], mla_c
         seq_lens=meta["seq_len_with_cache"][:nb],
         max_seq_len=int(meta["max_seq_info_host"][1]),  # host tensor: no sync
         out=latent,
-        bmm1_scale=resolve_scale(dims, scale),
-        bmm2_scale=1.0,
+        bmm1_scale=bmm1,
+        bmm2_scale=bmm2,
         **kwargs,
     )
     torch.bmm(latent[:, 0].transpose(0, 1), w_v.transpose(1, 2), out=out[0, :nb].transpose(0, 1))
@@ -191,6 +213,9 @@ class FlashInferTrtllmMLABackend(MLABackend):
         if res.ok:
             return CheckResult(True, res.reason + "; decode only (prefill/mixed steps use the fallback op)")
         return res
+
+    def check_cache(self, dims: MLADims, dtype: torch.dtype, cache_dtype: torch.dtype, target: Target) -> CheckResult:
+        return check_cache_against_facts(self.name, "trtllm-gen", dims, dtype, cache_dtype, target)
 
     def setup(self, spec: SessionSpec, policy: Optional[TrtllmPolicy] = None) -> TrtllmMLASession:
         policy = policy or TrtllmPolicy()

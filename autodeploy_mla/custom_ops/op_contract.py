@@ -1,13 +1,17 @@
 """The one cached-op contract every backend shares (DESIGN §6), written once.
 
     <backend>_mla_with_cache(q_nope, q_pe, compressed_kv, kpe, kv_b_proj_weight,
-                             *metadata, mla_cache, scale=None) -> [1, T, N, Dv]
+                             *metadata, mla_cache, scale=None,
+                             latent_scale=1.0, rope_scale=1.0) -> [1, T, N, Dv]
 
 `define_cached_op(name, metadata, impl)` builds that schema from a backend's metadata tuple,
 registers the op with the cache write declared (`Tensor(a!) mla_cache`), registers the shared fake
-implementation, and calls `impl(x, meta, mla_cache, scale)` with the five MLA inputs as `MLAInputs`
-and the metadata as a name -> tensor mapping, so no backend repeats the 17-argument signature or
-re-packs its metadata by hand.
+implementation, and calls `impl(x, meta, mla_cache, scale, cache_scales)` with the five MLA inputs
+as `MLAInputs`, the metadata as a name -> tensor mapping and the cache's dequantisation scales as
+`CacheScales`, so no backend repeats the 19-argument signature or re-packs its metadata by hand.
+
+The cache holds the activations' dtype or FP8 e4m3 (cache_format.py); `latent_scale` /
+`rope_scale` are the FP8 cache's per-layer scales (1.0 and unused for other dtypes).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
+from .cache_format import FP8_DTYPE, CacheScales, cache_dtype_name, is_fp8, quantize_rows
 from .mla_dims import MLADims, MLAShapeError, infer_dims
 
 MLA_INPUTS: tuple[str, ...] = ("q_nope", "q_pe", "compressed_kv", "kpe", "kv_b_proj_weight")
@@ -33,13 +38,15 @@ class MLAInputs(NamedTuple):
     kv_b_proj_weight: torch.Tensor
 
 
-#: impl(x, metadata by name, mla_cache, scale) -> out [1, T, N, Dv]
-CachedImpl = Callable[[MLAInputs, Mapping[str, torch.Tensor], torch.Tensor, Optional[float]], torch.Tensor]
+#: impl(x, metadata by name, mla_cache, scale, cache scales) -> out [1, T, N, Dv]
+CachedImpl = Callable[[MLAInputs, Mapping[str, torch.Tensor], torch.Tensor, Optional[float], CacheScales],
+                      torch.Tensor]
 
 
 def cached_op_schema(metadata: tuple[str, ...]) -> str:
     args = [f"Tensor {n}" for n in (*MLA_INPUTS, *metadata)]
-    return f"({', '.join(args)}, Tensor(a!) {CACHE_ARG}, float? scale=None) -> Tensor"
+    return (f"({', '.join(args)}, Tensor(a!) {CACHE_ARG}, float? scale=None, float latent_scale=1.0, "
+            "float rope_scale=1.0) -> Tensor")
 
 
 def check_cached_inputs(op: str, x: MLAInputs, mla_cache: torch.Tensor) -> MLADims:
@@ -57,19 +64,24 @@ def check_cached_inputs(op: str, x: MLAInputs, mla_cache: torch.Tensor) -> MLADi
         raise MLAShapeError(
             f"{op}: mla_cache — expected [num_pages, page_size, R+Dr={width}], got {tuple(mla_cache.shape)}."
         )
-    if mla_cache.dtype != x.q_nope.dtype:
+    if mla_cache.dtype != x.q_nope.dtype and not is_fp8(mla_cache.dtype):
         raise MLAShapeError(
-            f"{op}: mla_cache dtype {mla_cache.dtype} differs from the activations' {x.q_nope.dtype}; "
-            "allocate the cache in the model dtype."
+            f"{op}: mla_cache dtype {cache_dtype_name(mla_cache.dtype)} is neither the activations' "
+            f"{cache_dtype_name(x.q_nope.dtype)} nor {cache_dtype_name(FP8_DTYPE)}; allocate the cache in the "
+            "model dtype or as FP8 (runtime.kv_cache_dtype)."
         )
     return dims
 
 
-def append_to_paged_cache(mla_cache: torch.Tensor, x: MLAInputs, cache_loc: torch.Tensor) -> None:
-    """Write every token's [latent | rope key] into its cache slot (padded tokens hit the scratch page)."""
+def append_to_paged_cache(mla_cache: torch.Tensor, x: MLAInputs, cache_loc: torch.Tensor,
+                          scales: CacheScales = CacheScales()) -> None:
+    """Write every token's [latent | rope key] into its cache slot (padded tokens hit the scratch page),
+    quantised to FP8 with `scales` when the cache is FP8."""
     t = x.compressed_kv.shape[1]
     flat = mla_cache.view(-1, mla_cache.shape[-1])
-    new = torch.cat([x.compressed_kv[0], x.kpe[0, :, 0]], dim=-1).to(mla_cache.dtype)
+    new = quantize_rows(x.compressed_kv[0], x.kpe[0, :, 0], mla_cache.dtype, scales)
+    if is_fp8(flat.dtype):  # index_copy_ has no FP8 kernel on CPU: copy the bytes
+        flat, new = flat.view(torch.uint8), new.view(torch.uint8)
     flat.index_copy_(0, cache_loc[:t].long(), new)
 
 
@@ -79,11 +91,13 @@ def define_cached_op(name: str, metadata: tuple[str, ...], impl: CachedImpl) -> 
     cache_at = len(MLA_INPUTS) + n_meta
 
     def kernel(*args: Any, **kwargs: Any) -> torch.Tensor:
-        # The dispatcher passes what the caller passed: a trailing default may be absent.
+        # The dispatcher passes what the caller passed: trailing defaults may be absent.
         x = tuple.__new__(MLAInputs, args[:5])
         meta = dict(zip(metadata, args[5:cache_at]))
-        scale = args[cache_at + 1] if len(args) > cache_at + 1 else kwargs.get("scale")
-        return impl(x, meta, args[cache_at], scale)
+        rest = dict(zip(("scale", "latent_scale", "rope_scale"), args[cache_at + 1:]))
+        rest.update(kwargs)
+        scales = CacheScales(float(rest.get("latent_scale", 1.0)), float(rest.get("rope_scale", 1.0)))
+        return impl(x, meta, args[cache_at], rest.get("scale"), scales)
 
     def fake(*args: Any, **kwargs: Any) -> torch.Tensor:
         x = tuple.__new__(MLAInputs, args[:5])

@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 
 from .backend_registry import CheckResult, MLABackend, Target, register_backend
+from .cache_format import CacheScales, cache_dtype_name, dequantize_rows, is_fp8
 from .mla_dims import MLADims, resolve_scale
 from .op_contract import MLAInputs, append_to_paged_cache, check_cached_inputs, define_cached_op
 
@@ -33,10 +34,11 @@ METADATA: tuple[str, ...] = (
 
 
 def _torch_mla_with_cache(x: MLAInputs, meta: Mapping[str, torch.Tensor], mla_cache: torch.Tensor,
-                          scale: Optional[float]) -> torch.Tensor:
-    """Append the step's tokens to the paged cache, then attend. Returns [1, T, N, Dv]."""
+                          scale: Optional[float], scales: CacheScales) -> torch.Tensor:
+    """Append the step's tokens to the paged cache, then attend. Returns [1, T, N, Dv]. An FP8 cache
+    is quantised in the append and dequantised (times its scales) where the history is gathered."""
     dims = check_cached_inputs(OP, x, mla_cache)
-    append_to_paged_cache(mla_cache, x, meta["cache_loc"])
+    append_to_paged_cache(mla_cache, x, meta["cache_loc"], scales)
 
     n, dv, r = dims.num_heads, dims.v_head_dim, dims.kv_lora_rank
     t_all = x.q_nope.shape[1]
@@ -54,7 +56,7 @@ def _torch_mla_with_cache(x: MLAInputs, meta: Mapping[str, torch.Tensor], mla_ca
     ps = mla_cache.shape[1]
     kv_pos = torch.arange(max_kv, device=dev)
     slots = meta["page_table"][:nb, kv_pos // ps].long() * ps + kv_pos % ps  # [nb, max_kv]
-    hist = mla_cache.view(-1, mla_cache.shape[-1])[slots].to(acc)  # [nb, max_kv, R+Dr]
+    hist = dequantize_rows(mla_cache.view(-1, mla_cache.shape[-1])[slots], r, acc, scales)  # [nb, max_kv, R+Dr]
     # Slots past a sequence's length hold stale data (maybe non-finite): zero them, since a masked
     # probability of 0 times NaN is still NaN.
     in_seq = kv_pos[None] < seq_len[:nb, None].long()
@@ -97,3 +99,9 @@ class TorchMLABackend(MLABackend):
         if not dtype.is_floating_point:
             return CheckResult(False, f"dtype {dtype} is not floating point")
         return CheckResult(True, "reference op: any device, any dims (slow; the correctness oracle)")
+
+    def check_cache(self, dims: MLADims, dtype: torch.dtype, cache_dtype: torch.dtype, target: Target) -> CheckResult:
+        if cache_dtype == dtype or is_fp8(cache_dtype):
+            return CheckResult(True, f"{cache_dtype_name(cache_dtype)} cache: dequantised on gather")
+        return CheckResult(False, f"a {cache_dtype_name(cache_dtype)} cache under {cache_dtype_name(dtype)} "
+                                  "activations (caches hold the model dtype or fp8_e4m3)")

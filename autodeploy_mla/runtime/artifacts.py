@@ -48,11 +48,11 @@ class GraphSignature:
             return self
         return GraphSignature((*self.metadata, field), self.caches, self.tokens)
 
-    def backends(self) -> dict[str, tuple[MLADims, ...]]:
-        """Backend name -> the dims of every layer it serves, in layer order."""
-        out: dict[str, list[MLADims]] = {}
+    def caches_by_backend(self) -> dict[str, tuple[CacheInput, ...]]:
+        """Backend name -> the cache inputs of every layer it serves, in layer order."""
+        out: dict[str, list[CacheInput]] = {}
         for c in self.caches:
-            out.setdefault(c.backend, []).append(c.dims)
+            out.setdefault(c.backend, []).append(c)
         return {k: tuple(v) for k, v in out.items()}
 
 

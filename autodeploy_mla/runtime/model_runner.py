@@ -100,9 +100,10 @@ class ModelRunner:
         self.caches = MLACacheManager(layouts, num_pages, rt.page_size, self.device)
         self.allocator = PageAllocator(num_pages, rt.page_size, self.seq_info.max_pages_per_seq)
         self.sessions: dict[str, BackendSession] = {}
-        for name, dims in sig.backends().items():
-            spec = SessionSpec(dims, dtype, self.device, target, rt.max_batch_size, rt.max_num_tokens,
-                               self.seq_info.max_pages_per_seq)
+        for name, caches in sig.caches_by_backend().items():
+            spec = SessionSpec(tuple(c.dims for c in caches), dtype, self.device, target, rt.max_batch_size,
+                               rt.max_num_tokens, self.seq_info.max_pages_per_seq,
+                               tuple(c.spec.dtype for c in caches))
             self.sessions[name] = get_backend(name).setup(spec, (policies or {}).get(name))
         self.piecewise: Optional[PiecewiseRunner] = None
         if compiled.split is not None:

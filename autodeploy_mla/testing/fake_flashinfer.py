@@ -37,7 +37,11 @@ class FakeMLAWrapper:
              page_size, causal, sm_scale, q_data_type, kv_data_type, use_profiler=False):
         for t in (qo_indptr, kv_indptr, kv_indices, kv_len_arr):
             assert t.dtype == torch.int32 and t.device.type == "cpu", "plan from host tensors"
-        assert kv_data_type in (torch.float16, torch.bfloat16) and q_data_type == kv_data_type
+        if kv_data_type == torch.float8_e4m3fn:  # 0.7.2 _fa_common: bf16 queries, ckv 512, kpe 0/64
+            assert q_data_type == torch.bfloat16 and head_dim_ckv == 512 and head_dim_kpe in (0, 64)
+        else:
+            assert kv_data_type in (torch.float16, torch.bfloat16) and q_data_type == kv_data_type
+        self._kv_dtype = kv_data_type
         b = kv_len_arr.numel()
         assert qo_indptr.numel() == b + 1 == kv_indptr.numel() and int(qo_indptr[0]) == 0
         assert int(kv_indptr[-1]) == kv_indices.numel()
@@ -60,9 +64,11 @@ class FakeMLAWrapper:
         self.plans += 1
 
     def run(self, q_nope, q_pe, ckv_cache, kpe_cache, out=None, lse=None, return_lse=False, profiler_buffer=None,
-            kv_len=None, page_table=None, return_lse_base_on_e=False, o_scale=None):
+            kv_len=None, page_table=None, return_lse_base_on_e=False, o_scale=None, ckv_scale=None, kpe_scale=None):
         nnz = int(self._plan_q[-1])
-        assert q_nope.dtype == q_pe.dtype == ckv_cache.dtype == kpe_cache.dtype == self._dtype
+        assert q_nope.dtype == q_pe.dtype == self._dtype and ckv_cache.dtype == kpe_cache.dtype == self._kv_dtype
+        fp8 = self._kv_dtype == torch.float8_e4m3fn
+        assert (ckv_scale is not None and kpe_scale is not None) == fp8, "FP8 plans need ckv_scale and kpe_scale"
         assert tuple(q_nope.shape) == (nnz, self._num_heads, self._ckv)
         assert tuple(q_pe.shape) == (nnz, self._num_heads, self._kpe)
         assert ckv_cache.shape[1:] == (self._ps, self._ckv) and kpe_cache.shape[1:] == (self._ps, self._kpe)
@@ -72,6 +78,8 @@ class FakeMLAWrapper:
         ckv = ckv_cache.reshape(-1, self._ckv).float() if ckv_cache.is_contiguous() else \
             ckv_cache.flatten(0, 1).float()
         kpe = kpe_cache.flatten(0, 1).float()
+        if fp8:
+            ckv, kpe = ckv * float(ckv_scale), kpe * float(kpe_scale)
         for b in range(self._plan_kv_len.numel()):
             q0, q1 = int(self._plan_q[b]), int(self._plan_q[b + 1])
             kvl = int(self._plan_kv_len[b])
@@ -99,14 +107,17 @@ def fake_trtllm_decode(query, kv_cache, workspace_buffer, qk_nope_head_dim, kv_l
     assert (kv_lora_rank, qk_rope_head_dim) in ((512, 64), (256, 64))
     assert d == kv_lora_rank + qk_rope_head_dim == kv_cache.shape[-1]
     assert ps in (32, 64) and not (64 < n < 128)
-    assert query.dtype == kv_cache.dtype == torch.bfloat16
+    assert query.dtype == kv_cache.dtype and query.dtype in (torch.bfloat16, torch.float8_e4m3fn)
+    if query.dtype == torch.float8_e4m3fn:  # 0.7.2: fp32 tensor scales on trtllm-gen
+        assert isinstance(bmm1_scale, torch.Tensor) and bmm1_scale.dtype == torch.float32
+        bmm1_scale, bmm2_scale = float(bmm1_scale), float(bmm2_scale)
     assert block_tables.dtype == torch.int32 and block_tables.shape[0] == b
     assert block_tables.shape[1] % (128 // ps) == 0, "block_num % (128 / block_size) == 0"
     assert seq_lens.dtype == torch.int32 and seq_lens.shape == (b,)
     assert isinstance(max_seq_len, int) and max_seq_len >= int(seq_lens.max())
     assert workspace_buffer.numel() >= 1 << 20
     assert out is not None and out.shape == (b, q_len, n, kv_lora_rank) and out.dtype == torch.bfloat16
-    assert isinstance(bmm1_scale, float) and q_len == 1
+    assert isinstance(bmm1_scale, float) and isinstance(bmm2_scale, float) and q_len == 1
     flat = kv_cache.reshape(-1, d).float()
     for i in range(b):
         ln = int(seq_lens[i])

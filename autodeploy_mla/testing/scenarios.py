@@ -17,6 +17,7 @@ from typing import Any, Optional
 import torch
 
 from ..custom_ops.backend_registry import BackendSession, MLABackend, SessionSpec, Target, get_backend
+from ..custom_ops.cache_format import UNIT_SCALES, CacheScales, dequantize_rows, quantize_rows
 from ..custom_ops.mla_dims import MLADims
 from ..custom_ops.step_context import using_sessions
 from ..runtime.model_runner import step_descriptor
@@ -86,13 +87,18 @@ def run_scenario(
     policy: Any = None,
     graph_buckets: Collection[int] = (),
     target: Optional[Target] = None,
+    cache_dtype: Optional[torch.dtype] = None,
+    cache_scales: CacheScales = UNIT_SCALES,
 ) -> ScenarioResult:
     """Run `schedule` (one dict per step: seq_id -> new tokens this step) through `backend`.
 
     Sequence lengths are the sums over the schedule. `pad_to` maps step index -> padded token count.
     `policy`: the backend's policy for its session. `graph_buckets`: decode-only steps padded to one
     of these sizes are described to the session as CUDA-graph steps (as the model runner does).
-    `target`: default `Target.detect(device, page_size)`.
+    `target`: default `Target.detect(device, page_size)`. `cache_dtype` (default `dtype`) and
+    `cache_scales`: the paged cache's format. With a quantised cache the reference sees the latent
+    and rope key rounded exactly as the cache stores them (so it checks the kernels, not the format);
+    `extra["unquantized"]` holds the reference on the original values.
     """
     be = get_backend(backend) if isinstance(backend, str) else backend
     gen = torch.Generator().manual_seed(seed)
@@ -113,10 +119,11 @@ def run_scenario(
         random.Random(seed).shuffle(alloc._free)
     info = SequenceInfo(bsz, max_tokens, max_seq_len, page_size, device)
     # Poisoned cache: a slot read before it is written shows up as NaN.
-    cache = torch.full((num_pages, page_size, dims.latent_dim), float("nan"), dtype=dtype, device=device)
+    cache_dtype = dtype if cache_dtype is None else cache_dtype
+    cache = torch.full((num_pages, page_size, dims.latent_dim), float("nan"), device=device).to(cache_dtype)
     target = target or Target.detect(device, page_size)
     session = be.setup(SessionSpec((dims,), dtype, torch.device(device), target, bsz, max_tokens,
-                                   info.max_pages_per_seq), policy)
+                                   info.max_pages_per_seq, (cache_dtype,)), policy)
 
     done = {sid: 0 for sid in lengths}
     outs = {sid: [] for sid in lengths}
@@ -138,7 +145,7 @@ def run_scenario(
         args = [flat("q_nope"), flat("q_pe"), flat("compressed_kv"), flat("kpe"), w]
         args += [info.get(m) for m in be.metadata]
         with using_sessions({be.name: session}):
-            out = be.cached_op(*args, cache, scale)
+            out = be.cached_op(*args, cache, scale, cache_scales.latent, cache_scales.rope)
         off = 0
         for sid in order:
             outs[sid].append(out[0, off : off + step[sid]])
@@ -146,14 +153,27 @@ def run_scenario(
         for sid, n in step.items():
             done[sid] += n
 
-    ref = {}
-    for sid, d in data.items():
-        r = torch.ops.autodeploy.torch_mla(
-            d.q_nope.to(ref_dtype), d.q_pe.to(ref_dtype), d.compressed_kv.to(ref_dtype), d.kpe.to(ref_dtype),
-            w.to(ref_dtype), True, scale, "bsnd",
-        )
-        ref[sid] = r[0]
-    return ScenarioResult({sid: torch.cat(o) for sid, o in outs.items()}, ref, cache, len(schedule), session)
+    def reference(quantized: bool) -> dict[int, torch.Tensor]:
+        ref = {}
+        for sid, d in data.items():
+            ckv, kpe = d.compressed_kv, d.kpe
+            if quantized:
+                rows = dequantize_rows(quantize_rows(ckv, kpe[:, :, 0], cache_dtype, cache_scales), dims.kv_lora_rank,
+                                       torch.float64, cache_scales)
+                ckv, kpe = rows[..., : dims.kv_lora_rank], rows[..., dims.kv_lora_rank:].unsqueeze(2)
+            r = torch.ops.autodeploy.torch_mla(
+                d.q_nope.to(ref_dtype), d.q_pe.to(ref_dtype), ckv.to(ref_dtype), kpe.to(ref_dtype),
+                w.to(ref_dtype), True, scale, "bsnd",
+            )
+            ref[sid] = r[0]
+        return ref
+
+    quantized = cache_dtype != dtype
+    res = ScenarioResult({sid: torch.cat(o) for sid, o in outs.items()}, reference(quantized), cache, len(schedule),
+                         session)
+    if quantized:
+        res.extra["unquantized"] = reference(False)
+    return res
 
 
 # Schedules every backend is tested on: name -> list of steps.

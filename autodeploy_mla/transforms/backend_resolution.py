@@ -1,8 +1,10 @@
 """Per-node attention backend resolution (DESIGN §8).
 
-Pure function of the node's dims, dtype, the target (device capabilities, installed library
-versions, page size) and the requested backend, so it is unit-tested with mocked targets. Every
-decision keeps the reason it was taken and why each preferred backend was rejected.
+Pure function of the node's dims, dtype, cache dtype, the target (device capabilities, installed
+library versions, page size) and the requested backend, so it is unit-tested with mocked targets.
+Every decision keeps the reason it was taken and why each preferred backend was rejected — for its
+dims (`check`) or for the cache dtype (`check_cache`: an FP8 cache is served only by backends whose
+kernels read FP8 for those dims).
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from ..custom_ops.backend_registry import BackendDecision, DeviceInfo, Target, all_backends, get_backend
+from ..custom_ops.backend_registry import BackendDecision, CheckResult, DeviceInfo, Target, all_backends, get_backend
+from ..custom_ops.cache_format import cache_dtype_name
 from ..custom_ops.mla_dims import MLADims
 
 #: Keys of the `preference:` table: one auto order per device class.
@@ -35,6 +38,20 @@ def arch_key(device: DeviceInfo) -> str:
     return "cuda"
 
 
+def accepts(name: str, dims: MLADims, dtype: torch.dtype, cache_dtype: torch.dtype, target: Target) -> CheckResult:
+    """Backend `name`'s verdict on a node: its dims check, then its cache-dtype check."""
+    be = get_backend(name)
+    res = be.check(dims, dtype, target)
+    if not res.ok:
+        return res
+    cache = be.check_cache(dims, dtype, cache_dtype, target)
+    if not cache.ok:
+        return CheckResult(False, f"{cache_dtype_name(cache_dtype)} cache: {cache.reason}")
+    if cache_dtype != dtype:
+        return CheckResult(True, f"{res.reason}; {cache.reason}")
+    return res
+
+
 def resolve_backend(
     layer: str,
     dims: MLADims,
@@ -43,20 +60,24 @@ def resolve_backend(
     requested: str,
     preference: Mapping[str, Sequence[str]],
     allow_fallback: bool = False,
+    cache_dtype: torch.dtype | None = None,
 ) -> BackendDecision:
     """Pick the backend for one node.
 
     `requested` is "auto" or a backend name. An explicit backend that fails its check is an error
-    unless `allow_fallback`, in which case resolution continues down the `auto` order.
+    unless `allow_fallback`, in which case resolution continues down the `auto` order. `cache_dtype`
+    (default: `dtype`) is the node's paged-cache dtype.
     """
+    cache_dtype = dtype if cache_dtype is None else cache_dtype
+    what = f"{dims.short()}, {dtype}" + ("" if cache_dtype == dtype else f", {cache_dtype_name(cache_dtype)} cache")
     rejected: list[tuple[str, str]] = []
     if requested != "auto":
-        res = get_backend(requested).check(dims, dtype, target)
+        res = accepts(requested, dims, dtype, cache_dtype, target)
         if res.ok:
             return BackendDecision(layer, dims, requested, requested, f"requested explicitly; {res.reason}")
         if not allow_fallback:
             raise BackendResolutionError(
-                f"{layer}: backend {requested!r} cannot serve this node ({dims.short()}, {dtype}, "
+                f"{layer}: backend {requested!r} cannot serve this node ({what}, "
                 f"{target.short()}): {res.reason}. Choose another backend, use `auto`, or set "
                 "insert_cached_mla_attention.allow_fallback: true."
             )
@@ -71,11 +92,11 @@ def resolve_backend(
     for name in order:
         if name == requested:
             continue
-        res = get_backend(name).check(dims, dtype, target)
+        res = accepts(name, dims, dtype, cache_dtype, target)
         if res.ok:
             how = "fallback" if requested != "auto" else "auto"
             return BackendDecision(layer, dims, requested, name, f"{how}: first accepted in {key} order; {res.reason}",
                                    tuple(rejected))
         rejected.append((name, res.reason))
     lines = "; ".join(f"{b}: {r}" for b, r in rejected)
-    raise BackendResolutionError(f"{layer}: no backend can serve {dims.short()} {dtype} on {target.short()}: {lines}")
+    raise BackendResolutionError(f"{layer}: no backend can serve {what} on {target.short()}: {lines}")

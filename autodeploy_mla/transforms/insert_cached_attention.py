@@ -4,6 +4,9 @@ For every node: resolve the backend (per node: layers may differ), record the de
 reasons in node.meta and the build report, then replace the node by
 `<backend>_mla_with_cache(q_nope, q_pe, compressed_kv, kpe, kv_b_proj_weight, *metadata, cache, *constants)`
 and add graph inputs for the metadata fields the chosen backends consume and one cache per layer.
+Each layer's cache dtype comes from `runtime.kv_cache_dtype` / `runtime.kv_cache_layers`; an FP8
+layer's scales (`runtime.kv_cache_scales`) become the op's `latent_scale` / `rope_scale` constants,
+and resolution only picks backends whose `check_cache` accepts that dtype for the node.
 The pass declares those inputs by name in a `GraphSignature`; the runtime binds them by name, so
 their position among the graph's inputs carries no meaning.
 """
@@ -11,11 +14,14 @@ their position among the graph's inputs carries no meaning.
 from __future__ import annotations
 
 import fnmatch
+from collections.abc import Mapping
+from typing import TypeVar
 
 import torch
 from pydantic import Field, field_validator
 
 from ..custom_ops.backend_registry import all_backends, get_backend
+from ..custom_ops.cache_format import CacheScales, is_fp8, resolve_cache_dtype
 from ..custom_ops.mla_dims import MLADims
 from ..custom_ops.torch_mla import source_arg
 from ..runtime.artifacts import CacheInput, GraphSignature
@@ -96,26 +102,47 @@ def node_dtype(node: torch.fx.Node, default: torch.dtype) -> torch.dtype:
     return val.dtype if val is not None else default
 
 
-def _layer_requests(layers: list[str], opts: InsertCachedMLAOptions) -> list[str]:
-    """Per node: the backend its override asks for (first matching pattern), else opts.backend. Every
-    pattern must match at least one layer: a typo would otherwise silently change nothing."""
+V = TypeVar("V")
+
+
+def per_layer(layers: list[str], overrides: Mapping[str, V], default: V, key: str) -> list[V]:
+    """Per node: the value of the first override whose pattern (layer index or name glob) matches it,
+    else `default`. Every pattern must match at least one layer: a typo would otherwise silently
+    change nothing (`key` names the config entry in that error)."""
     used: set[str] = set()
     out = []
     for i, layer in enumerate(layers):
-        req = opts.backend
-        for pattern, backend in opts.layers.items():
+        val = default
+        for pattern, v in overrides.items():
             if pattern == str(i) or fnmatch.fnmatchcase(layer, pattern):
-                req = backend
+                val = v
                 used.add(pattern)
                 break
-        out.append(req)
-    unused = [p for p in opts.layers if p not in used]
+        out.append(val)
+    unused = [p for p in overrides if p not in used]
     if unused:
         names = ", ".join(f"{i}: {name}" for i, name in enumerate(layers))
         raise ValueError(
-            f"insert_cached_mla_attention.layers: {', '.join(repr(p) for p in unused)} match no MLA layer. "
+            f"{key}: {', '.join(repr(p) for p in unused)} match no MLA layer. "
             f"Use a layer index or a glob over these layer names ({len(layers)} layers) — {names}"
         )
+    return out
+
+
+def _layer_requests(layers: list[str], opts: InsertCachedMLAOptions) -> list[str]:
+    return per_layer(layers, opts.layers, opts.backend, "insert_cached_mla_attention.layers")
+
+
+def layer_cache_formats(layers: list[str], ctx: BuildContext, dtypes: list[torch.dtype]) -> list[tuple[torch.dtype, CacheScales]]:
+    """Per node: its paged-cache dtype and FP8 scales, from the runtime config (activations' dtype for `auto`)."""
+    rt = ctx.config.runtime
+    names = per_layer(layers, rt.kv_cache_layers, rt.kv_cache_dtype, "runtime.kv_cache_layers")
+    scales = per_layer(layers, rt.kv_cache_scales, None, "runtime.kv_cache_scales")
+    out = []
+    for name, sc, dt in zip(names, scales, dtypes):
+        cache_dtype = resolve_cache_dtype(name, dt)
+        cs = CacheScales() if sc is None else CacheScales(sc.latent, sc.rope)
+        out.append((cache_dtype, cs if is_fp8(cache_dtype) else CacheScales()))
     return out
 
 
@@ -135,12 +162,14 @@ def insert_cached_mla_attention(ctx: BuildContext, opts: InsertCachedMLAOptions)
                          f"position_ids), found {list(tokens)}")
     layers = [n.meta.get("mla_layer", n.name) for n in nodes]
     requests = _layer_requests(layers, opts)
+    dtypes = [node_dtype(n, ctx.dtype) for n in nodes]
+    formats = layer_cache_formats(layers, ctx, dtypes)
     decisions = []
-    for node, layer, req in zip(nodes, layers, requests):
+    for node, layer, req, dt, (cache_dtype, _) in zip(nodes, layers, requests, dtypes, formats):
         if source_arg(node, "is_causal") is not True:
             raise ValueError(f"{layer}: non-causal MLA cannot be served from a KV cache (is_causal=False).")
-        decisions.append(resolve_backend(layer, node_dims(node), node_dtype(node, ctx.dtype), ctx.target, req,
-                                         opts.preference, opts.allow_fallback))
+        decisions.append(resolve_backend(layer, node_dims(node), dt, ctx.target, req,
+                                         opts.preference, opts.allow_fallback, cache_dtype))
 
     # Graph inputs: metadata (union over the chosen backends), then one cache per layer.
     meta_fields: list[str] = []
@@ -154,8 +183,9 @@ def insert_cached_mla_attention(ctx: BuildContext, opts: InsertCachedMLAOptions)
         with gm.graph.inserting_after(last):
             last = meta_nodes[f] = gm.graph.placeholder(f)
     caches: list[CacheInput] = []
-    for i, (node, d) in enumerate(zip(nodes, decisions)):
+    for i, (node, d, dt, (cache_dtype, scales)) in enumerate(zip(nodes, decisions, dtypes, formats)):
         be = get_backend(d.backend)
+        fp8 = (scales.latent, scales.rope) if is_fp8(cache_dtype) else ()
         cache_name = f"{CACHE_PREFIX}{i}"
         with gm.graph.inserting_after(last):
             cache_node = last = gm.graph.placeholder(cache_name)
@@ -167,21 +197,29 @@ def insert_cached_mla_attention(ctx: BuildContext, opts: InsertCachedMLAOptions)
                     ins[k] = gm.graph.call_function(aten.transpose.int, (ins[k], 1, 2))
             new = gm.graph.call_function(
                 be.cached_op.default,
-                (*ins, *(meta_nodes[f] for f in be.metadata), cache_node, *be.constants(node)),
+                (*ins, *(meta_nodes[f] for f in be.metadata), cache_node, *be.constants(node), *fp8),
             )
             result = new
             if layout == "bnsd":
                 result = gm.graph.call_function(aten.transpose.int, (new, 1, 2))
         new.meta.update({k: v for k, v in node.meta.items() if k != "val"})
         new.meta["mla_backend"] = d
-        caches.append(CacheInput(cache_name, d.layer, d.backend, d.dims, be.cache_spec(d.dims, node_dtype(node, ctx.dtype))))
+        caches.append(CacheInput(cache_name, d.layer, d.backend, d.dims, be.cache_spec(d.dims, dt, cache_dtype, scales)))
         node.replace_all_uses_with(result)
         gm.graph.erase_node(node)
 
     ctx.artifacts.decisions = decisions
     ctx.artifacts.signature = GraphSignature(tuple(meta_fields), tuple(caches), tokens)
     used = sorted({d.backend for d in decisions})
+    cache_kinds = sorted({str(c.spec.dtype).replace("torch.", "") for c in caches})
+    layer_rows = []
+    for d, c in zip(decisions, caches):
+        row = d.to_dict()
+        row["cache"] = {"dtype": str(c.spec.dtype).replace("torch.", ""), "bytes_per_token": c.spec.bytes_per_token}
+        if is_fp8(c.spec.dtype):
+            row["cache"]["scales"] = {"latent": c.spec.scales.latent, "rope": c.spec.scales.rope}
+        layer_rows.append(row)
     return PassResult(
-        f"{len(nodes)} MLA nodes -> {', '.join(used)}",
-        {"layers": [d.to_dict() for d in decisions], "metadata_inputs": meta_fields},
+        f"{len(nodes)} MLA nodes -> {', '.join(used)}; cache {', '.join(cache_kinds)}",
+        {"layers": layer_rows, "metadata_inputs": meta_fields},
     )

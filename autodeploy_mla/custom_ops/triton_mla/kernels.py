@@ -3,7 +3,8 @@
 Five kernels, all over the flat token batch and the paged latent cache
 `cache[num_pages, page_size, R + Dr]` (viewed flat as `[num_pages * page_size, R + Dr]`):
 
-- `append_kernel`: writes each new token's [latent | rope key] into its slot (`cache_loc`).
+- `append_kernel`: writes each new token's [latent | rope key] into its slot (`cache_loc`); with an
+  FP8 cache (QUANT) it divides by the layer's scales and saturates at ±448 before the cast.
 - `absorbed_attn_kernel`: absorbed attention for decode and for the "absorb" prefill path. A program
   owns BLOCK_Q query tokens of one sequence x BLOCK_H heads (rows) and one split-K chunk of the
   sequence's history; every KV tile it loads is shared by all its rows. Rows past the last head or
@@ -16,6 +17,8 @@ Five kernels, all over the flat token batch and the paged latent cache
   (per head: K = [k_nope | k_pe], V), for the "expand" prefill path.
 
 Softmax runs in base 2 (scores are pre-multiplied by scale * log2(e)); lse partials are base 2.
+An FP8 cache is converted to the query dtype as each tile is loaded; its scales enter as the two
+score multipliers (latent, rope) and one output multiplier, never as a dequantised copy.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ import os
 
 import triton
 import triton.language as tl
+
+FP8_MAX = tl.constexpr(448.0)  # largest finite e4m3 magnitude (cache_format.FP8_MAX)
 
 
 def _fix_interpreter_scalar_index() -> None:
@@ -61,13 +66,36 @@ def _dot(a, b, DOT_PREC: tl.constexpr):
 
 # Run-time counts and offsets are not specialised on (==1, %16): one compiled kernel serves every
 # batch size and step.
+@triton.jit
+def _round_e4m3(y):
+    """y (fp32, |y| <= 448) rounded to the nearest e4m3 value, ties to even, in fp32 arithmetic: the
+    interpreter's own fp32 -> e4m3 cast (triton 3.6/3.9) drops the carry when rounding up crosses a
+    power of two (1.9375 -> 1.0), so interpreted kernels cast only values this already made exact."""
+    bits = y.to(tl.uint32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)  # 3 mantissa bits
+    subnormal = (y + 24576.0) - 24576.0  # 1.5 * 2^14: rounds to a multiple of 2^-9 (e4m3's subnormal step)
+    return tl.where(tl.abs(y) < 0.015625, subnormal, normal)
+
+
+@triton.jit
+def _to_cache(x, inv_scale, CACHE, QUANT: tl.constexpr, EXACT_CAST: tl.constexpr):
+    if QUANT:
+        y = tl.minimum(tl.maximum(x.to(tl.float32) * inv_scale, -FP8_MAX), FP8_MAX)
+        if EXACT_CAST:
+            y = _round_e4m3(y)
+        return y.to(CACHE.dtype.element_ty)
+    else:
+        return x.to(CACHE.dtype.element_ty)
+
+
 @triton.jit(do_not_specialize=["num_tokens"])
 def append_kernel(
     CKV, KPE, CACHE, CACHE_LOC,
-    num_tokens,
+    num_tokens, inv_latent_scale, inv_rope_scale,
     stride_ckv_t, stride_kpe_t, stride_cache_row,
     R: tl.constexpr, DR: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DR: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DR: tl.constexpr, QUANT: tl.constexpr,
+    EXACT_CAST: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs_t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -76,12 +104,13 @@ def append_kernel(
     offs_r = tl.arange(0, BLOCK_R)
     m = tmask[:, None] & (offs_r[None, :] < R)
     x = tl.load(CKV + offs_t.to(tl.int64)[:, None] * stride_ckv_t + offs_r[None, :], mask=m)
-    tl.store(CACHE + slot[:, None] * stride_cache_row + offs_r[None, :], x.to(CACHE.dtype.element_ty), mask=m)
+    tl.store(CACHE + slot[:, None] * stride_cache_row + offs_r[None, :], _to_cache(x, inv_latent_scale, CACHE, QUANT, EXACT_CAST),
+             mask=m)
     if DR > 0:
         offs_d = tl.arange(0, BLOCK_DR)
         md = tmask[:, None] & (offs_d[None, :] < DR)
         y = tl.load(KPE + offs_t.to(tl.int64)[:, None] * stride_kpe_t + offs_d[None, :], mask=md)
-        tl.store(CACHE + slot[:, None] * stride_cache_row + R + offs_d[None, :], y.to(CACHE.dtype.element_ty),
+        tl.store(CACHE + slot[:, None] * stride_cache_row + R + offs_d[None, :], _to_cache(y, inv_rope_scale, CACHE, QUANT, EXACT_CAST),
                  mask=md)
 
 
@@ -89,7 +118,7 @@ def append_kernel(
 def absorbed_attn_kernel(
     Q_ABS, Q_PE, CACHE, PAGE_TABLE, CU_SEQLEN, INPUT_POS, SEQ_LEN,
     LATENT, PART_ACC, PART_LSE,
-    seq_base, tok_base, abs_base, chunk_size, qk_scale,
+    seq_base, tok_base, abs_base, chunk_size, qk_scale, latent_scale, rope_scale,
     stride_qa_h, stride_qa_t, stride_qp_t, stride_qp_h,
     stride_cache_row, stride_pt_b,
     stride_lat_h, stride_lat_t,
@@ -97,8 +126,10 @@ def absorbed_attn_kernel(
     N: tl.constexpr, R: tl.constexpr, DR: tl.constexpr, PAGE_SIZE: tl.constexpr,
     NUM_HB: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DR: tl.constexpr,
-    SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_PREC: tl.constexpr, SCALED: tl.constexpr,
 ):
+    # SCALED: the cache holds x / scale (FP8): scores take latent_scale / rope_scale per part and the
+    # attended latent latent_scale. Tiles are converted to the query dtype as they are loaded.
     # axis 0 = (query block, head block) with head blocks fastest, so the programs that read the
     # same KV tiles run side by side and share them through L2; axis 1 = sequence; axis 2 = split.
     pid_qh = tl.program_id(0)
@@ -154,10 +185,16 @@ def absorbed_attn_kernel(
         row_ptr = CACHE + (page * PAGE_SIZE + pos % PAGE_SIZE) * stride_cache_row
         # Masked loads (other=0): slots past the history may hold anything, NaN included.
         kv = tl.load(row_ptr[:, None] + offs_r[None, :], mask=pmask[:, None] & rmask[None, :], other=0.0)
+        kv = kv.to(q.dtype)
         s = _dot(q, tl.trans(kv), DOT_PREC)
+        if SCALED:
+            s = s * latent_scale
         if DR > 0:
             kpe = tl.load(row_ptr[:, None] + R + offs_d[None, :], mask=pmask[:, None] & dmask[None, :], other=0.0)
-            s += _dot(qpe, tl.trans(kpe), DOT_PREC)
+            s_pe = _dot(qpe, tl.trans(kpe.to(qpe.dtype)), DOT_PREC)
+            if SCALED:
+                s_pe = s_pe * rope_scale
+            s += s_pe
         s = s * qk_scale
         vis = (pos[None, :] < row_limit[:, None]) & pmask[None, :]
         s = tl.where(vis, s, float("-inf"))
@@ -171,6 +208,8 @@ def absorbed_attn_kernel(
 
     has = l_i > 0.0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
+    if SCALED:
+        out = out * latent_scale
     if SPLIT:
         rel = tok - tok_base
         tl.store(PART_ACC + rel[:, None] * stride_pa_t + head[:, None] * stride_pa_h + pid_s * stride_pa_s
@@ -217,11 +256,12 @@ def split_reduce_kernel(
 
 @triton.jit
 def gather_kv_kernel(
-    CACHE, PAGE_TABLE, SEQ_LEN, KV_CU, DST,
+    CACHE, PAGE_TABLE, SEQ_LEN, KV_CU, DST, latent_scale, rope_scale,
     stride_cache_row, stride_pt_b, stride_dst_row,
-    W: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr,
+    W: tl.constexpr, R: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr, SCALED: tl.constexpr,
 ):
+    # DST has the query dtype: an FP8 cache is dequantised here (times its scales when SCALED).
     pid = tl.program_id(0)
     b = tl.program_id(1)
     kv_len = tl.load(SEQ_LEN + b)
@@ -237,7 +277,9 @@ def gather_kv_kernel(
         offs_w = w0 + tl.arange(0, BLOCK_W)
         m = pmask[:, None] & (offs_w[None, :] < W)
         x = tl.load(src[:, None] + offs_w[None, :], mask=m)
-        tl.store(dst[:, None] + offs_w[None, :], x, mask=m)
+        if SCALED:
+            x = x.to(tl.float32) * tl.where(offs_w < R, latent_scale, rope_scale)[None, :]
+        tl.store(dst[:, None] + offs_w[None, :], x.to(DST.dtype.element_ty), mask=m)
 
 
 @triton.jit

@@ -29,6 +29,7 @@ from typing import Any, Literal, Optional
 import torch
 
 from ..backend_registry import BackendSession, CheckResult, MLABackend, SessionSpec, Target, parse_version, register_backend
+from ..cache_format import CacheScales, cache_dtype_name, is_fp8
 from ..mla_dims import MLADims, MLAShapeError, resolve_scale
 from ..op_contract import MLAInputs, check_cached_inputs, define_cached_op
 from ..step_context import active_session
@@ -132,19 +133,26 @@ def _capturing() -> bool:
 
 
 # ----------------------------------------------------------------------------- launchers
-def _launch_append(compressed_kv, kpe, mla_cache, cache_loc, num_tok, dims):
+def _launch_append(compressed_kv, kpe, mla_cache, cache_loc, num_tok, dims, scales: CacheScales):
     r, dr = dims.kv_lora_rank, dims.qk_rope_head_dim
     block_t = 16
     flat = mla_cache.view(-1, mla_cache.shape[-1])
     K.append_kernel[(triton.cdiv(num_tok, block_t),)](
-        compressed_kv, kpe, flat, cache_loc, num_tok,
+        compressed_kv, kpe, flat, cache_loc, num_tok, 1.0 / scales.latent, 1.0 / scales.rope,
         compressed_kv.stride(1), kpe.stride(1), flat.stride(0),
-        R=r, DR=dr, BLOCK_T=block_t, BLOCK_R=pow2(r), BLOCK_DR=pow2(dr), num_warps=4,
+        R=r, DR=dr, BLOCK_T=block_t, BLOCK_R=pow2(r), BLOCK_DR=pow2(dr), QUANT=is_fp8(mla_cache.dtype),
+        EXACT_CAST=interpreting(), num_warps=4,
     )
 
 
+def _scaled(mla_cache: torch.Tensor, scales: CacheScales) -> bool:
+    """Whether the kernels must apply the cache's scales (an FP8 cache with scales other than 1)."""
+    return is_fp8(mla_cache.dtype) and not scales.identity
+
+
 def _launch_absorbed(call: _Call, q_abs, q_pe, mla_cache, page_table, cu_seqlen, input_pos, seq_len, latent,
-                     *, seq_base, n_seqs, tok_base, n_tok, abs_base, max_q, kv_bound, cfg, dims, qk_scale):
+                     *, seq_base, n_seqs, tok_base, n_tok, abs_base, max_q, kv_bound, cfg, dims, qk_scale,
+                     scales: CacheScales):
     n, r, dr = dims.num_heads, dims.kv_lora_rank, dims.qk_rope_head_dim
     num_hb = triton.cdiv(n, cfg.block_h)
     num_qb = triton.cdiv(max_q, cfg.block_q)
@@ -156,7 +164,8 @@ def _launch_absorbed(call: _Call, q_abs, q_pe, mla_cache, page_table, cu_seqlen,
     meta = dict(
         N=n, R=r, DR=dr, PAGE_SIZE=page_size, NUM_HB=num_hb, BLOCK_H=cfg.block_h, BLOCK_Q=cfg.block_q,
         BLOCK_N=cfg.block_n, BLOCK_R=pow2(r), BLOCK_DR=pow2(dr),
-        DOT_PREC=dot_precision(q_abs.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        DOT_PREC=dot_precision(q_abs.dtype), SCALED=_scaled(mla_cache, scales),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     reduce_meta = dict(R=r, BLOCK_R=pow2(r), num_warps=4 if r <= 256 else 8)
 
@@ -165,7 +174,7 @@ def _launch_absorbed(call: _Call, q_abs, q_pe, mla_cache, page_table, cu_seqlen,
         pa = part_acc.stride()[:3] if is_split else (0, 0, 0)
         pl = part_lse.stride()[:2] if is_split else (0, 0)
         attn = (q_abs, q_pe, flat, page_table, cu_seqlen, input_pos, seq_len, latent, part_acc, part_lse,
-                seq_base, tok_base, abs_base, chunk, qk_scale,
+                seq_base, tok_base, abs_base, chunk, qk_scale, scales.latent, scales.rope,
                 q_abs.stride(0), q_abs.stride(1), q_pe.stride(1), q_pe.stride(2),
                 flat.stride(0), page_table.stride(0), latent.stride(0), latent.stride(1), *pa, *pl)
         red = (part_acc, part_lse, latent, tok_base, abs_base, splits, *pa, *pl, latent.stride(0), latent.stride(1))
@@ -175,7 +184,7 @@ def _launch_absorbed(call: _Call, q_abs, q_pe, mla_cache, page_table, cu_seqlen,
         # Load both variants (SPLIT or not) now, in eager mode: a decode step captured into a CUDA
         # graph later plans its splits from the static capacity and may need the other variant,
         # and loading a kernel module while a stream is capturing is not allowed.
-        key = (cfg, dims, q_abs.dtype, dev, page_size)
+        key = (cfg, dims, q_abs.dtype, mla_cache.dtype, meta["SCALED"], dev, page_size)
         if call.warmed is None or key not in call.warmed:
             dummy_acc = torch.empty(1, n, 2, r, dtype=torch.float32, device=dev)
             dummy_lse = torch.empty(1, n, 2, dtype=torch.float32, device=dev)
@@ -200,19 +209,21 @@ def _launch_absorbed(call: _Call, q_abs, q_pe, mla_cache, page_table, cu_seqlen,
 
 
 def _prefill_expanded(call: _Call, q_nope, q_pe, mla_cache, kv_b_proj_weight, page_table, cu_seqlen, input_pos,
-                      seq_len, out, *, n_pre, max_q, max_kv, total_kv, dims, qk_scale):
+                      seq_len, out, *, n_pre, max_q, max_kv, total_kv, dims, qk_scale, scales: CacheScales):
     n, dn, dv, r, dr = (dims.num_heads, dims.qk_nope_head_dim, dims.v_head_dim, dims.kv_lora_rank,
                         dims.qk_rope_head_dim)
     dev = q_nope.device
     w = r + dr
     kv_cu = torch.zeros(n_pre + 1, dtype=torch.int32, device=dev)
     torch.cumsum(seq_len[:n_pre], 0, dtype=torch.int32, out=kv_cu[1:])
-    lat = call.empty(total_kv, w, dtype=mla_cache.dtype, device=dev)
+    lat = call.empty(total_kv, w, dtype=q_nope.dtype, device=dev)  # an FP8 cache is dequantised here
     flat = mla_cache.view(-1, w)
     block_t = 32
     K.gather_kv_kernel[(triton.cdiv(max_kv, block_t), n_pre)](
-        flat, page_table, seq_len, kv_cu, lat, flat.stride(0), page_table.stride(0), lat.stride(0),
-        W=w, PAGE_SIZE=mla_cache.shape[1], BLOCK_T=block_t, BLOCK_W=min(256, pow2(w)), num_warps=4,
+        flat, page_table, seq_len, kv_cu, lat, scales.latent, scales.rope,
+        flat.stride(0), page_table.stride(0), lat.stride(0),
+        W=w, R=r, PAGE_SIZE=mla_cache.shape[1], BLOCK_T=block_t, BLOCK_W=min(256, pow2(w)),
+        SCALED=_scaled(mla_cache, scales), num_warps=4,
     )
     kv = torch.matmul(lat[:, :r], kv_b_proj_weight.t())  # [total_kv, N*(Dn+Dv)]: K_nope | V per head
     cfg = expand_config(dims, q_nope.dtype, triton.cdiv(max_q, 128) * n * n_pre, tuning.num_sms(dev))
@@ -261,8 +272,8 @@ def _current_call() -> _Call:
 
 
 def _triton_mla_with_cache(x: MLAInputs, meta: Mapping[str, torch.Tensor], mla_cache: torch.Tensor,
-                           scale: Optional[float]) -> torch.Tensor:
-    """Append the step's tokens to the paged cache, then attend. Returns [1, T, N, Dv]."""
+                           scale: Optional[float], scales: CacheScales) -> torch.Tensor:
+    """Append the step's tokens to the paged cache (quantised when it is FP8), then attend. Returns [1, T, N, Dv]."""
     dims = check_cached_inputs(OP, x, mla_cache)
     if not HAS_TRITON:
         raise RuntimeError(f"{OP}: triton is not installed ({_TRITON_IMPORT_ERROR}); "
@@ -295,7 +306,7 @@ def _triton_mla_with_cache(x: MLAInputs, meta: Mapping[str, torch.Tensor], mla_c
     if num_tok == 0:
         return out
 
-    _launch_append(compressed_kv, kpe, mla_cache, meta["cache_loc"], num_tok, dims)
+    _launch_append(compressed_kv, kpe, mla_cache, meta["cache_loc"], num_tok, dims, scales)
     qk_scale = resolve_scale(dims, scale) * LOG2E
 
     mode = None
@@ -315,6 +326,7 @@ def _triton_mla_with_cache(x: MLAInputs, meta: Mapping[str, torch.Tensor], mla_c
                 call, q_abs, q_pe, mla_cache, page_table, cu_seqlen, input_pos, seq_len_with_cache, latent,
                 seq_base=0, n_seqs=n_pre, tok_base=0, n_tok=n_pre_tok, abs_base=abs_lo, max_q=max_q,
                 kv_bound=max_kv, cfg=absorb_prefill_config(dims, q_nope.dtype), dims=dims, qk_scale=qk_scale,
+                scales=scales,
             )
         if n_dec > 0:
             # Decode grid: from host batch_info (fixed per captured graph) and, under CUDA-graph
@@ -326,6 +338,7 @@ def _triton_mla_with_cache(x: MLAInputs, meta: Mapping[str, torch.Tensor], mla_c
                 call, q_abs, q_pe, mla_cache, page_table, cu_seqlen, input_pos, seq_len_with_cache, latent,
                 seq_base=n_pre, n_seqs=n_dec, tok_base=n_pre_tok, n_tok=n_dec, abs_base=abs_lo, max_q=1,
                 kv_bound=kv_bound, cfg=decode_config(dims, q_nope.dtype), dims=dims, qk_scale=qk_scale,
+                scales=scales,
             )
         o = torch.bmm(latent, w_v.transpose(1, 2))  # [N, Ta, Dv]
         out[0, abs_lo:num_tok].copy_(o.transpose(0, 1))
@@ -333,6 +346,7 @@ def _triton_mla_with_cache(x: MLAInputs, meta: Mapping[str, torch.Tensor], mla_c
         _prefill_expanded(
             call, q_nope, q_pe, mla_cache, kv_b_proj_weight, page_table, cu_seqlen, input_pos, seq_len_with_cache,
             out, n_pre=n_pre, max_q=max_q, max_kv=max_kv, total_kv=total_kv, dims=dims, qk_scale=qk_scale,
+            scales=scales,
         )
     return out
 
@@ -377,6 +391,17 @@ class TritonMLABackend(MLABackend):
         note = "" if expansion_supported(dims) else f"; prefill absorbed only (Dn/Dv > {MAX_EXPAND_HEAD_DIM})"
         where = "CPU interpreter (slow, for tests)" if device.type == "cpu" else device.short()
         return CheckResult(True, f"triton on {where}: any N, R<= {MAX_KV_LORA_RANK}, Dr<= {MAX_ROPE_DIM}{note}")
+
+    def check_cache(self, dims: MLADims, dtype: torch.dtype, cache_dtype: torch.dtype, target: Target) -> CheckResult:
+        if cache_dtype == dtype:
+            return CheckResult(True, "cache in the model dtype")
+        if not is_fp8(cache_dtype):
+            return CheckResult(False, f"a {cache_dtype_name(cache_dtype)} cache under {cache_dtype_name(dtype)} "
+                                      "activations (the kernels read the model dtype or fp8_e4m3)")
+        sm = target.device.sm
+        if target.device.type == "cuda" and sm is not None and sm < 89:
+            return CheckResult(False, f"Triton converts e4m3 only on SM89+, device is {target.device.short()}")
+        return CheckResult(True, "fp8_e4m3 cache: tiles converted to the query dtype on load, scales in the scores")
 
     def setup(self, spec: SessionSpec, policy: Optional[TritonPolicy] = None) -> TritonMLASession:
         self.check_all(spec)
