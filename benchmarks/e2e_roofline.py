@@ -9,7 +9,7 @@ after `om.warmup()`:
   argmax sync) and the step's device time (CUDA events). Floor = bytes / measured copy bandwidth,
   bytes = the weights the step reads (every non-expert weight, the lm_head, the embedding rows, and
   per MoE layer the routed experts a batch of B tokens is expected to touch under uniform routing,
-  E * (1 - (1 - k/E)^B)) + the latent cache (B * C * (R + Dr) * 2 bytes per layer).
+  E * (1 - (1 - k/E)^B)) + the latent cache (B * C * (R + Dr) * 2 bytes per layer; 1 with the `fp8` variant: e4m3 cache).
 - prefill, one fresh sequence of T tokens in one step: median wall time; floor = FLOPs / measured
   bf16 GEMM peak, FLOPs = 2 * T * (non-expert weights without the embedding table and lm_head +
   k routed experts per MoE layer) + the lm_head for one row + causal attention in the expanded form,
@@ -120,12 +120,13 @@ def mla_dims_of(model: torch.nn.Module) -> dict[str, int]:
             "Dv": c.v_head_dim, "layers": c.num_hidden_layers}
 
 
-def decode_floor_bytes(w: dict[str, Any], dims: dict[str, int], batch: int, context: int) -> dict[str, float]:
+def decode_floor_bytes(w: dict[str, Any], dims: dict[str, int], batch: int, context: int,
+                       cache_elem_bytes: int = 2) -> dict[str, float]:
     e, k = w["n_experts"], w["top_k"]
     touched = e * (1 - (1 - k / e) ** batch) if e else 0.0
     weights = (w["dense_bytes"] + w["lm_head_bytes"] + batch * w["embed_row_bytes"]
                + sum(touched * b for b in w["expert_bytes_per_expert_layer"]))
-    cache = batch * context * (dims["R"] + dims["Dr"]) * 2 * dims["layers"]
+    cache = batch * context * (dims["R"] + dims["Dr"]) * cache_elem_bytes * dims["layers"]
     return {"weight_bytes": weights, "cache_bytes": cache, "experts_touched": touched}
 
 
@@ -180,6 +181,8 @@ VARIANT_PARTS: dict[str, dict[str, dict[str, Any]]] = {
 
 #: variant parts that set a backend policy instead of a pass option
 POLICY_PARTS = ("absorbed",)  # absorbed: every FlashInfer prefill step on FlashInfer (no cost-model routing)
+#: variant parts that set runtime keys
+RUNTIME_PARTS: dict[str, dict[str, Any]] = {"fp8": {"kv_cache_dtype": "fp8_e4m3"}}  # e4m3 latent cache
 
 
 def variant_policies(variant: str) -> dict[str, Any]:
@@ -192,11 +195,11 @@ def variant_policies(variant: str) -> dict[str, Any]:
 
 def variant_transforms(variant: str) -> dict[str, dict[str, Any]]:
     """Pass options of a variant: every switch of VARIANT_PARTS off unless named ("inductor+moe")."""
-    parts = [p for p in variant.split("+") if p not in ("base", "none", "", *POLICY_PARTS)]
+    parts = [p for p in variant.split("+") if p not in ("base", "none", "", *POLICY_PARTS, *RUNTIME_PARTS)]
     unknown = [p for p in parts if p not in VARIANT_PARTS]
     if unknown:
         raise ValueError(f"unknown variant part(s) {unknown}; known: base, {', '.join(VARIANT_PARTS)}, "
-                         f"{', '.join(POLICY_PARTS)}")
+                         f"{', '.join(POLICY_PARTS)}, {', '.join(RUNTIME_PARTS)}")
     out: dict[str, dict[str, Any]] = {"piecewise": {"compile": "none"}, "fuse_moe": {"enabled": False},
                                       "fuse_gemms": {"enabled": False}}
     for p in parts:
@@ -229,6 +232,8 @@ def build_model(name: str, variant: str, args: argparse.Namespace, transforms: O
            "transforms": variant_transforms(variant)}
     for k, v in (transforms or {}).items():
         cfg["transforms"].setdefault(k, {}).update(v)
+    for part in variant.split("+"):
+        cfg["runtime"].update(RUNTIME_PARTS.get(part, {}))
     return optimize(None, cfg, backend_policies=variant_policies(variant))
 
 
@@ -247,12 +252,14 @@ def bench_model(name: str, variant: str, args: argparse.Namespace, peaks: dict[s
         "backends": sorted({d.backend for d in om.ctx.artifacts.decisions}),
         "passes": passes_on(om),
         "weights_gb": w["total_bytes"] / 1e9, "decode": [], "prefill": [],
+        "cache_dtype": str(om.runner.compiled.signature.caches[0].spec.dtype).replace("torch.", ""),
+        "cache_elem_bytes": om.runner.compiled.signature.caches[0].spec.dtype.itemsize,
     }
     bw = peaks["copy_gb_s"] * 1e9
     for b in args.batches:
         for c in args.contexts:
             r = time_decode(om, b, c, args.steps, args.warmup)
-            fl = decode_floor_bytes(w, dims, b, c)
+            fl = decode_floor_bytes(w, dims, b, c, entry["cache_elem_bytes"])
             floor_ms = (fl["weight_bytes"] + fl["cache_bytes"]) / bw * 1e3
             r.update(batch=b, context=c, floor_ms=floor_ms, x_floor=r["step_ms"] / floor_ms,
                      weight_gb=fl["weight_bytes"] / 1e9, cache_gb=fl["cache_bytes"] / 1e9,

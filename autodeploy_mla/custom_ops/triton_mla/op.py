@@ -29,7 +29,7 @@ from typing import Any, Literal, Optional
 import torch
 
 from ..backend_registry import BackendSession, CheckResult, MLABackend, SessionSpec, Target, parse_version, register_backend
-from ..cache_format import CacheScales, cache_dtype_name, is_fp8
+from ..cache_format import UNIT_SCALES, CacheScales, cache_dtype_name, is_fp8
 from ..mla_dims import MLADims, MLAShapeError, resolve_scale
 from ..op_contract import MLAInputs, check_cached_inputs, define_cached_op
 from ..step_context import active_session
@@ -133,7 +133,7 @@ def _capturing() -> bool:
 
 
 # ----------------------------------------------------------------------------- launchers
-def _launch_append(compressed_kv, kpe, mla_cache, cache_loc, num_tok, dims, scales: CacheScales):
+def _launch_append(compressed_kv, kpe, mla_cache, cache_loc, num_tok, dims, scales: CacheScales = UNIT_SCALES):
     r, dr = dims.kv_lora_rank, dims.qk_rope_head_dim
     block_t = 16
     flat = mla_cache.view(-1, mla_cache.shape[-1])
@@ -152,7 +152,7 @@ def _scaled(mla_cache: torch.Tensor, scales: CacheScales) -> bool:
 
 def _launch_absorbed(call: _Call, q_abs, q_pe, mla_cache, page_table, cu_seqlen, input_pos, seq_len, latent,
                      *, seq_base, n_seqs, tok_base, n_tok, abs_base, max_q, kv_bound, cfg, dims, qk_scale,
-                     scales: CacheScales):
+                     scales: CacheScales = UNIT_SCALES):
     n, r, dr = dims.num_heads, dims.kv_lora_rank, dims.qk_rope_head_dim
     num_hb = triton.cdiv(n, cfg.block_h)
     num_qb = triton.cdiv(max_q, cfg.block_q)
@@ -209,7 +209,7 @@ def _launch_absorbed(call: _Call, q_abs, q_pe, mla_cache, page_table, cu_seqlen,
 
 
 def _prefill_expanded(call: _Call, q_nope, q_pe, mla_cache, kv_b_proj_weight, page_table, cu_seqlen, input_pos,
-                      seq_len, out, *, n_pre, max_q, max_kv, total_kv, dims, qk_scale, scales: CacheScales):
+                      seq_len, out, *, n_pre, max_q, max_kv, total_kv, dims, qk_scale, scales: CacheScales = UNIT_SCALES):
     n, dn, dv, r, dr = (dims.num_heads, dims.qk_nope_head_dim, dims.v_head_dim, dims.kv_lora_rank,
                         dims.qk_rope_head_dim)
     dev = q_nope.device
