@@ -93,18 +93,25 @@ def test_torch_reference_fp8_bf16_activations():
 @pytest.mark.parametrize("dims_name,mode", [("deepseek", "expand"), ("deepseek", "absorb"), ("minicpm3", "absorb"),
                                             ("nope", "expand"), ("nope", "absorb")])
 def test_triton_fp8_equals_oracle(dims_name, mode):
+    """Cache tiles converted to the query dtype (fp8_dot=False): the oracle to fp32 rounding. With
+    e4m3 products (fp8_dot, the default) queries and probabilities are rounded too: within the
+    format's own error of the oracle."""
     d = DIMS[dims_name]
     for scales in SCALES:
         res = run_scenario("triton", d, STANDARD_SCHEDULES["mixed"], cache_dtype=FP8, cache_scales=scales, seed=5,
-                           policy=TritonPolicy(prefill_mode=mode))
+                           policy=TritonPolicy(prefill_mode=mode, fp8_dot=False))
         assert res.max_rel_error() < 1e-5, (scales, res.max_rel_error())
+        res = run_scenario("triton", d, STANDARD_SCHEDULES["mixed"], cache_dtype=FP8, cache_scales=scales, seed=5,
+                           policy=TritonPolicy(prefill_mode=mode))
+        assert 1e-4 < res.max_rel_error() < 5e-2, (scales, res.max_rel_error())
 
 
 def test_triton_fp8_split_decode_and_cache_bytes_equal_torch():
     d = DIMS["deepseek"]
     sch = STANDARD_SCHEDULES["long_decode"]
     sc = cf.CacheScales(0.37, 2.5)
-    tri = run_scenario("triton", d, sch, cache_dtype=FP8, cache_scales=sc, policy=TritonPolicy(decode_splits=3))
+    tri = run_scenario("triton", d, sch, cache_dtype=FP8, cache_scales=sc,
+                       policy=TritonPolicy(decode_splits=3, fp8_dot=False))
     ref = run_scenario("torch", d, sch, cache_dtype=FP8, cache_scales=sc)
     assert tri.max_rel_error() < 1e-5
     # the append kernel stores the same e4m3 values as the reference's quantisation (slots in use)
@@ -290,8 +297,11 @@ def test_gpu_triton_fp8(dims_name, schedule):
     d = DIMS[dims_name]
     for sc in SCALES:
         res = run_scenario("triton", d, STANDARD_SCHEDULES[schedule], dtype=BF16, device="cuda", cache_dtype=FP8,
-                           cache_scales=sc, seed=11)
+                           cache_scales=sc, seed=11, policy=TritonPolicy(fp8_dot=False))
         assert 0 < res.max_rel_error() < 2e-2, (dims_name, schedule, sc, res.max_rel_error())
+        dot = run_scenario("triton", d, STANDARD_SCHEDULES[schedule], dtype=BF16, device="cuda", cache_dtype=FP8,
+                           cache_scales=sc, seed=11)  # e4m3 MMAs
+        assert 0 < dot.max_rel_error() < 5e-2, (dims_name, schedule, sc, dot.max_rel_error())
         ref = run_scenario("torch", d, STANDARD_SCHEDULES[schedule], dtype=BF16, device="cuda", cache_dtype=FP8,
                            cache_scales=sc, seed=11)
         used = ~torch.isnan(ref.cache.float())

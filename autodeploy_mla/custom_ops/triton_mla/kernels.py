@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 FP8_MAX = tl.constexpr(448.0)  # largest finite e4m3 magnitude (cache_format.FP8_MAX)
+P_SCALE = tl.constexpr(256.0)  # softmax probabilities (<= 1) times this before their e4m3 cast
 
 
 def _fix_interpreter_scalar_index() -> None:
@@ -117,7 +118,7 @@ def append_kernel(
 @triton.jit(do_not_specialize=["seq_base", "tok_base", "abs_base", "chunk_size"])
 def absorbed_attn_kernel(
     Q_ABS, Q_PE, CACHE, PAGE_TABLE, CU_SEQLEN, INPUT_POS, SEQ_LEN,
-    LATENT, PART_ACC, PART_LSE,
+    LATENT, PART_ACC, PART_LSE, Q_SCALE,
     seq_base, tok_base, abs_base, chunk_size, qk_scale, latent_scale, rope_scale,
     stride_qa_h, stride_qa_t, stride_qp_t, stride_qp_h,
     stride_cache_row, stride_pt_b,
@@ -126,10 +127,14 @@ def absorbed_attn_kernel(
     N: tl.constexpr, R: tl.constexpr, DR: tl.constexpr, PAGE_SIZE: tl.constexpr,
     NUM_HB: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DR: tl.constexpr,
-    SPLIT: tl.constexpr, DOT_PREC: tl.constexpr, SCALED: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_PREC: tl.constexpr, SCALED: tl.constexpr, FP8_DOT: tl.constexpr,
+    EXACT_CAST: tl.constexpr,
 ):
     # SCALED: the cache holds x / scale (FP8): scores take latent_scale / rope_scale per part and the
     # attended latent latent_scale. Tiles are converted to the query dtype as they are loaded.
+    # FP8_DOT: the queries are e4m3 too (Q_ABS / Q_PE hold q / Q_SCALE[0|1]), so both products run as
+    # e4m3 MMAs on the cache tiles as loaded; probabilities go to e4m3 times P_SCALE (so values down
+    # to 2^-17 of the row max stay representable) and the accumulator is divided by it at the end.
     # axis 0 = (query block, head block) with head blocks fastest, so the programs that read the
     # same KV tiles run side by side and share them through L2; axis 1 = sequence; axis 2 = split.
     pid_qh = tl.program_id(0)
@@ -173,6 +178,12 @@ def absorbed_attn_kernel(
         qpe = tl.load(Q_PE + tok[:, None] * stride_qp_t + head[:, None] * stride_qp_h + offs_d[None, :],
                       mask=row_ok[:, None] & dmask[None, :], other=0.0)
 
+    if FP8_DOT:
+        s_lat = latent_scale * tl.load(Q_SCALE)
+        s_rope = rope_scale * tl.load(Q_SCALE + 1)
+    else:
+        s_lat = latent_scale
+        s_rope = rope_scale
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, BLOCK_R], tl.float32)
@@ -188,12 +199,12 @@ def absorbed_attn_kernel(
         kv = kv.to(q.dtype)
         s = _dot(q, tl.trans(kv), DOT_PREC)
         if SCALED:
-            s = s * latent_scale
+            s = s * s_lat
         if DR > 0:
             kpe = tl.load(row_ptr[:, None] + R + offs_d[None, :], mask=pmask[:, None] & dmask[None, :], other=0.0)
             s_pe = _dot(qpe, tl.trans(kpe.to(qpe.dtype)), DOT_PREC)
             if SCALED:
-                s_pe = s_pe * rope_scale
+                s_pe = s_pe * s_rope
             s += s_pe
         s = s * qk_scale
         vis = (pos[None, :] < row_limit[:, None]) & pmask[None, :]
@@ -203,11 +214,19 @@ def absorbed_attn_kernel(
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(p.to(kv.dtype), kv, DOT_PREC)
+        if FP8_DOT:
+            p8 = p * P_SCALE
+            if EXACT_CAST:
+                p8 = _round_e4m3(p8)
+            acc = acc * alpha[:, None] + _dot(p8.to(kv.dtype), kv, DOT_PREC)
+        else:
+            acc = acc * alpha[:, None] + _dot(p.to(kv.dtype), kv, DOT_PREC)
         m_i = m_new
 
     has = l_i > 0.0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
+    if FP8_DOT:
+        out = out * (1.0 / P_SCALE)
     if SCALED:
         out = out * latent_scale
     if SPLIT:

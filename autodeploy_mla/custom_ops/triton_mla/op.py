@@ -29,7 +29,7 @@ from typing import Any, Literal, Optional
 import torch
 
 from ..backend_registry import BackendSession, CheckResult, MLABackend, SessionSpec, Target, parse_version, register_backend
-from ..cache_format import UNIT_SCALES, CacheScales, cache_dtype_name, is_fp8
+from ..cache_format import FP8_DTYPE, FP8_MAX, UNIT_SCALES, CacheScales, cache_dtype_name, is_fp8
 from ..mla_dims import MLADims, MLAShapeError, resolve_scale
 from ..op_contract import MLAInputs, check_cached_inputs, define_cached_op
 from ..step_context import active_session
@@ -88,11 +88,15 @@ class TritonPolicy:
     prefill_mode: "auto" (the cost rule), or force "expand" / "absorb" (benchmarks, tests).
     decode_splits: 0 = split-K from the policy in tuning.py; k >= 1 forces k chunks (also for
     absorbed prefill). poison_buffers: fill every intermediate/output buffer with NaN before the
-    kernels run, so an element a kernel forgets to write shows up as NaN (tests)."""
+    kernels run, so an element a kernel forgets to write shows up as NaN (tests). fp8_dot: with an
+    FP8 cache, quantise the absorbed queries (per-call amax scale) and the probabilities to e4m3 and
+    run both products as e4m3 MMAs on the tiles as loaded; False: convert each cache tile to the
+    query dtype first (exact queries; measured slower on H200, docs/benchmarks/fp8_cache.md)."""
 
     prefill_mode: Literal["auto", "expand", "absorb"] = "auto"
     decode_splits: int = 0
     poison_buffers: bool = False
+    fp8_dot: bool = True
 
     def __post_init__(self) -> None:
         if self.prefill_mode not in PREFILL_MODES:
@@ -150,9 +154,21 @@ def _scaled(mla_cache: torch.Tensor, scales: CacheScales) -> bool:
     return is_fp8(mla_cache.dtype) and not scales.identity
 
 
+def quantize_queries(q_abs: torch.Tensor, q_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q_abs / s0, q_pe / s1 in e4m3, [s0, s1] fp32 on the device): per-call scales from each part's
+    amax (no host sync), for the FP8_DOT kernels."""
+    pe_amax = q_pe.abs().amax() if q_pe.numel() else q_abs.new_zeros(())  # Dr = 0: no rope part
+    amax = torch.stack([q_abs.abs().amax(), pe_amax]).float()
+    qs = (amax / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+    q8 = (q_abs.float() / qs[0]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    qpe8 = (q_pe.float() / qs[1]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q8, qpe8, qs
+
+
 def _launch_absorbed(call: _Call, q_abs, q_pe, mla_cache, page_table, cu_seqlen, input_pos, seq_len, latent,
                      *, seq_base, n_seqs, tok_base, n_tok, abs_base, max_q, kv_bound, cfg, dims, qk_scale,
-                     scales: CacheScales = UNIT_SCALES):
+                     scales: CacheScales = UNIT_SCALES, q_scale: Optional[torch.Tensor] = None):
+    """`q_scale` given: q_abs / q_pe are e4m3 (quantize_queries) and the kernel runs e4m3 MMAs."""
     n, r, dr = dims.num_heads, dims.kv_lora_rank, dims.qk_rope_head_dim
     num_hb = triton.cdiv(n, cfg.block_h)
     num_qb = triton.cdiv(max_q, cfg.block_q)
@@ -164,8 +180,8 @@ def _launch_absorbed(call: _Call, q_abs, q_pe, mla_cache, page_table, cu_seqlen,
     meta = dict(
         N=n, R=r, DR=dr, PAGE_SIZE=page_size, NUM_HB=num_hb, BLOCK_H=cfg.block_h, BLOCK_Q=cfg.block_q,
         BLOCK_N=cfg.block_n, BLOCK_R=pow2(r), BLOCK_DR=pow2(dr),
-        DOT_PREC=dot_precision(q_abs.dtype), SCALED=_scaled(mla_cache, scales),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        DOT_PREC=dot_precision(q_abs.dtype), SCALED=_scaled(mla_cache, scales) or q_scale is not None,
+        FP8_DOT=q_scale is not None, EXACT_CAST=interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     reduce_meta = dict(R=r, BLOCK_R=pow2(r), num_warps=4 if r <= 256 else 8)
 
@@ -174,7 +190,7 @@ def _launch_absorbed(call: _Call, q_abs, q_pe, mla_cache, page_table, cu_seqlen,
         pa = part_acc.stride()[:3] if is_split else (0, 0, 0)
         pl = part_lse.stride()[:2] if is_split else (0, 0)
         attn = (q_abs, q_pe, flat, page_table, cu_seqlen, input_pos, seq_len, latent, part_acc, part_lse,
-                seq_base, tok_base, abs_base, chunk, qk_scale, scales.latent, scales.rope,
+                latent if q_scale is None else q_scale, seq_base, tok_base, abs_base, chunk, qk_scale, scales.latent, scales.rope,
                 q_abs.stride(0), q_abs.stride(1), q_pe.stride(1), q_pe.stride(2),
                 flat.stride(0), page_table.stride(0), latent.stride(0), latent.stride(1), *pa, *pl)
         red = (part_acc, part_lse, latent, tok_base, abs_base, splits, *pa, *pl, latent.stride(0), latent.stride(1))
@@ -184,7 +200,7 @@ def _launch_absorbed(call: _Call, q_abs, q_pe, mla_cache, page_table, cu_seqlen,
         # Load both variants (SPLIT or not) now, in eager mode: a decode step captured into a CUDA
         # graph later plans its splits from the static capacity and may need the other variant,
         # and loading a kernel module while a stream is capturing is not allowed.
-        key = (cfg, dims, q_abs.dtype, mla_cache.dtype, meta["SCALED"], dev, page_size)
+        key = (cfg, dims, q_abs.dtype, mla_cache.dtype, meta["SCALED"], meta["FP8_DOT"], dev, page_size)
         if call.warmed is None or key not in call.warmed:
             dummy_acc = torch.empty(1, n, 2, r, dtype=torch.float32, device=dev)
             dummy_lse = torch.empty(1, n, 2, dtype=torch.float32, device=dev)
@@ -321,12 +337,15 @@ def _triton_mla_with_cache(x: MLAInputs, meta: Mapping[str, torch.Tensor], mla_c
         w_kn, w_v = dims.split_kv_b(kv_b_proj_weight)
         q_abs = torch.bmm(q_nope[0, abs_lo:num_tok].transpose(0, 1), w_kn)  # [N, Ta, R]
         latent = call.empty(*q_abs.shape, dtype=q_abs.dtype, device=q_abs.device)
+        q_in, qpe_in, q_scale = q_abs, q_pe, None
+        if is_fp8(mla_cache.dtype) and call.policy.fp8_dot:
+            q_in, qpe_in, q_scale = quantize_queries(q_abs, q_pe[:, :num_tok])
         if mode == "absorb":
             _launch_absorbed(
-                call, q_abs, q_pe, mla_cache, page_table, cu_seqlen, input_pos, seq_len_with_cache, latent,
+                call, q_in, qpe_in, mla_cache, page_table, cu_seqlen, input_pos, seq_len_with_cache, latent,
                 seq_base=0, n_seqs=n_pre, tok_base=0, n_tok=n_pre_tok, abs_base=abs_lo, max_q=max_q,
                 kv_bound=max_kv, cfg=absorb_prefill_config(dims, q_nope.dtype), dims=dims, qk_scale=qk_scale,
-                scales=scales,
+                scales=scales, q_scale=q_scale,
             )
         if n_dec > 0:
             # Decode grid: from host batch_info (fixed per captured graph) and, under CUDA-graph
@@ -335,10 +354,10 @@ def _triton_mla_with_cache(x: MLAInputs, meta: Mapping[str, torch.Tensor], mla_c
             static_kv = page_table.shape[1] * mla_cache.shape[1]
             kv_bound = static_kv if _capturing() else min(max_kv, static_kv)
             _launch_absorbed(
-                call, q_abs, q_pe, mla_cache, page_table, cu_seqlen, input_pos, seq_len_with_cache, latent,
+                call, q_in, qpe_in, mla_cache, page_table, cu_seqlen, input_pos, seq_len_with_cache, latent,
                 seq_base=n_pre, n_seqs=n_dec, tok_base=n_pre_tok, n_tok=n_dec, abs_base=abs_lo, max_q=1,
                 kv_bound=kv_bound, cfg=decode_config(dims, q_nope.dtype), dims=dims, qk_scale=qk_scale,
-                scales=scales,
+                scales=scales, q_scale=q_scale,
             )
         o = torch.bmm(latent, w_v.transpose(1, 2))  # [N, Ta, Dv]
         out[0, abs_lo:num_tok].copy_(o.transpose(0, 1))
