@@ -93,16 +93,15 @@ def test_torch_reference_fp8_bf16_activations():
 @pytest.mark.parametrize("dims_name,mode", [("deepseek", "expand"), ("deepseek", "absorb"), ("minicpm3", "absorb"),
                                             ("nope", "expand"), ("nope", "absorb")])
 def test_triton_fp8_equals_oracle(dims_name, mode):
-    """Cache tiles converted to the query dtype (fp8_dot=False): the oracle to fp32 rounding. With
-    e4m3 products (fp8_dot, the default) queries and probabilities are rounded too: within the
-    format's own error of the oracle."""
+    """Cache tiles converted to the query dtype (the default): the oracle to fp32 rounding. With e4m3
+    products (fp8_dot) queries and probabilities are rounded too: within the format's own error."""
     d = DIMS[dims_name]
     for scales in SCALES:
         res = run_scenario("triton", d, STANDARD_SCHEDULES["mixed"], cache_dtype=FP8, cache_scales=scales, seed=5,
                            policy=TritonPolicy(prefill_mode=mode, fp8_dot=False))
         assert res.max_rel_error() < 1e-5, (scales, res.max_rel_error())
         res = run_scenario("triton", d, STANDARD_SCHEDULES["mixed"], cache_dtype=FP8, cache_scales=scales, seed=5,
-                           policy=TritonPolicy(prefill_mode=mode))
+                           policy=TritonPolicy(prefill_mode=mode, fp8_dot=True))
         assert 1e-4 < res.max_rel_error() < 5e-2, (scales, res.max_rel_error())
 
 
@@ -300,7 +299,7 @@ def test_gpu_triton_fp8(dims_name, schedule):
                            cache_scales=sc, seed=11, policy=TritonPolicy(fp8_dot=False))
         assert 0 < res.max_rel_error() < 2e-2, (dims_name, schedule, sc, res.max_rel_error())
         dot = run_scenario("triton", d, STANDARD_SCHEDULES[schedule], dtype=BF16, device="cuda", cache_dtype=FP8,
-                           cache_scales=sc, seed=11)  # e4m3 MMAs
+                           cache_scales=sc, seed=11, policy=TritonPolicy(fp8_dot=True))  # e4m3 MMAs
         assert 0 < dot.max_rel_error() < 5e-2, (dims_name, schedule, sc, dot.max_rel_error())
         ref = run_scenario("torch", d, STANDARD_SCHEDULES[schedule], dtype=BF16, device="cuda", cache_dtype=FP8,
                            cache_scales=sc, seed=11)

@@ -90,13 +90,14 @@ class TritonPolicy:
     absorbed prefill). poison_buffers: fill every intermediate/output buffer with NaN before the
     kernels run, so an element a kernel forgets to write shows up as NaN (tests). fp8_dot: with an
     FP8 cache, quantise the absorbed queries (per-call amax scale) and the probabilities to e4m3 and
-    run both products as e4m3 MMAs on the tiles as loaded; False: convert each cache tile to the
-    query dtype first (exact queries; measured slower on H200, docs/benchmarks/fp8_cache.md)."""
+    run both products as e4m3 MMAs on the tiles as loaded, instead of converting each cache tile to
+    the query dtype (the default: exact queries). Off: on H200 it was no faster at N <= 32 and 2.5x
+    slower at N = 128, with twice the error (docs/benchmarks/fp8_cache.md)."""
 
     prefill_mode: Literal["auto", "expand", "absorb"] = "auto"
     decode_splits: int = 0
     poison_buffers: bool = False
-    fp8_dot: bool = True
+    fp8_dot: bool = False
 
     def __post_init__(self) -> None:
         if self.prefill_mode not in PREFILL_MODES:
