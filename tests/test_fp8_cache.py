@@ -251,6 +251,8 @@ def test_config_keys_validate_and_reach_the_graph():
     assert rows[1]["cache"] == {"dtype": "float8_e4m3fn", "bytes_per_token": caches[1].spec.width,
                                 "scales": {"latent": 0.5, "rope": 2.0}}
     assert rep["runtime"]["kv_cache_dtype"] == "auto"
+    assert rep["cache"]["dtypes"] == ["float32", "float8_e4m3fn"]
+    assert rep["cache"]["bytes_per_token"] == 5 * caches[1].spec.width  # 4 bytes + 1 byte per element
 
 
 FAMILIES = ["deepseek_v3", "deepseek_v2", "glm_4_7_flash", "mistral_small_4", "minicpm3"]

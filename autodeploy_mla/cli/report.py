@@ -55,7 +55,8 @@ def print_report(console: Console, report: dict[str, Any], prompts: list[list[in
     c = report["cache"]
     console.print(
         f"cache: {c['layers']} layers x {c['num_pages']} pages x {c['page_size']} tokens "
-        f"= {c['total_bytes'] / 2**20:.2f} MiB ({report['dtype']}, {report['device']})"
+        f"= {c['total_bytes'] / 2**20:.2f} MiB ({'/'.join(c['dtypes'])}: {c['bytes_per_token']} bytes per token "
+        f"over all layers; activations {report['dtype']}, {report['device']})"
     )
     t = Table(title="passes")
     for col in ("pass", "seconds", "summary"):

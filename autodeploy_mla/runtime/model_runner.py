@@ -374,6 +374,8 @@ class ModelRunner:
                 "layers": len(caches.caches),
                 "bytes_per_layer": {n: t.numel() * t.element_size() for n, t in caches.caches.items()},
                 "total_bytes": caches.total_bytes,
+                "dtypes": sorted({str(t.dtype).replace("torch.", "") for t in caches.caches.values()}),
+                "bytes_per_token": sum(lay.spec.bytes_per_token for lay in caches.layouts),
             },
             "graph_inputs": self.input_names,
             "sessions": {name: s.stats() for name, s in self.sessions.items()},
