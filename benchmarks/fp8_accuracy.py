@@ -32,7 +32,7 @@ import torch
 FAMILIES = ("deepseek_v3", "deepseek_v2", "glm_4_7_flash", "mistral_small_4", "minicpm3")
 
 
-def build(family: str, device: str, dtype: str, cache: str, prompts: int, new: int):
+def build(family: str, device: str, dtype: str, cache: str, prompts: int):
     from autodeploy_mla import optimize
 
     over = [f"model.device={device}", f"model.dtype={dtype}", f"runtime.kv_cache_dtype={cache}",
@@ -42,8 +42,8 @@ def build(family: str, device: str, dtype: str, cache: str, prompts: int, new: i
 
 
 def measure(family: str, args: argparse.Namespace) -> dict:
-    ref = build(family, args.device, args.dtype, "auto", args.prompts, args.new_tokens)
-    fp8 = build(family, args.device, args.dtype, "fp8_e4m3", args.prompts, args.new_tokens)
+    ref = build(family, args.device, args.dtype, "auto", args.prompts)
+    fp8 = build(family, args.device, args.dtype, "fp8_e4m3", args.prompts)
     g = torch.Generator().manual_seed(args.seed)
     lens = torch.randint(8, 65, (args.prompts,), generator=g).tolist()
     prompts = [torch.randint(0, ref.vocab_size, (n,), generator=g).tolist() for n in lens]
@@ -51,7 +51,7 @@ def measure(family: str, args: argparse.Namespace) -> dict:
     b = fp8.generate(prompts, max_new_tokens=args.new_tokens, ignore_eos=True)
     same = sum(x == y for ra, rb in zip(a, b) for x, y in zip(ra, rb))
     other = "float32" if args.dtype != "float32" else "bfloat16"
-    c = build(family, args.device, other, "auto", args.prompts, args.new_tokens).generate(
+    c = build(family, args.device, other, "auto", args.prompts).generate(
         prompts, max_new_tokens=args.new_tokens, ignore_eos=True)
     floor = sum(x == y for ra, rc in zip(a, c) for x, y in zip(ra, rc))
     prefix = [next((i for i, (x, y) in enumerate(zip(ra, rb)) if x != y), len(ra)) for ra, rb in zip(a, b)]

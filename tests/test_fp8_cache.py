@@ -197,7 +197,7 @@ def test_resolution_respects_the_cache_dtype():
             "sm100": ["flashinfer_trtllm_mla", "triton", "torch"]}
     # SM90, DeepSeek dims: FlashInfer fa3 reads e4m3
     d = resolve_backend("l0", DS16, BF16, _target((9, 0)), "auto", pref, cache_dtype=FP8)
-    assert d.backend == "flashinfer_mla" and "float8_e4m3fn cache" in d.reason
+    assert d.backend == "flashinfer_mla" and "fp8_e4m3 cache" in d.reason
     # R=256: no FP8 facts for fa3 -> Triton, with the reason recorded
     r256 = MLADims(16, 64, 64, 128, 256)
     d = resolve_backend("l0", r256, BF16, _target((9, 0)), "auto", pref, cache_dtype=FP8)
@@ -212,7 +212,7 @@ def test_resolution_respects_the_cache_dtype():
     d = resolve_backend("l0", DS16, BF16, _target((10, 0)), "auto", pref, cache_dtype=FP8)
     assert d.backend == "flashinfer_trtllm_mla" and "queries e4m3" in d.reason
     # an explicit backend that cannot read the cache is an error naming the cache dtype
-    with pytest.raises(BackendResolutionError, match="float8_e4m3fn cache"):
+    with pytest.raises(BackendResolutionError, match="fp8_e4m3 cache"):
         resolve_backend("l0", r256, BF16, _target((9, 0)), "flashinfer_mla", pref, cache_dtype=FP8)
     # a bf16 cache under fp32 activations is refused by every backend
     with pytest.raises(BackendResolutionError, match="bfloat16"):
@@ -246,12 +246,12 @@ def test_config_keys_validate_and_reach_the_graph():
     assert ops[1].args[-2:] == (0.5, 2.0) and len(ops[0].args) == len(ops[1].args) - 2
     rep = om.report()
     pass_rec = next(p for p in om.history if p.name == "insert_cached_mla_attention")
-    assert "float8_e4m3fn" in pass_rec.summary
+    assert "fp8_e4m3" in pass_rec.summary
     rows = pass_rec.details["layers"]
-    assert rows[1]["cache"] == {"dtype": "float8_e4m3fn", "bytes_per_token": caches[1].spec.width,
+    assert rows[1]["cache"] == {"dtype": "fp8_e4m3", "bytes_per_token": caches[1].spec.width,
                                 "scales": {"latent": 0.5, "rope": 2.0}}
     assert rep["runtime"]["kv_cache_dtype"] == "auto"
-    assert rep["cache"]["dtypes"] == ["float32", "float8_e4m3fn"]
+    assert rep["cache"]["dtypes"] == ["float32", "fp8_e4m3"]
     assert rep["cache"]["bytes_per_token"] == 5 * caches[1].spec.width  # 4 bytes + 1 byte per element
 
 

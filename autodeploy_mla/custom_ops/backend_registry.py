@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Optional, Protocol
 
 import torch
 
-from .cache_format import CacheScales
+from .cache_format import UNIT_SCALES, CacheScales, cache_dtype_name
 from .mla_dims import MLADims
 from .torch_mla import source_arg
 
@@ -118,7 +118,7 @@ class CacheSpec:
 
     width: int
     dtype: torch.dtype
-    scales: CacheScales = CacheScales()
+    scales: CacheScales = UNIT_SCALES
 
     @property
     def bytes_per_token(self) -> int:
@@ -230,10 +230,10 @@ class MLABackend:
         if cache_dtype == dtype:
             return CheckResult(True, "cache in the model dtype")
         return CheckResult(False, f"{self.name} reads only a cache of the activations' dtype "
-                                  f"({str(dtype).replace('torch.', '')}), not {str(cache_dtype).replace('torch.', '')}")
+                                  f"({cache_dtype_name(dtype)}), not {cache_dtype_name(cache_dtype)}")
 
     def cache_spec(self, dims: MLADims, dtype: torch.dtype, cache_dtype: Optional[torch.dtype] = None,
-                   scales: CacheScales = CacheScales()) -> CacheSpec:
+                   scales: CacheScales = UNIT_SCALES) -> CacheSpec:
         return CacheSpec(width=dims.kv_lora_rank + dims.qk_rope_head_dim,
                          dtype=dtype if cache_dtype is None else cache_dtype, scales=scales)
 
@@ -255,7 +255,7 @@ class MLABackend:
                 res = self.check_cache(d, spec.dtype, cache_dtype, spec.target)
             if not res.ok:
                 raise ValueError(f"{self.name}.setup: cannot serve {d.short()} {spec.dtype} "
-                                 f"(cache {str(cache_dtype).replace('torch.', '')}) on {spec.target.short()}: "
+                                 f"(cache {cache_dtype_name(cache_dtype)}) on {spec.target.short()}: "
                                  f"{res.reason}")
 
 

@@ -40,6 +40,7 @@ from typing import Optional
 import torch
 
 from .backend_registry import CheckResult, DeviceInfo, Target, parse_version
+from .cache_format import cache_dtype_name
 from .mla_dims import MLADims
 
 Version = tuple[int, int, int]
@@ -83,14 +84,16 @@ class KernelFacts:
         return self.min_version <= version < self.max_version
 
     def version_range(self) -> str:
-        lo = ".".join(map(str, self.min_version))
-        hi = ".".join(map(str, self.max_version))
-        return f"[{lo}, {hi})"
+        return version_range(self.min_version, self.max_version)
 
     def allowed_rank_rope(self) -> str:
         if self.rank_rope is not None:
             return ", ".join(f"({r},{d})" for r, d in sorted(self.rank_rope))
         return f"R in {sorted(self.ranks or ())}, Dr in {sorted(self.ropes or ())}"
+
+
+def version_range(lo: Version, hi: Version) -> str:
+    return f"[{'.'.join(map(str, lo))}, {'.'.join(map(str, hi))})"
 
 
 @dataclass(frozen=True)
@@ -332,7 +335,7 @@ CACHE_FACTS: tuple[CacheFacts, ...] = (
 def check_cache_against_facts(backend: str, kernel: Optional[str], dims: MLADims, dtype: torch.dtype,
                               cache_dtype: torch.dtype, target: Target) -> CheckResult:
     """Whether `kernel` of `backend` reads a `cache_dtype` cache for this node (same dtype: always)."""
-    name = str(cache_dtype).replace("torch.", "")
+    name = cache_dtype_name(cache_dtype)
     if cache_dtype == dtype:
         return CheckResult(True, "cache in the model dtype")
     raw, ver = flashinfer_version(target.versions)
@@ -343,15 +346,15 @@ def check_cache_against_facts(backend: str, kernel: Optional[str], dims: MLADims
         return CheckResult(False, f"flashinfer {raw!r}: version unknown")
     reasons = []
     for f in recs:
-        lo, hi = ".".join(map(str, f.min_version)), ".".join(map(str, f.max_version))
         if not f.covers(ver):
-            reasons.append(f"{kernel} reads a {name} cache from flashinfer [{lo}, {hi}), installed {raw}")
+            reasons.append(f"{kernel} reads a {name} cache from flashinfer "
+                           f"{version_range(f.min_version, f.max_version)}, installed {raw}")
         elif target.device.sm not in f.sms:
             reasons.append(f"{kernel} reads a {name} cache on SM{{{','.join(map(str, sorted(f.sms)))}}}, "
                            f"this is {target.device.short()}")
         elif dtype not in f.dtypes:
-            reasons.append(f"{kernel} with a {name} cache needs {'/'.join(sorted(str(d)[6:] for d in f.dtypes))} "
-                           f"activations, got {str(dtype)[6:]}")
+            needs = "/".join(sorted(cache_dtype_name(d) for d in f.dtypes))
+            reasons.append(f"{kernel} with a {name} cache needs {needs} activations, got {cache_dtype_name(dtype)}")
         elif (dims.kv_lora_rank, dims.qk_rope_head_dim) not in f.rank_rope:
             pairs = ", ".join(f"({r},{d})" for r, d in sorted(f.rank_rope))
             reasons.append(f"{kernel} reads a {name} cache for (R, Dr) in {{{pairs}}}, node has "
@@ -360,11 +363,3 @@ def check_cache_against_facts(backend: str, kernel: Optional[str], dims: MLADims
             return CheckResult(True, f"{name} cache: {kernel} (queries {f.query}; {f.evidence}; {', '.join(f.sources)})")
     return CheckResult(False, "; ".join(dict.fromkeys(reasons)))
 
-
-def cache_fact_rows() -> list[dict]:
-    return [{
-        "backend": f.backend, "kernel": f.kernel, "versions": f"[{'.'.join(map(str, f.min_version))}, "
-        f"{'.'.join(map(str, f.max_version))})", "sm": sorted(f.sms), "cache_dtype": str(f.cache_dtype)[6:],
-        "rank_rope": sorted(f.rank_rope), "query": f.query, "evidence": f.evidence, "sources": list(f.sources),
-        "notes": f.notes,
-    } for f in CACHE_FACTS]

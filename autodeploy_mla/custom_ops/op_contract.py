@@ -21,7 +21,7 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
-from .cache_format import FP8_DTYPE, CacheScales, cache_dtype_name, is_fp8, quantize_rows
+from .cache_format import FP8_DTYPE, UNIT_SCALES, CacheScales, cache_dtype_name, is_fp8, quantize_rows
 from .mla_dims import MLADims, MLAShapeError, infer_dims
 
 MLA_INPUTS: tuple[str, ...] = ("q_nope", "q_pe", "compressed_kv", "kpe", "kv_b_proj_weight")
@@ -74,7 +74,7 @@ def check_cached_inputs(op: str, x: MLAInputs, mla_cache: torch.Tensor) -> MLADi
 
 
 def append_to_paged_cache(mla_cache: torch.Tensor, x: MLAInputs, cache_loc: torch.Tensor,
-                          scales: CacheScales = CacheScales()) -> None:
+                          scales: CacheScales = UNIT_SCALES) -> None:
     """Write every token's [latent | rope key] into its cache slot (padded tokens hit the scratch page),
     quantised to FP8 with `scales` when the cache is FP8."""
     t = x.compressed_kv.shape[1]
@@ -96,7 +96,8 @@ def define_cached_op(name: str, metadata: tuple[str, ...], impl: CachedImpl) -> 
         meta = dict(zip(metadata, args[5:cache_at]))
         rest = dict(zip(("scale", "latent_scale", "rope_scale"), args[cache_at + 1:]))
         rest.update(kwargs)
-        scales = CacheScales(float(rest.get("latent_scale", 1.0)), float(rest.get("rope_scale", 1.0)))
+        pair = (float(rest.get("latent_scale", 1.0)), float(rest.get("rope_scale", 1.0)))
+        scales = UNIT_SCALES if pair == (1.0, 1.0) else CacheScales(*pair)
         return impl(x, meta, args[cache_at], rest.get("scale"), scales)
 
     def fake(*args: Any, **kwargs: Any) -> torch.Tensor:

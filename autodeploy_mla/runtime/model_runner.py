@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from ..config.schema import RuntimeConfig
 from ..custom_ops.backend_registry import BackendSession, SessionSpec, StepDescriptor, Target, get_backend
+from ..custom_ops.cache_format import cache_dtype_name
 from ..custom_ops.step_context import using_sessions
 from .artifacts import CompiledModel
 from .errors import CapacityError, OutOfPagesError
@@ -374,7 +375,7 @@ class ModelRunner:
                 "layers": len(caches.caches),
                 "bytes_per_layer": {n: t.numel() * t.element_size() for n, t in caches.caches.items()},
                 "total_bytes": caches.total_bytes,
-                "dtypes": sorted({str(t.dtype).replace("torch.", "") for t in caches.caches.values()}),
+                "dtypes": sorted({cache_dtype_name(t.dtype) for t in caches.caches.values()}),
                 "bytes_per_token": sum(lay.spec.bytes_per_token for lay in caches.layouts),
             },
             "graph_inputs": self.input_names,

@@ -2,7 +2,8 @@
 
 It mirrors the real APIs' argument contracts — keyword names, dtypes, shapes, strides, block-table
 padding, fixed CUDA-graph buffers (BatchMLAPagedAttentionWrapper and
-trtllm_batch_decode_with_kv_cache_mla as of 0.6.18) — and computes the attention from the CSR /
+trtllm_batch_decode_with_kv_cache_mla as of 0.6.18; their FP8 cache rules as of 0.7.2: e4m3 KV with
+bf16 queries and ckv/kpe scales, e4m3 query + KV with tensor bmm scales) — and computes the attention from the CSR /
 block-table metadata it is given, so every index the backends build is checked by the numbers.
 `install_fake_flashinfer(monkeypatch, version, sm)` puts it in `sys.modules` and makes
 `Target.detect` report an SM90 (or SM100) GPU with that FlashInfer while tensors stay on the CPU.

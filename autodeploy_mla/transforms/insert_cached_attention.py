@@ -21,7 +21,7 @@ import torch
 from pydantic import Field, field_validator
 
 from ..custom_ops.backend_registry import all_backends, get_backend
-from ..custom_ops.cache_format import CacheScales, is_fp8, resolve_cache_dtype
+from ..custom_ops.cache_format import UNIT_SCALES, CacheScales, cache_dtype_name, is_fp8, resolve_cache_dtype
 from ..custom_ops.mla_dims import MLADims
 from ..custom_ops.torch_mla import source_arg
 from ..runtime.artifacts import CacheInput, GraphSignature
@@ -141,8 +141,8 @@ def layer_cache_formats(layers: list[str], ctx: BuildContext, dtypes: list[torch
     out = []
     for name, sc, dt in zip(names, scales, dtypes):
         cache_dtype = resolve_cache_dtype(name, dt)
-        cs = CacheScales() if sc is None else CacheScales(sc.latent, sc.rope)
-        out.append((cache_dtype, cs if is_fp8(cache_dtype) else CacheScales()))
+        fp8_scales = sc is not None and is_fp8(cache_dtype)
+        out.append((cache_dtype, CacheScales(sc.latent, sc.rope) if fp8_scales else UNIT_SCALES))
     return out
 
 
@@ -211,11 +211,11 @@ def insert_cached_mla_attention(ctx: BuildContext, opts: InsertCachedMLAOptions)
     ctx.artifacts.decisions = decisions
     ctx.artifacts.signature = GraphSignature(tuple(meta_fields), tuple(caches), tokens)
     used = sorted({d.backend for d in decisions})
-    cache_kinds = sorted({str(c.spec.dtype).replace("torch.", "") for c in caches})
+    cache_kinds = sorted({cache_dtype_name(c.spec.dtype) for c in caches})
     layer_rows = []
     for d, c in zip(decisions, caches):
         row = d.to_dict()
-        row["cache"] = {"dtype": str(c.spec.dtype).replace("torch.", ""), "bytes_per_token": c.spec.bytes_per_token}
+        row["cache"] = {"dtype": cache_dtype_name(c.spec.dtype), "bytes_per_token": c.spec.bytes_per_token}
         if is_fp8(c.spec.dtype):
             row["cache"]["scales"] = {"latent": c.spec.scales.latent, "rope": c.spec.scales.rope}
         layer_rows.append(row)

@@ -88,6 +88,23 @@ def place_kernel(
         tl.store(BLOCK_EXPERT + b, tl.where(hit, expert, -1))
 
 
+@triton.jit
+def _block_pairs(SORTED, pid_m, n_pairs, BLOCK_M: tl.constexpr):
+    """(slots, pairs, rmask) of row block pid_m: its slots in expert order, the (token, k) pair each
+    holds (n_pairs or more in padding slots), and which slots hold one."""
+    slots = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(SORTED + slots)
+    return slots, pairs, pairs < n_pairs
+
+
+@triton.jit
+def _store_weighted(acc, TOPK_W, OUT, pairs, rmask, offs_n, nmask, stride_ot):
+    """OUT[pair, n] = routing weight of the pair * acc: each slot's row back in pair order."""
+    wt = tl.load(TOPK_W + pairs, mask=rmask, other=0.0).to(tl.float32)
+    o_ptr = OUT + pairs.to(tl.int64)[:, None] * stride_ot + offs_n[None, :]
+    tl.store(o_ptr, (acc * wt[:, None]).to(OUT.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
+
+
 @triton.jit(do_not_specialize=["n_pairs"])
 def up_kernel(
     X, W, SORTED, BLOCK_EXPERT, OUT,
@@ -102,9 +119,7 @@ def up_kernel(
     e = tl.load(BLOCK_EXPERT + pid_m)
     if e < 0:
         return
-    slots = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = tl.load(SORTED + slots)
-    rmask = pairs < n_pairs
+    slots, pairs, rmask = _block_pairs(SORTED, pid_m, n_pairs, BLOCK_M)
     tok = (pairs // TOP_K).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = offs_n < N
@@ -143,9 +158,7 @@ def down_kernel(
     e = tl.load(BLOCK_EXPERT + pid_m)
     if e < 0:
         return
-    slots = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = tl.load(SORTED + slots)
-    rmask = pairs < n_pairs
+    slots, pairs, rmask = _block_pairs(SORTED, pid_m, n_pairs, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
@@ -159,10 +172,7 @@ def down_kernel(
         acc += _dot(a, w, DOT_PREC)
         a_ptr += BLOCK_K
         w_ptr += BLOCK_K * stride_wk
-    wt = tl.load(TOPK_W + pairs, mask=rmask, other=0.0).to(tl.float32)
-    acc = acc * wt[:, None]
-    o_ptr = OUT + pairs.to(tl.int64)[:, None] * stride_ot + offs_n[None, :]
-    tl.store(o_ptr, acc.to(OUT.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
+    _store_weighted(acc, TOPK_W, OUT, pairs, rmask, offs_n, nmask, stride_ot)
 
 
 # ----------------------------------------------------------------------------- sorted rows + TMA (prefill)
@@ -183,9 +193,7 @@ def gather_kernel(
     e = tl.load(BLOCK_EXPERT + pid_m)
     if e < 0:
         return
-    slots = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = tl.load(SORTED + slots)
-    rmask = pairs < n_pairs
+    slots, pairs, rmask = _block_pairs(SORTED, pid_m, n_pairs, BLOCK_M)
     tok = (pairs // TOP_K).to(tl.int64)
     offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = offs_h < H
@@ -241,14 +249,9 @@ def down_sorted_kernel(
         a = A_DESC.load([m0, k0])
         w = W_DESC.load([row_w, k0])
         acc += _dot(a, tl.trans(w), DOT_PREC)
-    slots = m0 + tl.arange(0, BLOCK_M)
-    pairs = tl.load(SORTED + slots)
-    rmask = pairs < n_pairs
+    _, pairs, rmask = _block_pairs(SORTED, pid_m, n_pairs, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    wt = tl.load(TOPK_W + pairs, mask=rmask, other=0.0).to(tl.float32)
-    acc = acc * wt[:, None]
-    o_ptr = OUT + pairs.to(tl.int64)[:, None] * stride_ot + offs_n[None, :]
-    tl.store(o_ptr, acc.to(OUT.dtype.element_ty), mask=rmask[:, None] & (offs_n < N)[None, :])
+    _store_weighted(acc, TOPK_W, OUT, pairs, rmask, offs_n, offs_n < N, stride_ot)
 
 
 @triton.jit
