@@ -30,10 +30,10 @@ from autodeploy_mla.testing import STANDARD_SCHEDULES, run_scenario  # noqa: E40
 OP = torch.ops.autodeploy.triton_mla_with_cache
 
 
-def scenario(dims, schedule, mode="auto", splits=0, **kw):
+def scenario(dims, schedule, mode="auto", splits=0, layout="auto", **kw):
     """run_scenario on the triton backend with a session policy: NaN-poisoned buffers, and a forced
-    prefill path / split count when given."""
-    policy = TritonPolicy(prefill_mode=mode, decode_splits=splits, poison_buffers=True)
+    prefill path / split count / decode kernel layout when given."""
+    policy = TritonPolicy(prefill_mode=mode, decode_splits=splits, poison_buffers=True, decode_layout=layout)
     return run_scenario("triton", dims, schedule, policy=policy, **kw)
 
 
@@ -74,8 +74,8 @@ def test_both_prefill_paths(mode, schedule, dims_name):
 def small_blocks(monkeypatch):
     """16-token KV tiles, so the short CPU sequences span several split-K chunks; records the split
     count of every absorbed launch."""
-    monkeypatch.setattr(top, "decode_config", lambda d, dt: tuning.AbsorbedConfig(16, 1, 16, 4, 2))
-    monkeypatch.setattr(top, "absorb_prefill_config", lambda d, dt: tuning.AbsorbedConfig(16, 2, 16, 4, 2))
+    monkeypatch.setattr(top, "decode_config", lambda d, dt, *a: tuning.AbsorbedConfig(16, 1, 16, 4, 2))
+    monkeypatch.setattr(top, "absorb_prefill_config", lambda d, dt, *a: tuning.AbsorbedConfig(16, 2, 16, 4, 2))
     seen: list[int] = []
     orig = top._launch_absorbed
 
@@ -138,12 +138,80 @@ def test_expanded_prefill_grid_orders_and_nope_chunks(monkeypatch, heavy_first, 
 def test_head_block_tails(monkeypatch):
     """N=20 over head blocks of 16 (and 2 tokens x 16 heads for absorbed prefill): the last block
     is partial and every head must still be computed."""
-    monkeypatch.setattr(top, "decode_config", lambda d, dt: tuning.AbsorbedConfig(16, 1, 16, 4, 1))
-    monkeypatch.setattr(top, "absorb_prefill_config", lambda d, dt: tuning.AbsorbedConfig(16, 2, 16, 4, 1))
+    monkeypatch.setattr(top, "decode_config", lambda d, dt, *a: tuning.AbsorbedConfig(16, 1, 16, 4, 1))
+    monkeypatch.setattr(top, "absorb_prefill_config", lambda d, dt, *a: tuning.AbsorbedConfig(16, 2, 16, 4, 1))
     d = MLADims(20, 16, 8, 24, 32)
     for mode in ("absorb", "expand"):
         res = scenario(d, STANDARD_SCHEDULES["mixed"], mode, page_size=4)
         assert res.max_rel_error() < 1e-5, mode
+
+
+# ----------------------------------------------------------------------------- heads on N (decode)
+@pytest.mark.parametrize("dims_name", list(CPU_DIMS))
+@pytest.mark.parametrize("schedule", ["mixed", "long_decode", "long_chunks", "prefill_then_decode"])
+def test_heads_on_n_decode_matches_oracle(dims_name, schedule):
+    """absorbed_attn_heads_on_n_kernel for every decode token: R 32/48/64 (48: the second latent chunk
+    half past R), Dr 0/8/16, head counts under one 16-wide column block; pages of 4 hold no whole
+    16-token tile, so every unmasked tile gathers per-row page ids."""
+    sch = {**STANDARD_SCHEDULES, **EXTRA_SCHEDULES}[schedule]
+    res = scenario(CPU_DIMS[dims_name], sch, layout="heads_on_n", page_size=4, seed=len(schedule))
+    assert res.max_rel_error() < 1e-5
+
+
+@pytest.fixture
+def heads_on_n_blocks(monkeypatch):
+    """Heads-on-N decode with 16-token tiles and 16-head column blocks; records split counts."""
+    monkeypatch.setattr(top, "decode_config",
+                        lambda d, dt, *a: tuning.AbsorbedConfig(16, 1, 16, 4, 2, heads_on_n=True, tma=True))
+    seen: list[int] = []
+    orig = top._launch_absorbed
+
+    def spy(*a, **k):
+        seen.append(orig(*a, **k))
+        return seen[-1]
+
+    monkeypatch.setattr(top, "_launch_absorbed", spy)
+    return seen
+
+
+@pytest.mark.parametrize("page_size", [4, 16, 32])
+@pytest.mark.parametrize("splits", [0, 1, 3])
+def test_heads_on_n_tiles_pages_and_splits(heads_on_n_blocks, page_size, splits):
+    """N 20 = a full and a partial 16-head column block; pages of 16/32 hold whole tiles (one base
+    pointer per tile; TMA is off on CPU), pages of 4 do not; split-K off, automatic and forced."""
+    sch = [{0: 40, 1: 23}] + [{0: 1, 1: 1}] * 3 + [{0: 1, 1: 1, 2: 37}, {0: 1, 1: 1, 2: 1}]
+    res = scenario(MLADims(20, 16, 8, 24, 32), sch, splits=splits, page_size=page_size, seed=page_size + splits)
+    assert res.max_rel_error() < 1e-5
+    assert (max(heads_on_n_blocks) == 1) if splits == 1 else (max(heads_on_n_blocks) > 1)
+
+
+def test_heads_on_n_fp8_cache_fp16_products():
+    """bf16 activations on an e4m3 cache: the kernel runs its products in fp16 (F16) and stays within
+    bf16 rounding of the oracle that reads the same e4m3 values."""
+    from autodeploy_mla.custom_ops.cache_format import FP8_DTYPE, CacheScales
+
+    for sc in (CacheScales(1.0, 1.0), CacheScales(0.37, 2.5)):
+        res = run_scenario("triton", CPU_DIMS["r64_dr16"], STANDARD_SCHEDULES["long_decode"], dtype=torch.bfloat16,
+                           ref_dtype=torch.float64, cache_dtype=FP8_DTYPE, cache_scales=sc, page_size=4,
+                           policy=TritonPolicy(decode_layout="heads_on_n", poison_buffers=True))
+        assert 0 < res.max_rel_error() < 2e-2, (sc, res.max_rel_error())
+
+
+def test_decode_config_picks_the_measured_layout():
+    bf16, fp8 = torch.bfloat16, torch.float8_e4m3fn
+    ds16, glm, mistral, ds128 = (MLADims(16, 128, 64, 128, 512), MLADims(20, 192, 64, 256, 512),
+                                 MLADims(32, 64, 64, 128, 256), MLADims(128, 128, 64, 128, 512))
+    assert not tuning.decode_config(ds16, bf16).heads_on_n
+    assert tuning.decode_config(ds16, bf16, fp8).heads_on_n
+    for d in (glm, mistral, ds128):
+        assert tuning.decode_config(d, bf16, bf16).heads_on_n
+    assert tuning.decode_config(glm, bf16, bf16).block_h == 32
+    assert not tuning.decode_config(ds128, bf16, fp8).heads_on_n
+    assert not tuning.decode_config(MLADims(20, 16, 8, 16, 16), bf16).heads_on_n  # R < 32
+    assert not tuning.decode_config(glm, bf16, bf16, "heads_on_m").heads_on_n
+    assert tuning.decode_config(ds16, bf16, bf16, "heads_on_n").heads_on_n
+    with pytest.raises(ValueError, match="decode_layout='cols'"):
+        TritonPolicy(decode_layout="cols")
 
 
 def test_padded_steps_are_harmless():
@@ -307,6 +375,17 @@ def test_gpu_real_dims_bf16(dims_name, mode):
                        device="cuda", seed=1)
     err = res.max_rel_error()
     assert 0 < err < 1e-2, err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["heads_on_m", "heads_on_n"])
+@pytest.mark.parametrize("dims_name", list(GPU_DIMS))
+def test_gpu_decode_layouts(dims_name, layout):
+    """Both decode kernels on real dims with 64-token pages: heads_on_n's whole tiles by TMA, the
+    masked last tile by pointer; long histories so split-K and several tiles per chunk run."""
+    sch = [{0: 1000, 1: 130, 2: 64, 3: 7}] + [{0: 1, 1: 1, 2: 1, 3: 1}] * 3
+    res = scenario(GPU_DIMS[dims_name], sch, layout=layout, page_size=64, dtype=torch.bfloat16, device="cuda", seed=2)
+    assert 0 < res.max_rel_error() < 1e-2, res.max_rel_error()
 
 
 @pytest.mark.gpu

@@ -1,6 +1,6 @@
 """Triton kernels of the `triton` MLA backend (docs/triton_backend.md explains the design).
 
-Five kernels, all over the flat token batch and the paged latent cache
+Six kernels, all over the flat token batch and the paged latent cache
 `cache[num_pages, page_size, R + Dr]` (viewed flat as `[num_pages * page_size, R + Dr]`):
 
 - `append_kernel`: writes each new token's [latent | rope key] into its slot (`cache_loc`); with an
@@ -10,6 +10,11 @@ Five kernels, all over the flat token batch and the paged latent cache
   sequence's history; every KV tile it loads is shared by all its rows. Rows past the last head or
   the sequence's last query are masked (never dropped: the head grid is a ceil-division). Causality
   is per row: query i of a sequence sees positions < input_pos + i + 1.
+- `absorbed_attn_heads_on_n_kernel`: the same attention with the products transposed, for decode:
+  S^T = KV·Q^T and O^T += KV^T·P^T, so the KV tile is the MMA's M side (64 rows, a full Hopper wgmma)
+  and the heads (x query tokens) its N side (8..64 wide): 20 or 32 heads waste no padded rows, both
+  products read the one tile, and whole tiles inside one page arrive by TMA. With an e4m3 cache and
+  bf16 queries the MMAs run in fp16 (e4m3 -> fp16 is one hardware conversion; bf16 is not).
 - `split_reduce_kernel`: flash-decoding combine of the split-K partials by log-sum-exp.
 - `gather_kv_kernel`: copies the prefill sequences' whole history (prefix + new tokens) out of the
   pages into a flat `[sum kv_len, R + Dr]` buffer, for the "expand" prefill path.
@@ -238,6 +243,171 @@ def absorbed_attn_kernel(
     else:
         tl.store(LATENT + head[:, None] * stride_lat_h + (tok - abs_base)[:, None] * stride_lat_t + offs_r[None, :],
                  out.to(LATENT.dtype.element_ty), mask=row_ok[:, None] & rmask[None, :])
+
+
+@triton.jit
+def _heads_on_n_tile(accT, accT2, m_i, l_i, qT, qT2, qpeT, kv, kv2, kpe, pos, col_limit, kv_hi, latent_scale,
+                     rope_scale, qk_scale, DR: tl.constexpr, DOT_PREC: tl.constexpr, SCALED: tl.constexpr,
+                     MASKED: tl.constexpr):
+    """One KV tile of absorbed_attn_heads_on_n_kernel: scores [BLOCK_N, COLS], softmax down the kv axis."""
+    kv = kv.to(qT.dtype)
+    kv2 = kv2.to(qT.dtype)
+    s = _dot(kv, qT, DOT_PREC) + _dot(kv2, qT2, DOT_PREC)
+    if SCALED:
+        s = s * latent_scale
+    if DR > 0:
+        s_pe = _dot(kpe.to(qpeT.dtype), qpeT, DOT_PREC)
+        if SCALED:
+            s_pe = s_pe * rope_scale
+        s += s_pe
+    s = s * qk_scale
+    if MASKED:
+        s = tl.where((pos[:, None] < col_limit[None, :]) & (pos < kv_hi)[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 0))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[None, :])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 0)
+    p = p.to(kv.dtype)
+    accT = accT * alpha[None, :] + _dot(tl.trans(kv), p, DOT_PREC)
+    accT2 = accT2 * alpha[None, :] + _dot(tl.trans(kv2), p, DOT_PREC)
+    return accT, accT2, m_new, l_i
+
+
+@triton.jit(do_not_specialize=["seq_base", "tok_base", "abs_base", "chunk_size"])
+def absorbed_attn_heads_on_n_kernel(
+    Q_ABS, Q_PE, CACHE, PAGE_TABLE, CU_SEQLEN, INPUT_POS, SEQ_LEN,
+    LATENT, PART_ACC, PART_LSE, KV_DESC, KPE_DESC,
+    seq_base, tok_base, abs_base, chunk_size, qk_scale, latent_scale, rope_scale,
+    stride_qa_h, stride_qa_t, stride_qp_t, stride_qp_h,
+    stride_cache_row, stride_pt_b,
+    stride_lat_h, stride_lat_t,
+    stride_pa_t, stride_pa_h, stride_pa_s, stride_pl_t, stride_pl_h,
+    N: tl.constexpr, R: tl.constexpr, DR: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    NUM_HB: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_DR: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_PREC: tl.constexpr, SCALED: tl.constexpr, USE_TMA: tl.constexpr,
+    F16: tl.constexpr,
+):
+    # Grid and outputs as absorbed_attn_kernel; columns (BLOCK_Q tokens x BLOCK_H heads) replace rows.
+    # The latent is two column chunks [0, C) and [C, 2C), C = BLOCK_C = pow2(R) / 2: a TMA box is at
+    # most 256 wide, and each MMA's shared operand stays small.
+    # Tiles wholly inside the chunk and below every column's causal limit take the unmasked loop; when
+    # a page holds whole tiles (PAGE_SIZE % BLOCK_N == 0; chunks start on BLOCK_N) such a tile is one
+    # page and comes by TMA (USE_TMA) or by one base pointer. The last, partial tile is masked.
+    # F16: the cache is e4m3 and the MMAs run in fp16 (queries saturated to the fp16 range).
+    pid_qh = tl.program_id(0)
+    b = seq_base + tl.program_id(1)
+    pid_s = tl.program_id(2)
+    hb = pid_qh % NUM_HB
+    qb = pid_qh // NUM_HB
+
+    q_start = tl.load(CU_SEQLEN + b)
+    q_len = tl.load(CU_SEQLEN + b + 1) - q_start
+    q0 = qb * BLOCK_Q
+    if q0 >= q_len:
+        return
+    pos0 = tl.load(INPUT_POS + b)
+    seq_len = tl.load(SEQ_LEN + b)
+
+    COLS: tl.constexpr = BLOCK_Q * BLOCK_H
+    offs_c = tl.arange(0, COLS)
+    q_idx = q0 + offs_c // BLOCK_H
+    head = hb * BLOCK_H + offs_c % BLOCK_H
+    col_ok = (head < N) & (q_idx < q_len)
+    tok = (q_start + q_idx).to(tl.int64)
+    col_limit = pos0 + q_idx + 1  # causal: this column sees kv positions < col_limit
+    kv_limit = tl.minimum(seq_len, pos0 + tl.minimum(q_len, q0 + BLOCK_Q))
+    kv_lo = pid_s * chunk_size
+    kv_hi = tl.minimum(kv_lo + chunk_size, kv_limit)
+
+    if SPLIT:
+        if kv_lo >= kv_limit:
+            tl.store(PART_LSE + (tok - tok_base) * stride_pl_t + head * stride_pl_h + pid_s,
+                     tl.full([COLS], float("-inf"), tl.float32), mask=col_ok)
+            return
+
+    offs_r = tl.arange(0, BLOCK_C)
+    offs_r2 = BLOCK_C + offs_r
+    rmask = offs_r < R
+    rmask2 = offs_r2 < R
+    qa = Q_ABS + head[None, :] * stride_qa_h + (tok - abs_base)[None, :] * stride_qa_t
+    qT = tl.load(qa + offs_r[:, None], mask=col_ok[None, :] & rmask[:, None], other=0.0)
+    qT2 = tl.load(qa + offs_r2[:, None], mask=col_ok[None, :] & rmask2[:, None], other=0.0)
+    offs_d = tl.arange(0, BLOCK_DR)
+    dmask = offs_d < DR
+    qpeT = qT  # placeholder when DR == 0 (never used)
+    if DR > 0:
+        qpeT = tl.load(Q_PE + tok[None, :] * stride_qp_t + head[None, :] * stride_qp_h + offs_d[:, None],
+                       mask=col_ok[None, :] & dmask[:, None], other=0.0)
+    if F16:
+        qT = tl.minimum(tl.maximum(qT.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+        qT2 = tl.minimum(tl.maximum(qT2.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+        qpeT = tl.minimum(tl.maximum(qpeT.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+
+    m_i = tl.full([COLS], float("-inf"), tl.float32)
+    l_i = tl.zeros([COLS], tl.float32)
+    accT = tl.zeros([BLOCK_C, COLS], tl.float32)
+    accT2 = tl.zeros([BLOCK_C, COLS], tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    pt_row = PAGE_TABLE + b.to(tl.int64) * stride_pt_b
+    n_full = tl.maximum((tl.minimum(kv_hi, pos0 + q0 + 1) - kv_lo) // BLOCK_N, 0)
+    for t in range(0, n_full):
+        start = kv_lo + t * BLOCK_N
+        if PAGE_SIZE % BLOCK_N == 0:
+            row0 = tl.load(pt_row + start // PAGE_SIZE).to(tl.int64) * PAGE_SIZE + start % PAGE_SIZE
+            rows = row0 + offs_n
+        else:
+            pos = start + offs_n
+            rows = tl.load(pt_row + pos // PAGE_SIZE).to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE
+        if USE_TMA:
+            kv = KV_DESC.load([row0.to(tl.int32), 0])
+            kv2 = KV_DESC.load([row0.to(tl.int32), BLOCK_C])
+            kpe = kv  # placeholder when DR == 0 (never used)
+            if DR > 0:
+                kpe = KPE_DESC.load([row0.to(tl.int32), R])
+        else:
+            rp = CACHE + rows * stride_cache_row
+            kv = tl.load(rp[:, None] + offs_r[None, :], mask=rmask[None, :], other=0.0)
+            kv2 = tl.load(rp[:, None] + offs_r2[None, :], mask=rmask2[None, :], other=0.0)
+            kpe = kv
+            if DR > 0:
+                kpe = tl.load(rp[:, None] + R + offs_d[None, :], mask=dmask[None, :], other=0.0)
+        accT, accT2, m_i, l_i = _heads_on_n_tile(
+            accT, accT2, m_i, l_i, qT, qT2, qpeT, kv, kv2, kpe, start + offs_n, col_limit, kv_hi,
+            latent_scale, rope_scale, qk_scale, DR, DOT_PREC, SCALED, False)
+    for start in range(kv_lo + n_full * BLOCK_N, kv_hi, BLOCK_N):
+        pos = start + offs_n
+        pmask = pos < kv_hi
+        page = tl.load(pt_row + pos // PAGE_SIZE, mask=pmask, other=0).to(tl.int64)
+        rp = CACHE + (page * PAGE_SIZE + pos % PAGE_SIZE) * stride_cache_row
+        # Masked loads (other=0): slots past the history may hold anything, NaN included.
+        kv = tl.load(rp[:, None] + offs_r[None, :], mask=pmask[:, None] & rmask[None, :], other=0.0)
+        kv2 = tl.load(rp[:, None] + offs_r2[None, :], mask=pmask[:, None] & rmask2[None, :], other=0.0)
+        kpe = kv
+        if DR > 0:
+            kpe = tl.load(rp[:, None] + R + offs_d[None, :], mask=pmask[:, None] & dmask[None, :], other=0.0)
+        accT, accT2, m_i, l_i = _heads_on_n_tile(
+            accT, accT2, m_i, l_i, qT, qT2, qpeT, kv, kv2, kpe, pos, col_limit, kv_hi,
+            latent_scale, rope_scale, qk_scale, DR, DOT_PREC, SCALED, True)
+
+    has = l_i > 0.0
+    inv = 1.0 / tl.where(has, l_i, 1.0)
+    if SCALED:
+        inv = inv * latent_scale
+    outT = accT * inv[None, :]
+    outT2 = accT2 * inv[None, :]
+    if SPLIT:
+        rel = tok - tok_base
+        pa = PART_ACC + rel[None, :] * stride_pa_t + head[None, :] * stride_pa_h + pid_s * stride_pa_s
+        tl.store(pa + offs_r[:, None], outT, mask=col_ok[None, :] & rmask[:, None])
+        tl.store(pa + offs_r2[:, None], outT2, mask=col_ok[None, :] & rmask2[:, None])
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        tl.store(PART_LSE + rel * stride_pl_t + head * stride_pl_h + pid_s, lse, mask=col_ok)
+    else:
+        la = LATENT + head[None, :] * stride_lat_h + (tok - abs_base)[None, :] * stride_lat_t
+        tl.store(la + offs_r[:, None], outT.to(LATENT.dtype.element_ty), mask=col_ok[None, :] & rmask[:, None])
+        tl.store(la + offs_r2[:, None], outT2.to(LATENT.dtype.element_ty), mask=col_ok[None, :] & rmask2[:, None])
 
 
 @triton.jit(do_not_specialize=["tok_base", "abs_base", "num_splits"])

@@ -78,6 +78,7 @@ METADATA: tuple[str, ...] = (
 )
 LOG2E = 1.4426950408889634
 PREFILL_MODES = ("auto", "expand", "absorb")
+DECODE_LAYOUTS = ("auto", "heads_on_m", "heads_on_n")
 
 
 # ----------------------------------------------------------------------------- session
@@ -92,16 +93,22 @@ class TritonPolicy:
     FP8 cache, quantise the absorbed queries (per-call amax scale) and the probabilities to e4m3 and
     run both products as e4m3 MMAs on the tiles as loaded, instead of converting each cache tile to
     the query dtype (the default: exact queries). Off: on H200 it was no faster at N <= 32 and 2.5x
-    slower at N = 128, with twice the error (docs/benchmarks/fp8_cache.md)."""
+    slower at N = 128, with twice the error (docs/benchmarks/fp8_cache.md). decode_layout: "auto"
+    (tuning.decode_config's measured choice), or force the decode kernel: "heads_on_m"
+    (absorbed_attn_kernel) / "heads_on_n" (absorbed_attn_heads_on_n_kernel, where R >= 32)."""
 
     prefill_mode: Literal["auto", "expand", "absorb"] = "auto"
     decode_splits: int = 0
     poison_buffers: bool = False
     fp8_dot: bool = False
+    decode_layout: Literal["auto", "heads_on_m", "heads_on_n"] = "auto"
 
     def __post_init__(self) -> None:
         if self.prefill_mode not in PREFILL_MODES:
             raise ValueError(f"TritonPolicy.prefill_mode={self.prefill_mode!r}; expected one of {', '.join(PREFILL_MODES)}.")
+        if self.decode_layout not in DECODE_LAYOUTS:
+            raise ValueError(f"TritonPolicy.decode_layout={self.decode_layout!r}; expected one of "
+                             f"{', '.join(DECODE_LAYOUTS)}.")
         if self.decode_splits < 0:
             raise ValueError(f"TritonPolicy.decode_splits={self.decode_splits}: must be >= 0 (0 = automatic).")
 
@@ -166,32 +173,65 @@ def quantize_queries(q_abs: torch.Tensor, q_pe: torch.Tensor) -> tuple[torch.Ten
     return q8, qpe8, qs
 
 
+def _heads_on_n_descriptors(flat: torch.Tensor, cfg, page_size: int, block_c: int, dr: int):
+    """(latent, rope) tensor descriptors of whole one-page KV tiles, or (None, None) where the config
+    or the device cannot use them (SM90+, tiles inside one page, 16-byte aligned rows)."""
+    if not (cfg.tma and flat.device.type == "cuda" and page_size % cfg.block_n == 0):
+        return None, None
+    if torch.cuda.get_device_capability(flat.device) < (9, 0):
+        return None, None
+    if (flat.stride(0) * flat.element_size()) % 16 or flat.data_ptr() % 16:
+        return None, None
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return (TensorDescriptor.from_tensor(flat, [cfg.block_n, block_c]),
+            TensorDescriptor.from_tensor(flat, [cfg.block_n, pow2(dr)]) if dr else None)
+
+
 def _launch_absorbed(call: _Call, q_abs, q_pe, mla_cache, page_table, cu_seqlen, input_pos, seq_len, latent,
                      *, seq_base, n_seqs, tok_base, n_tok, abs_base, max_q, kv_bound, cfg, dims, qk_scale,
                      scales: CacheScales = UNIT_SCALES, q_scale: Optional[torch.Tensor] = None):
-    """`q_scale` given: q_abs / q_pe are e4m3 (quantize_queries) and the kernel runs e4m3 MMAs."""
+    """`q_scale` given: q_abs / q_pe are e4m3 (quantize_queries) and the kernel runs e4m3 MMAs.
+    `cfg.heads_on_n`: absorbed_attn_heads_on_n_kernel (never with q_scale)."""
     n, r, dr = dims.num_heads, dims.kv_lora_rank, dims.qk_rope_head_dim
     num_hb = triton.cdiv(n, cfg.block_h)
     num_qb = triton.cdiv(max_q, cfg.block_q)
     dev = q_abs.device
-    splits, chunk = split_plan(n_seqs * num_hb * num_qb, kv_bound, cfg.block_n, call.policy.decode_splits, dev)
+    splits, chunk = split_plan(n_seqs * num_hb * num_qb, kv_bound, cfg.block_n, call.policy.decode_splits, dev,
+                               cfg.programs_per_sm)
     split = splits > 1
     flat = mla_cache.view(-1, mla_cache.shape[-1])
     page_size = mla_cache.shape[1]
+    scaled = _scaled(mla_cache, scales) or q_scale is not None
     meta = dict(
         N=n, R=r, DR=dr, PAGE_SIZE=page_size, NUM_HB=num_hb, BLOCK_H=cfg.block_h, BLOCK_Q=cfg.block_q,
-        BLOCK_N=cfg.block_n, BLOCK_R=pow2(r), BLOCK_DR=pow2(dr),
-        DOT_PREC=dot_precision(q_abs.dtype), SCALED=_scaled(mla_cache, scales) or q_scale is not None,
-        FP8_DOT=q_scale is not None, EXACT_CAST=interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BLOCK_N=cfg.block_n, BLOCK_DR=pow2(dr), DOT_PREC=dot_precision(q_abs.dtype), SCALED=scaled,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    if cfg.heads_on_n:
+        if q_scale is not None:
+            raise AssertionError("FP8_DOT runs on absorbed_attn_kernel only (decode_config picks it)")
+        kernel = K.absorbed_attn_heads_on_n_kernel
+        block_c = max(16, pow2(r) // 2)
+        descs = _heads_on_n_descriptors(flat, cfg, page_size, block_c, dr)
+        meta.update(BLOCK_C=block_c, USE_TMA=descs[0] is not None,
+                    F16=is_fp8(mla_cache.dtype) and q_abs.dtype == torch.bfloat16)
+    else:
+        kernel = K.absorbed_attn_kernel
+        descs = ()
+        meta.update(BLOCK_R=pow2(r), FP8_DOT=q_scale is not None, EXACT_CAST=interpreting())
     reduce_meta = dict(R=r, BLOCK_R=pow2(r), num_warps=4 if r <= 256 else 8)
 
     def args(part_acc, part_lse):
         is_split = part_acc is not latent
         pa = part_acc.stride()[:3] if is_split else (0, 0, 0)
         pl = part_lse.stride()[:2] if is_split else (0, 0)
+        if cfg.heads_on_n:
+            extra = (*descs,)
+        else:
+            extra = (latent if q_scale is None else q_scale,)
         attn = (q_abs, q_pe, flat, page_table, cu_seqlen, input_pos, seq_len, latent, part_acc, part_lse,
-                latent if q_scale is None else q_scale, seq_base, tok_base, abs_base, chunk, qk_scale, scales.latent, scales.rope,
+                *extra, seq_base, tok_base, abs_base, chunk, qk_scale, scales.latent, scales.rope,
                 q_abs.stride(0), q_abs.stride(1), q_pe.stride(1), q_pe.stride(2),
                 flat.stride(0), page_table.stride(0), latent.stride(0), latent.stride(1), *pa, *pl)
         red = (part_acc, part_lse, latent, tok_base, abs_base, splits, *pa, *pl, latent.stride(0), latent.stride(1))
@@ -201,13 +241,13 @@ def _launch_absorbed(call: _Call, q_abs, q_pe, mla_cache, page_table, cu_seqlen,
         # Load both variants (SPLIT or not) now, in eager mode: a decode step captured into a CUDA
         # graph later plans its splits from the static capacity and may need the other variant,
         # and loading a kernel module while a stream is capturing is not allowed.
-        key = (cfg, dims, q_abs.dtype, mla_cache.dtype, meta["SCALED"], meta["FP8_DOT"], dev, page_size)
+        key = (cfg, dims, q_abs.dtype, mla_cache.dtype, scaled, q_scale is not None, dev, page_size)
         if call.warmed is None or key not in call.warmed:
             dummy_acc = torch.empty(1, n, 2, r, dtype=torch.float32, device=dev)
             dummy_lse = torch.empty(1, n, 2, dtype=torch.float32, device=dev)
             for pa_, pl_, sp in ((latent, latent, False), (dummy_acc, dummy_lse, True)):
                 a_attn, a_red = args(pa_, pl_)
-                K.absorbed_attn_kernel.warmup(*a_attn, SPLIT=sp, grid=(1,), **meta).run  # noqa: B018
+                kernel.warmup(*a_attn, SPLIT=sp, grid=(1,), **meta).run  # noqa: B018
                 if sp:
                     K.split_reduce_kernel.warmup(*a_red, grid=(1,), **reduce_meta).run  # noqa: B018
             if call.warmed is not None:
@@ -219,7 +259,7 @@ def _launch_absorbed(call: _Call, q_abs, q_pe, mla_cache, page_table, cu_seqlen,
     else:
         part_acc = part_lse = latent  # unused
     a_attn, a_red = args(part_acc, part_lse)
-    K.absorbed_attn_kernel[(num_hb * num_qb, n_seqs, splits)](*a_attn, SPLIT=split, **meta)
+    kernel[(num_hb * num_qb, n_seqs, splits)](*a_attn, SPLIT=split, **meta)
     if split:
         K.split_reduce_kernel[(n_tok, n)](*a_red, **reduce_meta)
     return splits
@@ -281,6 +321,12 @@ def _prefill_shape(cu_seqlen_host, input_pos_host, n_pre: int) -> tuple[int, int
 
 
 # ----------------------------------------------------------------------------- the op
+def _decode_config(call: _Call, dims: MLADims, dtype: torch.dtype, cache_dtype: torch.dtype):
+    """decode_config under the policy: FP8_DOT runs on the head-rows kernel only."""
+    layout = "heads_on_m" if (call.policy.fp8_dot and is_fp8(cache_dtype)) else call.policy.decode_layout
+    return decode_config(dims, dtype, cache_dtype, layout)
+
+
 def _current_call() -> _Call:
     sess = active_session("triton")
     if isinstance(sess, TritonMLASession):
@@ -357,7 +403,8 @@ def _triton_mla_with_cache(x: MLAInputs, meta: Mapping[str, torch.Tensor], mla_c
             _launch_absorbed(
                 call, q_in, qpe_in, mla_cache, page_table, cu_seqlen, input_pos, seq_len_with_cache, latent,
                 seq_base=n_pre, n_seqs=n_dec, tok_base=n_pre_tok, n_tok=n_dec, abs_base=abs_lo, max_q=1,
-                kv_bound=kv_bound, cfg=decode_config(dims, q_nope.dtype), dims=dims, qk_scale=qk_scale,
+                kv_bound=kv_bound, cfg=_decode_config(call, dims, q_nope.dtype, mla_cache.dtype), dims=dims,
+                qk_scale=qk_scale,
                 scales=scales, q_scale=q_scale,
             )
         o = torch.bmm(latent, w_v.transpose(1, 2))  # [N, Ta, Dv]

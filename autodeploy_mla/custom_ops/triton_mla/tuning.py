@@ -99,6 +99,9 @@ class AbsorbedConfig:
     block_n: int
     num_warps: int
     num_stages: int
+    heads_on_n: bool = False  # absorbed_attn_heads_on_n_kernel (decode) instead of absorbed_attn_kernel
+    tma: bool = False  # whole one-page KV tiles by tensor descriptor (heads_on_n; the launcher checks SM90+)
+    programs_per_sm: int = 4  # split-K target (split_plan)
 
 
 def pow2(x: int, lo: int = 16) -> int:
@@ -111,17 +114,18 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-#: Split-K policy: split a launch until it has about this many programs per SM ...
+#: Split-K policy: split a launch until it has about this many programs per SM (the config's
+#: programs_per_sm; 4 for the head-rows kernel) ...
 SPLIT_PROGRAMS_PER_SM = 4
 #: ... but never into chunks shorter than this many kv positions (per-chunk overhead + reduce).
 #: H200 sweep: B=1 kv=8192 best at 64 splits, B=8 kv=2048 at 16 (docs/benchmarks/mla_kernels.md).
 MIN_SPLIT_CHUNK = 128
 
 
-def _target_programs(device: torch.device) -> int:
+def _target_programs(device: torch.device, per_sm: int = SPLIT_PROGRAMS_PER_SM) -> int:
     if device.type != "cuda":
         return 8  # interpreter: a few programs, so split-K paths get exercised on CPU too
-    return SPLIT_PROGRAMS_PER_SM * num_sms(device)
+    return per_sm * num_sms(device)
 
 
 @dataclass(frozen=True)
@@ -144,13 +148,34 @@ def nope_chunks(dn: int, split: bool = True) -> tuple[int, int]:
     return hi, pow2(dn - hi)
 
 
-def decode_config(dims: MLADims, dtype: torch.dtype) -> AbsorbedConfig:
-    """One query token x BLOCK_H heads per program. BLOCK_H=64 lets Triton use Hopper wgmma (many
-    heads: compute-heavy); 16/32 keep the wasted rows of small N low (memory-bound). Every choice
-    compiles for sm_90 without spills (ptxas); each is the fastest of the H200 sweep for its class
-    (`bench_mla_kernels.py --tune`, docs/benchmarks/mla_kernels.md). Large KV tiles (64 tokens) and
-    3 stages keep more bytes in flight, which is what these memory-bound loops need."""
+#: Smallest latent width of the heads-on-N kernel: its two latent chunks are tl.dot operands (>= 16).
+MIN_HEADS_ON_N_RANK = 32
+
+
+def heads_on_n_supported(dims: MLADims) -> bool:
+    return dims.kv_lora_rank >= MIN_HEADS_ON_N_RANK
+
+
+def decode_config(dims: MLADims, dtype: torch.dtype, cache_dtype: Optional[torch.dtype] = None,
+                  layout: str = "auto") -> AbsorbedConfig:
+    """Launch config of one decode launch (one query token per sequence).
+
+    Heads on the MMA's N side (absorbed_attn_heads_on_n_kernel) where the H200 A/B of 2026-11-24
+    measured it faster (docs/benchmarks/mla_kernels.md, "heads on N"): N 20 1.3-1.4x, N 32 (R 256)
+    1.3-1.5x, N 128 1.2x, and every e4m3 cache up to 64 heads (fp16 MMAs: 1.4-1.5x at N 16); 64-token
+    tiles by TMA, 2 programs per SM (4 at N > 64). Heads on M (absorbed_attn_kernel) stays for
+    bf16 N <= 16 (equal there), e4m3 N > 64 (the transposed kernel was 1.14x slower), R < 32 and the
+    FP8_DOT policy. BLOCK_H 64 lets Triton use Hopper wgmma for many heads; 16/32 keep the wasted
+    rows of small N low. `layout` forces "heads_on_m" / "heads_on_n" (TritonPolicy.decode_layout;
+    heads_on_n only where R >= 32)."""
     n, r = dims.num_heads, dims.kv_lora_rank
+    fp8 = cache_dtype is not None and cache_dtype.itemsize == 1
+    if layout == "auto":
+        layout = "heads_on_n" if (n > 16 and not (fp8 and n > 64)) or (fp8 and n <= 64) else "heads_on_m"
+    if layout == "heads_on_n" and heads_on_n_supported(dims):
+        if n > 64:
+            return AbsorbedConfig(64, 1, 64, 8, 2, heads_on_n=True, tma=not fp8, programs_per_sm=4)
+        return AbsorbedConfig(min(64, pow2(n)), 1, 64, 4, 2, heads_on_n=True, tma=not fp8, programs_per_sm=2)
     if r > 256:
         if n > 32:
             return AbsorbedConfig(64, 1, 32, 8, 3)
@@ -184,13 +209,15 @@ def expand_config(dims: MLADims, dtype: torch.dtype, programs_at_128: Optional[i
     return ExpandConfig(64, 32, 4, 3) if small else ExpandConfig(128, 64, 8, 2, tma=True)
 
 
-def split_plan(progs: int, kv_bound: int, block_n: int, forced: int, device: torch.device) -> tuple[int, int]:
-    """(num_splits, chunk) covering kv positions [0, kv_bound) in `num_splits` chunks of `chunk`."""
+def split_plan(progs: int, kv_bound: int, block_n: int, forced: int, device: torch.device,
+               per_sm: int = SPLIT_PROGRAMS_PER_SM) -> tuple[int, int]:
+    """(num_splits, chunk) covering kv positions [0, kv_bound) in `num_splits` chunks of `chunk` (a
+    multiple of block_n, so every chunk starts on a tile)."""
     kv_bound = max(1, kv_bound)
     if forced > 0:
         splits = forced
     else:
-        splits = min(-(-_target_programs(device) // max(1, progs)), -(-kv_bound // min_chunk(device)))
+        splits = min(-(-_target_programs(device, per_sm) // max(1, progs)), -(-kv_bound // min_chunk(device)))
     splits = max(1, min(splits, -(-kv_bound // block_n)))
     chunk = -(-(-(-kv_bound // splits)) // block_n) * block_n
     return -(-kv_bound // chunk), chunk
