@@ -197,6 +197,17 @@ def test_heads_on_n_fp8_cache_fp16_products():
         assert 0 < res.max_rel_error() < 2e-2, (sc, res.max_rel_error())
 
 
+def test_wave_split_plan():
+    """The heads-on-N split count avoids a partial last wave (GLM B64 kv8192 on 132 one-program SMs:
+    2 or 4 splits fill 1 or 2 waves, 5 would need 3), honours a forced count and min chunk length."""
+    cuda = torch.device("cuda")  # the plan is arithmetic: no GPU touched
+    splits, chunk = tuning.split_plan_waves(64, 8192, 64, 0, cuda, 132, 1.78)
+    assert splits in (2, 4) and splits * chunk >= 8192 and chunk % 64 == 0
+    assert tuning.split_plan_waves(1, 8192, 64, 0, cuda, 132, 1.78)[0] == 8192 // tuning.MIN_SPLIT_CHUNK
+    assert tuning.split_plan_waves(64, 8192, 64, 3, cuda, 132, 1.78)[0] == 3
+    assert tuning.split_plan_waves(128, 512, 64, 0, cuda, 132, 3.5)[0] == 1  # one wave already, partials cost
+
+
 def test_decode_config_picks_the_measured_layout():
     bf16, fp8 = torch.bfloat16, torch.float8_e4m3fn
     ds16, glm, mistral, ds128 = (MLADims(16, 128, 64, 128, 512), MLADims(20, 192, 64, 256, 512),

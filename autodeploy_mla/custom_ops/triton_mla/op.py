@@ -46,8 +46,11 @@ from .tuning import (
     expansion_supported,
     interpreting,
     nope_chunks,
+    num_sms,
     pow2,
+    resident_programs,
     split_plan,
+    split_plan_waves,
     validate_dims,
 )
 
@@ -197,8 +200,15 @@ def _launch_absorbed(call: _Call, q_abs, q_pe, mla_cache, page_table, cu_seqlen,
     num_hb = triton.cdiv(n, cfg.block_h)
     num_qb = triton.cdiv(max_q, cfg.block_q)
     dev = q_abs.device
-    splits, chunk = split_plan(n_seqs * num_hb * num_qb, kv_bound, cfg.block_n, call.policy.decode_splits, dev,
-                               cfg.programs_per_sm)
+    progs = n_seqs * num_hb * num_qb
+    if cfg.heads_on_n:
+        width = pow2(r) + (pow2(dr) if dr else 0)
+        partial = cfg.block_h * cfg.block_q * r * 8 / (cfg.block_n * width * mla_cache.element_size())
+        splits, chunk = split_plan_waves(progs, kv_bound, cfg.block_n, call.policy.decode_splits, dev,
+                                         num_sms(dev) * resident_programs(cfg, dims, mla_cache.element_size(), dev),
+                                         partial)
+    else:
+        splits, chunk = split_plan(progs, kv_bound, cfg.block_n, call.policy.decode_splits, dev, cfg.programs_per_sm)
     split = splits > 1
     flat = mla_cache.view(-1, mla_cache.shape[-1])
     page_size = mla_cache.shape[1]

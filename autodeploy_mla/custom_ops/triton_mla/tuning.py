@@ -101,7 +101,7 @@ class AbsorbedConfig:
     num_stages: int
     heads_on_n: bool = False  # absorbed_attn_heads_on_n_kernel (decode) instead of absorbed_attn_kernel
     tma: bool = False  # whole one-page KV tiles by tensor descriptor (heads_on_n; the launcher checks SM90+)
-    programs_per_sm: int = 4  # split-K target (split_plan)
+    programs_per_sm: int = 4  # split-K target of the heads-on-M kernel (split_plan); heads-on-N: split_plan_waves
 
 
 def pow2(x: int, lo: int = 16) -> int:
@@ -163,7 +163,7 @@ def decode_config(dims: MLADims, dtype: torch.dtype, cache_dtype: Optional[torch
     Heads on the MMA's N side (absorbed_attn_heads_on_n_kernel) where the H200 A/B of 2026-11-24
     measured it faster (docs/benchmarks/mla_kernels.md, "heads on N"): N 20 1.3-1.4x, N 32 (R 256)
     1.3-1.5x, N 128 1.2x, and every e4m3 cache up to 64 heads (fp16 MMAs: 1.4-1.5x at N 16); 64-token
-    tiles by TMA, 2 programs per SM (4 at N > 64). Heads on M (absorbed_attn_kernel) stays for
+    tiles (by TMA on a bf16 cache); split count from split_plan_waves. Heads on M (absorbed_attn_kernel) stays for
     bf16 N <= 16 (equal there), e4m3 N > 64 (the transposed kernel was 1.14x slower), R < 32 and the
     FP8_DOT policy. BLOCK_H 64 lets Triton use Hopper wgmma for many heads; 16/32 keep the wasted
     rows of small N low. `layout` forces "heads_on_m" / "heads_on_n" (TritonPolicy.decode_layout;
@@ -174,8 +174,10 @@ def decode_config(dims: MLADims, dtype: torch.dtype, cache_dtype: Optional[torch
         layout = "heads_on_n" if (n > 16 and not (fp8 and n > 64)) or (fp8 and n <= 64) else "heads_on_m"
     if layout == "heads_on_n" and heads_on_n_supported(dims):
         if n > 64:
-            return AbsorbedConfig(64, 1, 64, 8, 2, heads_on_n=True, tma=not fp8, programs_per_sm=4)
-        return AbsorbedConfig(min(64, pow2(n)), 1, 64, 4, 2, heads_on_n=True, tma=not fp8, programs_per_sm=2)
+            return AbsorbedConfig(64, 1, 64, 8, 2, heads_on_n=True, tma=not fp8)
+        if fp8 and r > 256:  # e4m3 tiles by pointer (TMA measured no faster); 8 warps from 32 heads
+            return AbsorbedConfig(pow2(n), 1, 64, 4 if n <= 16 else 8, 2, heads_on_n=True)
+        return AbsorbedConfig(min(64, pow2(n)), 1, 64, 4, 2, heads_on_n=True, tma=True)
     if r > 256:
         if n > 32:
             return AbsorbedConfig(64, 1, 32, 8, 3)
@@ -221,6 +223,50 @@ def split_plan(progs: int, kv_bound: int, block_n: int, forced: int, device: tor
     splits = max(1, min(splits, -(-kv_bound // block_n)))
     chunk = -(-(-(-kv_bound // splits)) // block_n) * block_n
     return -(-kv_bound // chunk), chunk
+
+
+#: Shared memory per SM where the device cannot say (H100/H200: 228 KB).
+DEFAULT_SMEM_PER_SM = 228 * 1024
+
+
+@functools.lru_cache(maxsize=None)
+def _smem_per_sm(device_index: int) -> int:
+    props = torch.cuda.get_device_properties(device_index)
+    return int(getattr(props, "shared_memory_per_multiprocessor", 0) or DEFAULT_SMEM_PER_SM)
+
+
+def resident_programs(cfg: AbsorbedConfig, dims: MLADims, cache_itemsize: int, device: torch.device) -> int:
+    """How many programs of a heads-on-N launch one SM runs at once: its pipelined KV tiles (stages x
+    BLOCK_N x padded row, cache bytes) and query operand in shared memory, and at most 64 warps."""
+    row = 2 * max(16, pow2(dims.kv_lora_rank) // 2) + (pow2(dims.qk_rope_head_dim) if dims.qk_rope_head_dim else 0)
+    smem = cfg.num_stages * cfg.block_n * row * cache_itemsize + row * cfg.block_h * cfg.block_q * 2
+    have = _smem_per_sm(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else DEFAULT_SMEM_PER_SM
+    return max(1, min(have // smem, 64 // cfg.num_warps))
+
+
+def split_plan_waves(progs: int, kv_bound: int, block_n: int, forced: int, device: torch.device, slots: int,
+                     partial_tiles: float) -> tuple[int, int]:
+    """split_plan for the heads-on-N decode: the split count that minimises a wave model of the launch,
+        ceil(programs x splits / slots) x (tiles per chunk + partial_tiles if split),
+    where slots = SMs x resident_programs (programs finish in waves; a fifth split that adds a third
+    wave costs more than it saves: H200, GLM B64 kv8192, 4 splits 230 us vs 5 splits 268 us) and
+    partial_tiles = the fp32 partial output a split program writes and the reduce reads, in KV-tile
+    bytes (at N 128 it is more than a tile). Ties go to fewer splits. CPU: split_plan (the interpreter
+    targets a few programs so split paths run in tests)."""
+    if forced > 0 or device.type != "cuda":
+        return split_plan(progs, kv_bound, block_n, forced, device)
+    kv_bound = max(1, kv_bound)
+    tiles = -(-kv_bound // block_n)
+    best = None
+    for want in range(1, min(tiles, -(-kv_bound // min_chunk(device)), 256) + 1):
+        chunk = -(-tiles // want) * block_n
+        splits = -(-kv_bound // chunk)
+        waves = -(-(max(1, progs) * splits) // max(1, slots))
+        cost = waves * (chunk // block_n + (partial_tiles if splits > 1 else 0.0))
+        if best is None or cost < best[0] - 1e-9:
+            best = (cost, splits, chunk)
+    return best[1], best[2]
 
 
 def min_chunk(device: torch.device) -> int:
