@@ -186,16 +186,18 @@ def decode_core_triton(case: Case, cfg=None, forced_splits: int = 0):
     # what the op runs with: the split count from the policy (0 = automatic), kernel variants loaded once
     call = top._Call(TritonPolicy(decode_splits=forced_splits), warmed=set())
 
+    used: list[int] = []
+
     def run():
-        top._launch_absorbed(
+        used.append(top._launch_absorbed(
             call, q_abs, case.x[1], case.cache, info.get("page_table"), info.get("cu_seqlen"), info.get("input_pos"),
             info.get("seq_len_with_cache"), latent, seq_base=0, n_seqs=B, tok_base=0, n_tok=B, abs_base=0,
             max_q=1, kv_bound=kv, cfg=cfg, dims=d, qk_scale=case.scale * top.LOG2E,
-        )
+        ))
 
-    def splits():
-        num_hb = -(-N // cfg.block_h)
-        return tuning.split_plan(B * num_hb, kv, cfg.block_n, forced_splits, case.cache.device, cfg.programs_per_sm)[0]
+    def splits():  # the count the launcher plans (split_plan or split_plan_waves), from one eager call
+        run()
+        return used[-1]
 
     return run, q_abs, latent, splits()
 

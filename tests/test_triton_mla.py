@@ -147,14 +147,15 @@ def test_head_block_tails(monkeypatch):
 
 
 # ----------------------------------------------------------------------------- heads on N (decode)
+@pytest.mark.parametrize("layout", ["heads_on_m", "heads_on_n"])
 @pytest.mark.parametrize("dims_name", list(CPU_DIMS))
 @pytest.mark.parametrize("schedule", ["mixed", "long_decode", "long_chunks", "prefill_then_decode"])
-def test_heads_on_n_decode_matches_oracle(dims_name, schedule):
-    """absorbed_attn_heads_on_n_kernel for every decode token: R 32/48/64 (48: the second latent chunk
-    half past R), Dr 0/8/16, head counts under one 16-wide column block; pages of 4 hold no whole
-    16-token tile, so every unmasked tile gathers per-row page ids."""
+def test_decode_layouts_match_oracle(dims_name, schedule, layout):
+    """Both decode kernels forced for every decode token (the default picks per dims): R 32/48/64
+    (48: heads-on-N's second latent chunk half past R), Dr 0/8/16, head counts under one column
+    block; pages of 4 hold no whole 16-token tile, so every unmasked tile gathers per-row page ids."""
     sch = {**STANDARD_SCHEDULES, **EXTRA_SCHEDULES}[schedule]
-    res = scenario(CPU_DIMS[dims_name], sch, layout="heads_on_n", page_size=4, seed=len(schedule))
+    res = scenario(CPU_DIMS[dims_name], sch, layout=layout, page_size=4, seed=len(schedule))
     assert res.max_rel_error() < 1e-5
 
 
@@ -212,11 +213,11 @@ def test_decode_config_picks_the_measured_layout():
     bf16, fp8 = torch.bfloat16, torch.float8_e4m3fn
     ds16, glm, mistral, ds128 = (MLADims(16, 128, 64, 128, 512), MLADims(20, 192, 64, 256, 512),
                                  MLADims(32, 64, 64, 128, 256), MLADims(128, 128, 64, 128, 512))
-    assert not tuning.decode_config(ds16, bf16).heads_on_n
-    assert tuning.decode_config(ds16, bf16, fp8).heads_on_n
-    for d in (glm, mistral, ds128):
+    for d in (ds16, glm, mistral, ds128):
         assert tuning.decode_config(d, bf16, bf16).heads_on_n
     assert tuning.decode_config(glm, bf16, bf16).block_h == 32
+    assert not tuning.decode_config(MLADims(64, 128, 64, 128, 512), bf16, bf16).heads_on_n  # one 64-head block
+    assert tuning.decode_config(ds16, bf16, fp8).heads_on_n
     assert not tuning.decode_config(ds128, bf16, fp8).heads_on_n
     assert not tuning.decode_config(MLADims(20, 16, 8, 16, 16), bf16).heads_on_n  # R < 32
     assert not tuning.decode_config(glm, bf16, bf16, "heads_on_m").heads_on_n

@@ -160,18 +160,22 @@ def decode_config(dims: MLADims, dtype: torch.dtype, cache_dtype: Optional[torch
                   layout: str = "auto") -> AbsorbedConfig:
     """Launch config of one decode launch (one query token per sequence).
 
-    Heads on the MMA's N side (absorbed_attn_heads_on_n_kernel) where the H200 A/B of 2026-11-24
-    measured it faster (docs/benchmarks/mla_kernels.md, "heads on N"): N 20 1.3-1.4x, N 32 (R 256)
-    1.3-1.5x, N 128 1.2x, and every e4m3 cache up to 64 heads (fp16 MMAs: 1.4-1.5x at N 16); 64-token
-    tiles (by TMA on a bf16 cache); split count from split_plan_waves. Heads on M (absorbed_attn_kernel) stays for
-    bf16 N <= 16 (equal there), e4m3 N > 64 (the transposed kernel was 1.14x slower), R < 32 and the
-    FP8_DOT policy. BLOCK_H 64 lets Triton use Hopper wgmma for many heads; 16/32 keep the wasted
-    rows of small N low. `layout` forces "heads_on_m" / "heads_on_n" (TritonPolicy.decode_layout;
-    heads_on_n only where R >= 32)."""
+    Heads on the MMA's N side (absorbed_attn_heads_on_n_kernel) for N <= 32 and N > 64, heads on M
+    (absorbed_attn_kernel) for 32 < N <= 64: the H200 A/B of 2026-11-24 with the wave split plan
+    (docs/benchmarks/mla_kernels.md, "heads on M / heads on N" columns) measured heads-on-N at
+    0.75-0.97x the time of heads-on-M at N 16, 0.56-0.93x at N 20, 0.62-1.0x at N 32 (R 256) and
+    0.54-0.98x at N 128 (two 64-head column blocks), but 0.91-1.54x at N 64 and 0.84-1.16x at
+    N 40 (one 64-wide block: no gain from the transposed products, and its 64x64 score tile spills
+    less on heads-on-M). An e4m3 cache takes heads-on-N with fp16 MMAs up to 32 heads (1.6x the
+    heads-on-M speed at N 16) and heads-on-M above (N 128: 1.14x faster). The heads-on-M kernel also
+    serves R < 32 and the FP8_DOT policy. 64-token tiles (by TMA on a 16-bit cache); heads-on-N
+    split counts from split_plan_waves. BLOCK_H 64 lets Triton use Hopper wgmma for many heads;
+    16/32 keep the wasted rows of small N low. `layout` forces "heads_on_m" / "heads_on_n"
+    (TritonPolicy.decode_layout; heads_on_n only where R >= 32)."""
     n, r = dims.num_heads, dims.kv_lora_rank
     fp8 = cache_dtype is not None and cache_dtype.itemsize == 1
     if layout == "auto":
-        layout = "heads_on_n" if (n > 16 and not (fp8 and n > 64)) or (fp8 and n <= 64) else "heads_on_m"
+        layout = "heads_on_n" if (n <= 32 or (n > 64 and not fp8)) else "heads_on_m"
     if layout == "heads_on_n" and heads_on_n_supported(dims):
         if n > 64:
             return AbsorbedConfig(64, 1, 64, 8, 2, heads_on_n=True, tma=not fp8)
