@@ -213,8 +213,8 @@ def render(data: dict, out: Path) -> None:
         "Target (issue 15): N <= 32, batch x kv >= 64 x 4096: FP8 >= 1.7x faster than bf16 on Triton and on FlashInfer.",
         "",
         "Triton bf16 / fp8 = the op's default decode kernel for that cache (`tuning.decode_config`, named per row "
-        "below): on e4m3 up to 64 heads the heads-on-N kernel with fp16 MMAs (e4m3 -> fp16 is one hardware "
-        "conversion), above 64 heads the heads-on-M kernel with tiles converted to bf16; exact queries either way. "
+        "below): on e4m3 up to 32 heads the heads-on-N kernel with fp16 MMAs (e4m3 -> fp16 is one hardware "
+        "conversion), above 32 heads the heads-on-M kernel with tiles converted to bf16; exact queries either way. "
         "Triton fp8-dot = "
         "TritonPolicy(fp8_dot=True): queries (per-call amax scale) and probabilities in e4m3 too, e4m3 MMAs, "
         "quantisation included in the time.",

@@ -521,6 +521,8 @@ def write_report(res: dict, out_dir: str) -> None:
             f"{_f(r.get('triton_auto_tflops'), 0)} | "
             f"{_f(r.get('torch_op_us')) if 'torch_skip' not in r else 'skipped'} |"
         )
+    if res.get("prefill_note"):
+        L += ["", res["prefill_note"]]
     if res.get("tune"):
         L += tune_section(res)
     errs = [(r["dims"], k, v) for r in res["decode"] + res["prefill"] for k, v in r.items() if k.endswith("_err")]
