@@ -13,14 +13,19 @@ from torch import nn
 from torch.export import Dim
 
 from ..models.factory import eos_token_ids
+from ..models.sparse_attention import find_sparse_attention
 from .context import BuildContext
 from .registry import PassOptions, PassResult, Stage, register_pass
 
-__all__ = ["ExportError", "export_model"]
+__all__ = ["ExportError", "SparseAttentionNotCaptured", "export_model"]
 
 
 class ExportError(RuntimeError):
     """torch.export could not capture the model; the message says what failed and what to try."""
+
+
+class SparseAttentionNotCaptured(ExportError):
+    """The model uses DeepSeek Sparse Attention, which the compiler does not capture yet."""
 
 
 class _LogitsOnly(nn.Module):
@@ -57,6 +62,17 @@ def export_model(model: nn.Module, *, example_batch: int = 2, example_seq: int =
         raise ValueError(
             f"export_model: example_batch and example_seq must be >= 2 (got {example_batch}, "
             f"{example_seq}); torch.export specialises size-1 dims to constants."
+        )
+    sparse = find_sparse_attention(model)
+    if sparse is not None:
+        # Refused before torch.export: exporting fails on the indexer's min(index_topk, T) top-k with
+        # a symbolic-shape error, and a graph without the indexer would be dense MLA (other outputs).
+        raise SparseAttentionNotCaptured(
+            f"{sparse.describe()}. autodeploy_mla does not capture sparse MLA yet (docs/sparse_mla.md): "
+            "compiled as dense MLA this model would attend to every cached token and give other "
+            f"outputs than Hugging Face once a sequence is longer than {sparse.index_topk} tokens, so it "
+            "is refused. Supported today: the dense MLA families (model_configs/); run this model in "
+            "Hugging Face eager meanwhile."
         )
     wrapper = _LogitsOnly(model).eval()
     vocab = getattr(getattr(model, "config", None), "vocab_size", None) or 2
