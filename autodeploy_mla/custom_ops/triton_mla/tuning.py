@@ -249,6 +249,7 @@ def resident_programs(cfg: AbsorbedConfig, dims: MLADims, cache_itemsize: int, d
     return max(1, min(have // smem, 64 // cfg.num_warps))
 
 
+@functools.lru_cache(maxsize=4096)  # called per op call in eager steps: one search per distinct shape
 def split_plan_waves(progs: int, kv_bound: int, block_n: int, forced: int, device: torch.device, slots: int,
                      partial_tiles: float) -> tuple[int, int]:
     """split_plan for the heads-on-N decode: the split count that minimises a wave model of the launch,
