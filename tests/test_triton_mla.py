@@ -76,6 +76,11 @@ def small_blocks(monkeypatch):
     count of every absorbed launch."""
     monkeypatch.setattr(top, "decode_config", lambda d, dt, *a: tuning.AbsorbedConfig(16, 1, 16, 4, 2))
     monkeypatch.setattr(top, "absorb_prefill_config", lambda d, dt, *a: tuning.AbsorbedConfig(16, 2, 16, 4, 2))
+    return _record_splits(monkeypatch)
+
+
+def _record_splits(monkeypatch) -> list[int]:
+    """The split count of every absorbed launch, in order."""
     seen: list[int] = []
     orig = top._launch_absorbed
 
@@ -164,15 +169,7 @@ def heads_on_n_blocks(monkeypatch):
     """Heads-on-N decode with 16-token tiles and 16-head column blocks; records split counts."""
     monkeypatch.setattr(top, "decode_config",
                         lambda d, dt, *a: tuning.AbsorbedConfig(16, 1, 16, 4, 2, heads_on_n=True, tma=True))
-    seen: list[int] = []
-    orig = top._launch_absorbed
-
-    def spy(*a, **k):
-        seen.append(orig(*a, **k))
-        return seen[-1]
-
-    monkeypatch.setattr(top, "_launch_absorbed", spy)
-    return seen
+    return _record_splits(monkeypatch)
 
 
 @pytest.mark.parametrize("page_size", [4, 16, 32])

@@ -120,6 +120,44 @@ def append_kernel(
                  mask=md)
 
 
+@triton.jit
+def _absorbed_work(CU_SEQLEN, INPUT_POS, SEQ_LEN, PART_LSE, seq_base, tok_base, chunk_size, stride_pl_t, stride_pl_h,
+                   N: tl.constexpr, NUM_HB: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_Q: tl.constexpr,
+                   SPLIT: tl.constexpr):
+    """What one program of the absorbed kernels owns. Grid: axis 0 = (query block, head block) with
+    head blocks fastest, so the programs that read the same KV tiles run side by side and share them
+    through L2; axis 1 = sequence; axis 2 = split. Lanes (rows or columns) are BLOCK_Q query tokens x
+    BLOCK_H heads; lane i of query q sees kv positions < input_pos + q + 1 (`limit`).
+    Returns (active, b, pid_s, head, tok, ok, limit, kv_lo, kv_hi, pos0, q0): inactive = a query block
+    past the sequence, or (SPLIT) an empty chunk, whose lse = -inf it has already stored."""
+    pid_qh = tl.program_id(0)
+    b = seq_base + tl.program_id(1)
+    pid_s = tl.program_id(2)
+    hb = pid_qh % NUM_HB
+    q_start = tl.load(CU_SEQLEN + b)
+    q_len = tl.load(CU_SEQLEN + b + 1) - q_start
+    q0 = (pid_qh // NUM_HB) * BLOCK_Q
+    pos0 = tl.load(INPUT_POS + b)
+    seq_len = tl.load(SEQ_LEN + b)
+    LANES: tl.constexpr = BLOCK_Q * BLOCK_H
+    lane = tl.arange(0, LANES)
+    q_idx = q0 + lane // BLOCK_H
+    head = hb * BLOCK_H + lane % BLOCK_H
+    ok = (head < N) & (q_idx < q_len)
+    tok = (q_start + q_idx).to(tl.int64)
+    limit = pos0 + q_idx + 1
+    kv_limit = tl.minimum(seq_len, pos0 + tl.minimum(q_len, q0 + BLOCK_Q))
+    kv_lo = pid_s * chunk_size
+    kv_hi = tl.minimum(kv_lo + chunk_size, kv_limit)
+    active = q0 < q_len
+    if SPLIT:
+        if active & (kv_lo >= kv_limit):  # static split count, shorter sequence: lse = -inf
+            tl.store(PART_LSE + (tok - tok_base) * stride_pl_t + head * stride_pl_h + pid_s,
+                     tl.full([LANES], float("-inf"), tl.float32), mask=ok)
+        active = active & (kv_lo < kv_limit)
+    return active, b, pid_s, head, tok, ok, limit, kv_lo, kv_hi, pos0, q0
+
+
 @triton.jit(do_not_specialize=["seq_base", "tok_base", "abs_base", "chunk_size"])
 def absorbed_attn_kernel(
     Q_ABS, Q_PE, CACHE, PAGE_TABLE, CU_SEQLEN, INPUT_POS, SEQ_LEN,
@@ -140,38 +178,12 @@ def absorbed_attn_kernel(
     # FP8_DOT: the queries are e4m3 too (Q_ABS / Q_PE hold q / Q_SCALE[0|1]), so both products run as
     # e4m3 MMAs on the cache tiles as loaded; probabilities go to e4m3 times P_SCALE (so values down
     # to 2^-17 of the row max stay representable) and the accumulator is divided by it at the end.
-    # axis 0 = (query block, head block) with head blocks fastest, so the programs that read the
-    # same KV tiles run side by side and share them through L2; axis 1 = sequence; axis 2 = split.
-    pid_qh = tl.program_id(0)
-    b = seq_base + tl.program_id(1)
-    pid_s = tl.program_id(2)
-    hb = pid_qh % NUM_HB
-    qb = pid_qh // NUM_HB
-
-    q_start = tl.load(CU_SEQLEN + b)
-    q_len = tl.load(CU_SEQLEN + b + 1) - q_start
-    q0 = qb * BLOCK_Q
-    if q0 >= q_len:
+    active, b, pid_s, head, tok, row_ok, row_limit, kv_lo, kv_hi, pos0, q0 = _absorbed_work(
+        CU_SEQLEN, INPUT_POS, SEQ_LEN, PART_LSE, seq_base, tok_base, chunk_size, stride_pl_t, stride_pl_h,
+        N, NUM_HB, BLOCK_H, BLOCK_Q, SPLIT)
+    if not active:
         return
-    pos0 = tl.load(INPUT_POS + b)
-    seq_len = tl.load(SEQ_LEN + b)
-
     ROWS: tl.constexpr = BLOCK_Q * BLOCK_H
-    offs_row = tl.arange(0, ROWS)
-    q_idx = q0 + offs_row // BLOCK_H
-    head = hb * BLOCK_H + offs_row % BLOCK_H
-    row_ok = (head < N) & (q_idx < q_len)
-    tok = (q_start + q_idx).to(tl.int64)
-    row_limit = pos0 + q_idx + 1  # causal: this row sees kv positions < row_limit
-    kv_limit = tl.minimum(seq_len, pos0 + tl.minimum(q_len, q0 + BLOCK_Q))
-    kv_lo = pid_s * chunk_size
-    kv_hi = tl.minimum(kv_lo + chunk_size, kv_limit)
-
-    if SPLIT:
-        if kv_lo >= kv_limit:  # empty chunk (static split count, shorter sequence): lse = -inf
-            tl.store(PART_LSE + (tok - tok_base) * stride_pl_t + head * stride_pl_h + pid_s,
-                     tl.full([ROWS], float("-inf"), tl.float32), mask=row_ok)
-            return
 
     offs_r = tl.arange(0, BLOCK_R)
     rmask = offs_r < R
@@ -296,36 +308,12 @@ def absorbed_attn_heads_on_n_kernel(
     # a page holds whole tiles (PAGE_SIZE % BLOCK_N == 0; chunks start on BLOCK_N) such a tile is one
     # page and comes by TMA (USE_TMA) or by one base pointer. The last, partial tile is masked.
     # F16: the cache is e4m3 and the MMAs run in fp16 (queries saturated to the fp16 range).
-    pid_qh = tl.program_id(0)
-    b = seq_base + tl.program_id(1)
-    pid_s = tl.program_id(2)
-    hb = pid_qh % NUM_HB
-    qb = pid_qh // NUM_HB
-
-    q_start = tl.load(CU_SEQLEN + b)
-    q_len = tl.load(CU_SEQLEN + b + 1) - q_start
-    q0 = qb * BLOCK_Q
-    if q0 >= q_len:
+    active, b, pid_s, head, tok, col_ok, col_limit, kv_lo, kv_hi, pos0, q0 = _absorbed_work(
+        CU_SEQLEN, INPUT_POS, SEQ_LEN, PART_LSE, seq_base, tok_base, chunk_size, stride_pl_t, stride_pl_h,
+        N, NUM_HB, BLOCK_H, BLOCK_Q, SPLIT)
+    if not active:
         return
-    pos0 = tl.load(INPUT_POS + b)
-    seq_len = tl.load(SEQ_LEN + b)
-
     COLS: tl.constexpr = BLOCK_Q * BLOCK_H
-    offs_c = tl.arange(0, COLS)
-    q_idx = q0 + offs_c // BLOCK_H
-    head = hb * BLOCK_H + offs_c % BLOCK_H
-    col_ok = (head < N) & (q_idx < q_len)
-    tok = (q_start + q_idx).to(tl.int64)
-    col_limit = pos0 + q_idx + 1  # causal: this column sees kv positions < col_limit
-    kv_limit = tl.minimum(seq_len, pos0 + tl.minimum(q_len, q0 + BLOCK_Q))
-    kv_lo = pid_s * chunk_size
-    kv_hi = tl.minimum(kv_lo + chunk_size, kv_limit)
-
-    if SPLIT:
-        if kv_lo >= kv_limit:
-            tl.store(PART_LSE + (tok - tok_base) * stride_pl_t + head * stride_pl_h + pid_s,
-                     tl.full([COLS], float("-inf"), tl.float32), mask=col_ok)
-            return
 
     offs_r = tl.arange(0, BLOCK_C)
     offs_r2 = BLOCK_C + offs_r
