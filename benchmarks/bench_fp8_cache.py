@@ -187,8 +187,7 @@ def tune_triton(case: Case, rep_ms: float) -> list[dict]:
     for bn in (32, 64, 128):
         for warps in (4, 8):
             for stages in (2, 3, 4):
-                cfg = tuning.AbsorbedConfig(base.block_h, 1, bn, warps, stages, heads_on_n=base.heads_on_n,
-                                            programs_per_sm=base.programs_per_sm)
+                cfg = tuning.AbsorbedConfig(base.block_h, 1, bn, warps, stages, heads_on_n=base.heads_on_n)
                 try:
                     run, *_ = decode_core_triton(case, cfg)
                     us, _ = time_us(run, graph=True, rep_ms=rep_ms / 2)

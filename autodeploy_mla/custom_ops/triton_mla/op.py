@@ -208,7 +208,7 @@ def _launch_absorbed(call: _Call, q_abs, q_pe, mla_cache, page_table, cu_seqlen,
                                          num_sms(dev) * resident_programs(cfg, dims, mla_cache.element_size(), dev),
                                          partial)
     else:
-        splits, chunk = split_plan(progs, kv_bound, cfg.block_n, call.policy.decode_splits, dev, cfg.programs_per_sm)
+        splits, chunk = split_plan(progs, kv_bound, cfg.block_n, call.policy.decode_splits, dev)
     split = splits > 1
     flat = mla_cache.view(-1, mla_cache.shape[-1])
     page_size = mla_cache.shape[1]

@@ -101,7 +101,6 @@ class AbsorbedConfig:
     num_stages: int
     heads_on_n: bool = False  # absorbed_attn_heads_on_n_kernel (decode) instead of absorbed_attn_kernel
     tma: bool = False  # whole one-page KV tiles by tensor descriptor (heads_on_n; the launcher checks SM90+)
-    programs_per_sm: int = 4  # split-K target of the heads-on-M kernel (split_plan); heads-on-N: split_plan_waves
 
 
 def pow2(x: int, lo: int = 16) -> int:
@@ -114,18 +113,18 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-#: Split-K policy: split a launch until it has about this many programs per SM (the config's
-#: programs_per_sm; 4 for the head-rows kernel) ...
+#: Split-K policy of the heads-on-M kernel (heads-on-N: split_plan_waves): split a launch until it
+#: has about this many programs per SM ...
 SPLIT_PROGRAMS_PER_SM = 4
 #: ... but never into chunks shorter than this many kv positions (per-chunk overhead + reduce).
 #: H200 sweep: B=1 kv=8192 best at 64 splits, B=8 kv=2048 at 16 (docs/benchmarks/mla_kernels.md).
 MIN_SPLIT_CHUNK = 128
 
 
-def _target_programs(device: torch.device, per_sm: int = SPLIT_PROGRAMS_PER_SM) -> int:
+def _target_programs(device: torch.device) -> int:
     if device.type != "cuda":
         return 8  # interpreter: a few programs, so split-K paths get exercised on CPU too
-    return per_sm * num_sms(device)
+    return SPLIT_PROGRAMS_PER_SM * num_sms(device)
 
 
 @dataclass(frozen=True)
@@ -215,15 +214,14 @@ def expand_config(dims: MLADims, dtype: torch.dtype, programs_at_128: Optional[i
     return ExpandConfig(64, 32, 4, 3) if small else ExpandConfig(128, 64, 8, 2, tma=True)
 
 
-def split_plan(progs: int, kv_bound: int, block_n: int, forced: int, device: torch.device,
-               per_sm: int = SPLIT_PROGRAMS_PER_SM) -> tuple[int, int]:
+def split_plan(progs: int, kv_bound: int, block_n: int, forced: int, device: torch.device) -> tuple[int, int]:
     """(num_splits, chunk) covering kv positions [0, kv_bound) in `num_splits` chunks of `chunk` (a
     multiple of block_n, so every chunk starts on a tile)."""
     kv_bound = max(1, kv_bound)
     if forced > 0:
         splits = forced
     else:
-        splits = min(-(-_target_programs(device, per_sm) // max(1, progs)), -(-kv_bound // min_chunk(device)))
+        splits = min(-(-_target_programs(device) // max(1, progs)), -(-kv_bound // min_chunk(device)))
     splits = max(1, min(splits, -(-kv_bound // block_n)))
     chunk = -(-(-(-kv_bound // splits)) // block_n) * block_n
     return -(-kv_bound // chunk), chunk
