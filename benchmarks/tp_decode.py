@@ -258,15 +258,14 @@ def render(path: Path, data: Optional[dict[str, Any]] = None) -> None:
     by = {(r["world_size"], r["context"], r["batch"]): r for r in rows}
     worlds = sorted({r["world_size"] for r in rows})
     top = max(worlds)
+    head = (["context", "batch"] + [f"{w} GPU ms" for w in worlds] + [f"speed-up {w}" for w in worlds if w > 1]
+            + [f"tokens/s ({top} GPU)", "all-reduce ms (share)", "timed steps ran as"])
     lines = [f"# Tensor-parallel scaling ({data['environment'].get('gpu', 'cpu')})", "",
              f"Command: `{data['command']}`", "", model_line(data),
              "Decode step = host metadata + graph + argmax sync; median ms (several ranks: the slower rank). "
              "Speed-up = 1 GPU / each world size. All-reduce = NCCL kernel time per step, incl. waiting on the "
              "slower rank (profiled rows only).", "",
-             "| context | batch | " + " | ".join(f"{w} GPU ms" for w in worlds) + " | "
-             + " | ".join(f"speed-up {w}" for w in worlds if w > 1) + f" | tokens/s ({top} GPU) | all-reduce ms (share) "
-             "| timed steps ran as |",
-             "|---|---|" + "---|" * len(worlds) + "---|" * len([w for w in worlds if w > 1]) + "---|---|---|"]
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for context in sorted({r["context"] for r in rows}):
         for batch in sorted({r["batch"] for r in rows}):
             cells, ms = [], {}
@@ -284,8 +283,7 @@ def render(path: Path, data: Optional[dict[str, Any]] = None) -> None:
                            for w in worlds if "profiled_allreduce_ms" in by.get((w, context, batch), {}) and w > 1)
             paths = "; ".join(f"{w}: " + ", ".join(f"{k} {v}" for k, v in sorted(by[(w, context, batch)]["paths"].items()))
                               for w in worlds if by.get((w, context, batch), {}).get("paths"))
-            lines.append(f"| {context} | {batch} | " + " | ".join(cells) + " | " + " | ".join(sps)
-                         + (" | " if sps else "") + f"{tps} | {ar or '-'} | {paths or '-'} |")
+            lines.append("| " + " | ".join([str(context), str(batch), *cells, *sps, tps, ar or "-", paths or "-"]) + " |")
     lines.append("")
     worlds_info = {w["world_size"]: w for w in data["worlds"]}
     if any(w.get("prefill") for w in data["worlds"]):
