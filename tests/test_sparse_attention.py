@@ -1,8 +1,9 @@
-"""DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): detected and refused with a clear error until the
-compiler captures it (issue 16, docs/sparse_mla.md).
+"""DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5), issue 16, docs/sparse_mla.md.
 
-The tiny configs keep index_topk (6) below the 16-token prompt, so the sparse model's logits differ
-from dense attention on the same weights: the test shows what a silent dense compile would change.
+Exported as the DSA source ops (torch_dsa_indexer + torch_mla_sparse), checked against the HF forward
+first; the exported graph equals HF's logits; serving it from a cache is refused with a clear error
+until the cached sparse ops exist. The tiny configs keep index_topk (6) below the 16-token prompt,
+so the sparse model's logits differ from dense attention on the same weights (shown below).
 """
 
 from __future__ import annotations
@@ -13,7 +14,10 @@ import torch
 from autodeploy_mla.api import optimize
 from autodeploy_mla.models.sparse_attention import find_sparse_attention
 from autodeploy_mla.testing.tiny_configs import build_tiny_model
-from autodeploy_mla.transforms.export import SparseAttentionNotCaptured
+from autodeploy_mla.custom_ops.mla_dims import MLAShapeError
+from autodeploy_mla.transforms import sparse_export
+from autodeploy_mla.transforms.export import SparseAttentionNotCaptured, export_model
+from autodeploy_mla.transforms.sparse_export import SparseAttentionNotServed
 
 _COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
                num_attention_heads=4, num_key_value_heads=4, q_lora_rank=48, kv_lora_rank=40,
@@ -32,7 +36,7 @@ TINY_DSA = {
 
 
 @pytest.mark.parametrize("family", list(TINY_DSA))
-def test_sparse_attention_is_detected_and_refused(family):
+def test_sparse_attention_is_detected_and_not_served_yet(family):
     model = build_tiny_model(TINY_DSA[family])
     info = find_sparse_attention(model)
     assert info is not None and info.index_topk == 6
@@ -41,7 +45,7 @@ def test_sparse_attention_is_detected_and_refused(family):
         assert info.indexer_paths == tuple(f"model.layers.{i}.self_attn.indexer" for i in (0, 1, 3))
     else:
         assert info.indexer_paths == tuple(f"model.layers.{i}.self_attn.indexer" for i in range(3))
-    with pytest.raises(SparseAttentionNotCaptured, match=r"model\.layers\.0\.self_attn\.indexer.*index_topk=6"):
+    with pytest.raises(SparseAttentionNotServed, match=r"model\.layers\.0\.self_attn, .* are sparse MLA.*no backend"):
         optimize(model)
 
 
@@ -64,3 +68,98 @@ def test_sparse_differs_from_dense_past_index_topk(family):
 
 def test_dense_families_are_not_sparse():
     assert find_sparse_attention(build_tiny_model("deepseek_v3")) is None
+
+
+def _ops(gm, name):
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target == getattr(torch.ops.autodeploy, name).default]
+
+
+@pytest.mark.parametrize("family", list(TINY_DSA))
+def test_export_as_dsa_source_ops_equals_hf(family):
+    """The exported graph holds one indexer per full layer and one sparse MLA per layer (GLM's shared
+    layer reuses layer 1's selection), was checked against HF once per kind of layer, and gives HF's
+    logits on prompts longer than index_topk, for several lengths and batch 2 (dynamic shapes)."""
+    model = build_tiny_model(TINY_DSA[family])
+    gm = export_model(model)
+    full = [i for i, layer in enumerate(model.model.layers) if layer.self_attn.indexer is not None]
+    assert len(_ops(gm, "torch_dsa_indexer")) == len(full)
+    assert len(_ops(gm, "torch_mla_sparse")) == len(model.model.layers)
+    checks = gm.meta["sparse_attention"]["checks"]
+    assert [c["shared"] for c in checks] == ([False, True] if family == "glm_moe_dsa" else [False])
+    assert all(c["checked"] and c["rel_err"] <= 1e-4 and c["tokens"] > 6 for c in checks)
+    g = torch.Generator().manual_seed(1)
+    for s in (3, 16, 21):
+        ids = torch.randint(2, 256, (2, s), generator=g)
+        with torch.no_grad():
+            ref = model(ids).logits
+            out = gm(ids, torch.arange(s).unsqueeze(0).expand(2, -1))
+        assert (out - ref).abs().max() <= 1e-5 * ref.abs().max(), s
+
+
+def test_a_wrong_indexer_rope_is_caught_before_export(monkeypatch):
+    """The pre-export check compares with the HF forward: DeepSeek-V3.2's indexer with GLM-5's
+    interleaved RoPE (a plausible slip) is refused, with the error it measured."""
+    monkeypatch.setitem(sparse_export.SPARSE_FAMILIES, "DeepseekV32Attention",
+                        sparse_export.SparseFamily("apply_rotary_pos_emb_interleave", passes_indices=False))
+    with pytest.raises(SparseAttentionNotCaptured, match=r"model\.layers\.0\.self_attn \(DeepseekV32Attention\).*differs "
+                       r"from the Hugging Face forward.*by \d"):
+        export_model(build_tiny_model(TINY_DSA["deepseek_v32"]))
+
+
+def test_an_unknown_sparse_attention_class_is_refused_by_name():
+    model = build_tiny_model(TINY_DSA["deepseek_v32"])
+    attn = model.model.layers[1].self_attn
+    attn.__class__ = type("SomeNewDsaAttention", (type(attn),), {})
+    with pytest.raises(SparseAttentionNotCaptured, match=r"model\.layers\.1\.self_attn \(SomeNewDsaAttention\) has a "
+                       r"DSA indexer.*knows only"):
+        export_model(model)
+
+
+def _indexer_inputs(b=2, s=9, t=9, h=5, d=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(b, s, h, d, generator=g), torch.randn(b, t, d, generator=g), torch.rand(b, s, h, generator=g))
+
+
+def test_indexer_op_fixed_width_with_minus_one_padding():
+    """Query i (causal) gets min(K, visible) indices, the best by score, then -1s; HF's variable-width
+    top-k over the masked scores names the same keys once masked picks are dropped."""
+    q, k, w = _indexer_inputs()
+    idx = torch.ops.autodeploy.torch_dsa_indexer(q, k, w, 4, 0.3)
+    assert idx.dtype == torch.int32 and idx.shape == (2, 9, 4)
+    scores = torch.einsum("bsh,bsht->bst", w, torch.relu(torch.einsum("bshd,btd->bsht", q, k) * 0.3))
+    for i in range(9):
+        n = min(4, i + 1)
+        assert (idx[:, i, n:] == -1).all() and (idx[:, i, :n] >= 0).all() and (idx[:, i, :n] <= i).all()
+        best = scores[:, i, : i + 1].topk(n, dim=-1).indices
+        assert torch.equal(idx[:, i, :n].long().sort(-1).values, best.sort(-1).values)
+    wide = torch.ops.autodeploy.torch_dsa_indexer(q, k, w, 20, 0.3)  # wider than the sequence: -1 columns
+    assert wide.shape == (2, 9, 20) and (wide[..., 9:] == -1).all()
+
+
+def test_sparse_mla_with_every_key_selected_is_dense_mla():
+    g = torch.Generator().manual_seed(0)
+    b, s, n, dn, dr, dv, r = 2, 7, 3, 8, 4, 6, 10
+    args = (torch.randn(b, s, n, dn, generator=g), torch.randn(b, s, n, dr, generator=g),
+            torch.randn(b, s, r, generator=g), torch.randn(b, s, 1, dr, generator=g),
+            torch.randn(n * (dn + dv), r, generator=g))
+    every = torch.arange(s, dtype=torch.int32).expand(b, s, s).contiguous()
+    dense = torch.ops.autodeploy.torch_mla(*args)
+    assert torch.allclose(torch.ops.autodeploy.torch_mla_sparse(*args, every), dense, atol=1e-5)
+    some = torch.full((b, s, 2), -1, dtype=torch.int32)
+    some[:, :, 0] = 0  # every query sees only token 0: the output is token 0's value row, per head
+    out = torch.ops.autodeploy.torch_mla_sparse(*args, some)
+    assert torch.allclose(out, out[:, :1].expand_as(out), atol=1e-6)
+    with pytest.raises(MLAShapeError, match=r"topk_indices must be int32 \[2, 7, K\]; got torch.int64"):
+        torch.ops.autodeploy.torch_mla_sparse(*args, every.long())
+
+
+def test_dsa_source_ops_pass_opcheck():
+    q, k, w = _indexer_inputs()
+    torch.library.opcheck(torch.ops.autodeploy.torch_dsa_indexer.default, (q, k, w, 4, 0.3))
+    g = torch.Generator().manual_seed(0)
+    args = (torch.randn(1, 5, 2, 4, generator=g), torch.randn(1, 5, 2, 2, generator=g), torch.randn(1, 5, 6, generator=g),
+            torch.randn(1, 5, 1, 2, generator=g), torch.randn(2 * 7, 6, generator=g),
+            torch.ops.autodeploy.torch_dsa_indexer(*_indexer_inputs(1, 5, 5, 3, 4), 3, 0.5))
+    torch.library.opcheck(torch.ops.autodeploy.torch_mla_sparse.default, args)
+    with pytest.raises(MLAShapeError, match=r"q \(2, 9, 5, 8\) needs k \[2, T, 8\]"):
+        torch.ops.autodeploy.torch_dsa_indexer(q, k[..., :4], w, 4, 0.3)

@@ -6,6 +6,7 @@ their `check()` then refuses every node and says why.
 """
 
 from . import torch_mla  # noqa: F401
+from . import sparse_mla  # noqa: F401
 from .mla_dims import MLADims, MLAShapeError  # noqa: F401
 from .backend_registry import (  # noqa: F401,E402
     BackendDecision,

@@ -7,6 +7,8 @@ structure comes from the batch metadata, never from a mask tensor (DESIGN ยง3, ย
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from pydantic import Field
 from torch import nn
@@ -15,6 +17,7 @@ from torch.export import Dim
 from ..models.factory import eos_token_ids
 from ..models.sparse_attention import find_sparse_attention
 from .context import BuildContext
+from .sparse_export import SparseExportError, check_each_kind, sparse_attention_modules, sparse_forwards
 from .registry import PassOptions, PassResult, Stage, register_pass
 
 __all__ = ["ExportError", "SparseAttentionNotCaptured", "export_model"]
@@ -25,7 +28,7 @@ class ExportError(RuntimeError):
 
 
 class SparseAttentionNotCaptured(ExportError):
-    """The model uses DeepSeek Sparse Attention, which the compiler does not capture yet."""
+    """The model uses DeepSeek Sparse Attention in a form the compiler cannot capture (or run) yet."""
 
 
 class _LogitsOnly(nn.Module):
@@ -64,16 +67,17 @@ def export_model(model: nn.Module, *, example_batch: int = 2, example_seq: int =
             f"{example_seq}); torch.export specialises size-1 dims to constants."
         )
     sparse = find_sparse_attention(model)
+    patch = contextlib.nullcontext()
     if sparse is not None:
-        # Refused before torch.export: exporting fails on the indexer's min(index_topk, T) top-k with
-        # a symbolic-shape error, and a graph without the indexer would be dense MLA (other outputs).
-        raise SparseAttentionNotCaptured(
-            f"{sparse.describe()}. autodeploy_mla does not capture sparse MLA yet (docs/sparse_mla.md): "
-            "compiled as dense MLA this model would attend to every cached token and give other "
-            f"outputs than Hugging Face once a sequence is longer than {sparse.index_topk} tokens, so it "
-            "is refused. Supported today: the dense MLA families (model_configs/); run this model in "
-            "Hugging Face eager meanwhile."
-        )
+        # HF's sparse attention does not export (an unprovable min(index_topk, T) top-k) and hides its
+        # selection in a data-dependent mask: export it as the DSA source ops instead, once that
+        # forward has matched the HF one (transforms/sparse_export.py).
+        try:
+            modules = sparse_attention_modules(model, sparse)
+            sparse_checks = check_each_kind(model, modules)
+        except SparseExportError as exc:
+            raise SparseAttentionNotCaptured(f"{sparse.describe()}: {exc}") from exc
+        patch = sparse_forwards(modules)
     wrapper = _LogitsOnly(model).eval()
     vocab = getattr(getattr(model, "config", None), "vocab_size", None) or 2
     input_ids = torch.randint(0, vocab, (example_batch, example_seq), device=_device_of(model))
@@ -83,7 +87,7 @@ def export_model(model: nn.Module, *, example_batch: int = 2, example_seq: int =
     batch, seq = Dim("batch", min=1), Dim("seq", min=1)
     dynamic_shapes = {"input_ids": {0: batch, 1: seq}, "position_ids": {0: batch, 1: seq}}
     try:
-        with torch.no_grad():
+        with torch.no_grad(), patch:
             ep = torch.export.export(
                 wrapper, (input_ids, position_ids), dynamic_shapes=dynamic_shapes
             )
@@ -100,6 +104,8 @@ def export_model(model: nn.Module, *, example_batch: int = 2, example_seq: int =
         ) from exc
     gm = ep.module()
     _strip_wrapper_from_module_paths(gm)
+    if sparse is not None:
+        gm.meta["sparse_attention"] = {"info": sparse, "checks": sparse_checks}
     return gm
 
 
@@ -164,5 +170,10 @@ def export(ctx: BuildContext, opts: ExportOptions) -> PassResult:
     ctx.artifacts.vocab_size = int(vocab)
     ctx.artifacts.eos_token_ids = eos_token_ids(ctx.model)
     n = sum(1 for _ in ctx.gm.graph.nodes)
-    return PassResult(f"{type(ctx.model).__name__} -> {n} nodes", {"nodes": n, "vocab_size": int(vocab),
-                                                                    "eos_token_ids": list(ctx.artifacts.eos_token_ids)})
+    details = {"nodes": n, "vocab_size": int(vocab), "eos_token_ids": list(ctx.artifacts.eos_token_ids)}
+    summary = f"{type(ctx.model).__name__} -> {n} nodes"
+    sparse = exported.meta.get("sparse_attention")
+    if sparse is not None:  # DSA exported as its source ops; what was compared with HF before that
+        details["sparse_attention"] = {"index_topk": sparse["info"].index_topk, "checks": sparse["checks"]}
+        summary += f"; DeepSeek Sparse Attention as DSA source ops (index_topk {sparse['info'].index_topk})"
+    return PassResult(summary, details)

@@ -24,6 +24,8 @@ from ..custom_ops.backend_registry import all_backends, get_backend
 from ..custom_ops.cache_format import UNIT_SCALES, CacheScales, cache_dtype_name, is_fp8, resolve_cache_dtype
 from ..custom_ops.mla_dims import MLADims
 from ..custom_ops.torch_mla import source_arg
+from .fx_utils import module_path
+from .sparse_export import SparseAttentionNotServed, sparse_mla_nodes
 from ..runtime.artifacts import CacheInput, GraphSignature
 from .backend_resolution import DEVICE_CLASSES, resolve_backend
 from .context import BuildContext
@@ -151,6 +153,14 @@ def insert_cached_mla_attention(ctx: BuildContext, opts: InsertCachedMLAOptions)
     gm = ctx.gm
     assert gm is not None
     nodes = find_mla_nodes(gm)
+    sparse = [module_path(n) for n in sparse_mla_nodes(gm)]
+    if sparse:
+        shown = ", ".join(sparse[:4]) + (f", ... ({len(sparse)} in all)" if len(sparse) > 4 else "")
+        raise SparseAttentionNotServed(
+            f"insert_cached_mla_attention: {shown} are sparse MLA (DeepSeek Sparse Attention), exported as "
+            "torch_dsa_indexer + torch_mla_sparse and checked against Hugging Face, but no backend serves "
+            "sparse MLA from a paged cache yet (it needs the indexer's keys cached next to the latent; "
+            "docs/sparse_mla.md). Run this model in Hugging Face eager meanwhile.")
     if not nodes:
         raise ValueError(
             "insert_cached_mla_attention: the graph has no torch_mla node. Enable match_mla (HF models) "

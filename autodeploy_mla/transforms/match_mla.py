@@ -37,8 +37,9 @@ from torch.fx import GraphModule, Node
 from ..custom_ops.mla_dims import MLADims, infer_dims
 from ..custom_ops.torch_mla import source_arg
 from .context import BuildContext
-from .fx_utils import ASSERT_METADATA, RESHAPES, TORCH_MLA, aten, module_stack, skip
+from .fx_utils import ASSERT_METADATA, RESHAPES, TORCH_MLA, aten, module_path, module_stack, skip
 from .fx_utils import shape as _shape
+from .sparse_export import sparse_mla_nodes
 from .registry import PassOptions, PassResult, Stage, register_pass
 
 __all__ = ["MLAMatch", "MLAMatchError", "match_mla"]
@@ -872,14 +873,17 @@ class MatchMLAOptions(PassOptions):
 def match_mla_pass(ctx: BuildContext, opts: MatchMLAOptions) -> PassResult:
     assert ctx.gm is not None
     matches = match_mla(ctx.gm)
-    if opts.require_match and not matches:
+    sparse = [module_path(n) for n in sparse_mla_nodes(ctx.gm)]  # exported as DSA source ops already
+    if opts.require_match and not matches and not sparse:
         raise ValueError(
             "match_mla: no MLA attention found in the graph. Supported: DeepseekV2/V3, Kimi-K2, "
             "Moonlight, Glm4MoeLite, MiniCPM3, Mistral4 attention, or models calling torch_mla."
         )
     kinds = sorted({m.kind for m in matches})
     return PassResult(
-        f"{len(matches)} attention blocks -> torch_mla ({', '.join(kinds)})",
+        f"{len(matches)} attention blocks -> torch_mla ({', '.join(kinds)})"
+        + (f"; {len(sparse)} sparse MLA blocks (exported as torch_mla_sparse)" if sparse else ""),
         {"layers": [{"layer": m.layer, "kind": m.kind, "scale": m.scale, "dims": vars(m.dims)} for m in matches],
+         "sparse_layers": sparse,
          "skipped": [{"layer": layer, "reason": why} for layer, why in ctx.gm.meta.get("match_mla_skipped", [])]},
     )
