@@ -17,7 +17,7 @@ from autodeploy_mla.testing.tiny_configs import build_tiny_model
 from autodeploy_mla.custom_ops.mla_dims import MLAShapeError
 from autodeploy_mla.transforms import sparse_export
 from autodeploy_mla.transforms.export import SparseAttentionNotCaptured, export_model
-from autodeploy_mla.transforms.sparse_export import SparseAttentionNotServed
+from autodeploy_mla.testing import hf_greedy_generate
 
 _COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
                num_attention_heads=4, num_key_value_heads=4, q_lora_rank=48, kv_lora_rank=40,
@@ -35,8 +35,66 @@ TINY_DSA = {
 }
 
 
+# Small token budget and pages: prompts prefill in chunks of 8, span several pages, and continuous
+# batching mixes prefill chunks with decode steps.
+RUNTIME = ["runtime.max_num_tokens=8", "runtime.page_size=4", "runtime.max_seq_len=64", "runtime.max_batch_size=4",
+           "model.device=cpu", "model.dtype=float32"]
+PROMPT_LENS = [3, 11, 17, 1, 9, 21]
+
+
+@pytest.fixture(scope="module", params=list(TINY_DSA))
+def served(request):
+    model = build_tiny_model(TINY_DSA[request.param])
+    return request.param, model, optimize(model, overrides=RUNTIME)
+
+
+def test_sparse_greedy_tokens_identical_to_hf(served):
+    """Sparse MLA through the paged cache (torch reference): greedy tokens equal HF eager's, with
+    prompts shorter and longer than index_topk, chunked prefill and mixed batches."""
+    family, model, om = served
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(2, 256, (n,), generator=g).tolist() for n in PROMPT_LENS]
+    outs = om.generate(prompts, max_new_tokens=8)
+    assert outs == [hf_greedy_generate(model, p, 8) for p in prompts], family
+    assert om.allocator.num_free == om.allocator.num_usable
+
+
+def test_sparse_prefill_logits_match_hf(served):
+    family, model, om = served
+    for n in (5, 16, 23):
+        p = list(range(7, 7 + n))
+        with torch.no_grad():
+            ref = model(torch.tensor([p])).logits[0].float()
+        assert (om.prefill_logits(p) - ref).abs().max().item() < 1e-4, (family, n)
+
+
+def test_sparse_layers_reported_with_their_index_cache(served):
+    """Every layer's decision says sparse/torch; layers that run an indexer get a second cache of
+    index keys (index_head_dim values per token), sized with the latent caches and reported."""
+    family, model, om = served
+    full = [layer.self_attn.indexer is not None for layer in model.model.layers]
+    rows = om.report()["layers"]
+    assert len(rows) == len(full)
+    assert all(r["backend"] == "torch" and "sparse MLA" in r["reason"] for r in rows)
+    record = next(r for r in om.history if r.name == "insert_cached_mla_attention")
+    assert [row["cache"].get("index_key_bytes_per_token") for row in record.details["layers"]] == \
+        [32 * 4 if f else None for f in full]  # fp32 model: 32 values x 4 bytes
+    cache = om.report()["cache"]
+    assert cache["layers"] == len(full) and cache["caches"] == len(full) + sum(full)
+    index = {n: b for n, b in cache["bytes_per_layer"].items() if n.startswith("dsa_index_cache_")}
+    assert len(index) == sum(full)
+    assert set(index.values()) == {cache["num_pages"] * cache["page_size"] * 32 * 4}
+    assert cache["bytes_per_token"] == len(full) * (40 + 16) * 4 + sum(full) * 32 * 4
+
+
+def test_sparse_layers_refuse_a_dense_only_backend():
+    with pytest.raises(ValueError, match=r"backend 'triton' was requested, but model\.layers\.0\.self_attn is sparse MLA"):
+        optimize(build_tiny_model(TINY_DSA["deepseek_v32"]),
+                 overrides=[*RUNTIME, "transforms.insert_cached_mla_attention.backend=triton"])
+
+
 @pytest.mark.parametrize("family", list(TINY_DSA))
-def test_sparse_attention_is_detected_and_not_served_yet(family):
+def test_sparse_attention_is_detected(family):
     model = build_tiny_model(TINY_DSA[family])
     info = find_sparse_attention(model)
     assert info is not None and info.index_topk == 6
@@ -45,8 +103,6 @@ def test_sparse_attention_is_detected_and_not_served_yet(family):
         assert info.indexer_paths == tuple(f"model.layers.{i}.self_attn.indexer" for i in (0, 1, 3))
     else:
         assert info.indexer_paths == tuple(f"model.layers.{i}.self_attn.indexer" for i in range(3))
-    with pytest.raises(SparseAttentionNotServed, match=r"model\.layers\.0\.self_attn, .* are sparse MLA.*no backend"):
-        optimize(model)
 
 
 @pytest.mark.parametrize("family", list(TINY_DSA))
@@ -163,3 +219,15 @@ def test_dsa_source_ops_pass_opcheck():
     torch.library.opcheck(torch.ops.autodeploy.torch_mla_sparse.default, args)
     with pytest.raises(MLAShapeError, match=r"q \(2, 9, 5, 8\) needs k \[2, T, 8\]"):
         torch.ops.autodeploy.torch_dsa_indexer(q, k[..., :4], w, 4, 0.3)
+
+
+def test_sparse_cached_ops_are_piecewise_split_points():
+    """Split around the sparse cached ops (as on CUDA, where static pieces become CUDA graphs): the
+    indexer and the sparse attention are dynamic pieces, and generation still equals HF."""
+    model = build_tiny_model(TINY_DSA["glm_moe_dsa"])
+    om = optimize(model, overrides=[*RUNTIME, "transforms.piecewise.on_cpu=true"])
+    dyn = [p.ops for p in om.runner.piecewise.split.pieces if p.kind == "dynamic"]
+    assert dyn.count(["autodeploy.torch_dsa_indexer_with_cache.default"]) == 3  # layers 0, 1, 3 (2 is shared)
+    assert dyn.count(["autodeploy.torch_mla_sparse_with_cache.default"]) == 4
+    prompts = [list(range(3, 19)), [5, 9, 200, 17]]
+    assert om.generate(prompts, max_new_tokens=6) == [hf_greedy_generate(model, p, 6) for p in prompts]

@@ -137,3 +137,92 @@ def _torch_mla_sparse_fake(q_nope, q_pe, compressed_kv, kpe, kv_b_proj_weight, t
 
 
 SPARSE_SOURCE_OPS = (torch.ops.autodeploy.torch_dsa_indexer.default, torch.ops.autodeploy.torch_mla_sparse.default)
+
+
+# ----------------------------------------------------------------------------- cached (paged) form
+#: host/device metadata the cached indexer reads (the torch reference backend's fields)
+INDEXER_METADATA = ("batch_info_host", "max_seq_info_host", "cu_seqlen", "input_pos", "seq_len_with_cache",
+                    "page_table", "batch_idx", "cache_loc")
+CACHED_INDEXER_OP = "torch_dsa_indexer_with_cache"
+
+
+@torch.library.custom_op("autodeploy::torch_dsa_indexer_with_cache", mutates_args=("index_cache",))
+def torch_dsa_indexer_with_cache(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    weights: torch.Tensor,
+    batch_info_host: torch.Tensor,
+    max_seq_info_host: torch.Tensor,
+    cu_seqlen: torch.Tensor,
+    input_pos: torch.Tensor,
+    seq_len_with_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    batch_idx: torch.Tensor,
+    cache_loc: torch.Tensor,
+    index_cache: torch.Tensor,
+    index_topk: int,
+    softmax_scale: float,
+) -> torch.Tensor:
+    """The indexer over a packed token batch ([1, T, ...]) and a paged cache of index keys
+    ([pages, page_size, D]): appends the step's keys, then per token returns the `index_topk` best
+    positions (within its sequence) among those it may see, int32 [1, T, index_topk], -1 padded.
+    Vectorised like the torch MLA reference; sizes from host metadata only (no device sync)."""
+    _check_indexer(q, k, weights, index_topk)
+    t_all, d = q.shape[1], q.shape[3]
+    if index_cache.dim() != 3 or index_cache.shape[-1] != d:
+        raise MLAShapeError(f"{CACHED_INDEXER_OP}: index_cache must be [num_pages, page_size, D={d}]; got "
+                            f"{tuple(index_cache.shape)}")
+    flat = index_cache.view(-1, d)
+    flat.index_copy_(0, cache_loc[:t_all].long(), k[0].to(flat.dtype))
+    out = torch.full((1, t_all, index_topk), -1, dtype=torch.int32, device=q.device)
+    n_pre, n_pre_tok, n_dec = batch_info_host.tolist()
+    max_q, max_kv = max_seq_info_host.tolist()
+    nb, num_tok = n_pre + n_dec, n_pre_tok + n_dec
+    if nb == 0 or num_tok == 0:
+        return out
+    dev = q.device
+    ps = index_cache.shape[1]
+    kv_pos = torch.arange(max_kv, device=dev)
+    slots = page_table[:nb, kv_pos // ps].long() * ps + kv_pos % ps
+    keys = flat[slots].float()  # [nb, max_kv, D]
+    in_seq = kv_pos[None] < seq_len_with_cache[:nb, None].long()
+    keys = keys.masked_fill(~in_seq[..., None], 0.0)  # stale slots may hold non-finite values
+    tok_seq = batch_idx[:num_tok].long()
+    tok_q = torch.arange(num_tok, device=dev) - cu_seqlen[tok_seq].long()
+    h = q.shape[2]
+    grid_q = q.new_zeros(nb, max_q, h, d, dtype=torch.float32)
+    grid_q[tok_seq, tok_q] = q[0, :num_tok].float()
+    grid_w = q.new_zeros(nb, max_q, h, dtype=torch.float32)
+    grid_w[tok_seq, tok_q] = weights[0, :num_tok].float()
+    scores = torch.matmul(grid_q, keys.transpose(-1, -2).unsqueeze(1)) * softmax_scale  # [nb, max_q, H, max_kv]
+    scores = torch.matmul(grid_w.unsqueeze(-2), F.relu(scores)).squeeze(-2)  # [nb, max_q, max_kv]
+    q_pos = input_pos[:nb, None].long() + torch.arange(max_q, device=dev)[None]
+    visible = (kv_pos[None, None] <= q_pos[..., None]) & in_seq[:, None]
+    out[0, :num_tok] = select_topk(scores, visible, index_topk)[tok_seq, tok_q]
+    return out
+
+
+@torch_dsa_indexer_with_cache.register_fake
+def _torch_dsa_indexer_with_cache_fake(q, k, weights, batch_info_host, max_seq_info_host, cu_seqlen, input_pos,
+                                       seq_len_with_cache, page_table, batch_idx, cache_loc, index_cache, index_topk,
+                                       softmax_scale):
+    _check_indexer(q, k, weights, index_topk)
+    return q.new_empty((1, q.shape[1], index_topk), dtype=torch.int32)
+
+
+def allowed_by_topk(topk_indices: torch.Tensor, tok_seq: torch.Tensor, tok_q: torch.Tensor, nb: int, max_q: int,
+                    max_kv: int) -> torch.Tensor:
+    """[nb, max_q, max_kv] bool: the positions each packed token's top-k names (grid cells without a
+    token allow everything, so their masked softmax stays finite)."""
+    num_tok = tok_seq.shape[0]
+    sel = topk_indices[0, :num_tok].long()
+    sel = torch.where((sel < 0) | (sel >= max_kv), torch.full_like(sel, max_kv), sel)
+    rows = torch.zeros(num_tok, max_kv + 1, dtype=torch.bool, device=sel.device).scatter(-1, sel, True)[:, :max_kv]
+    grid = torch.ones(nb, max_q, max_kv, dtype=torch.bool, device=sel.device)
+    grid[tok_seq, tok_q] = rows
+    return grid
+
+
+#: the op packets (fx nodes target `.default`)
+DSA_INDEXER = torch.ops.autodeploy.torch_dsa_indexer
+DSA_INDEXER_WITH_CACHE = torch.ops.autodeploy.torch_dsa_indexer_with_cache

@@ -19,6 +19,7 @@ from .backend_registry import CheckResult, MLABackend, Target, register_backend
 from .cache_format import CacheScales, cache_dtype_name, dequantize_rows, is_fp8
 from .mla_dims import MLADims, resolve_scale
 from .op_contract import MLAInputs, append_to_paged_cache, check_cached_inputs, define_cached_op
+from .sparse_mla import DSA_INDEXER_WITH_CACHE, allowed_by_topk
 
 OP = "torch_mla_with_cache"
 METADATA: tuple[str, ...] = (
@@ -77,6 +78,9 @@ def _torch_mla_with_cache(x: MLAInputs, meta: Mapping[str, torch.Tensor], mla_ca
     scores = scores * resolve_scale(dims, scale)
     q_abs_pos = input_pos[:nb, None].long() + torch.arange(max_q, device=dev)[None]  # [nb, max_q]
     visible = (kv_pos[None, None] <= q_abs_pos[..., None]) & in_seq[:, None]
+    topk = meta.get("topk_indices")
+    if topk is not None:  # sparse MLA: only the positions the indexer selected
+        visible = visible & allowed_by_topk(topk, tok_seq, tok_q, nb, max_q, max_kv)
     scores = scores.masked_fill(~visible[:, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     latent = torch.einsum("bnqk,bkr->bqnr", probs, ckv_hist)[tok_seq, tok_q]  # [num_tok, N, R]
@@ -85,6 +89,10 @@ def _torch_mla_with_cache(x: MLAInputs, meta: Mapping[str, torch.Tensor], mla_ca
 
 
 torch_mla_with_cache = define_cached_op(OP, METADATA, _torch_mla_with_cache)
+#: Sparse MLA (DSA): the same op restricted to each token's `topk_indices` ([1, T, K] int32 positions
+#: within its sequence, -1 = none; from torch_dsa_indexer_with_cache or an earlier layer's).
+SPARSE_OP = "torch_mla_sparse_with_cache"
+torch_mla_sparse_with_cache = define_cached_op(SPARSE_OP, (*METADATA, "topk_indices"), _torch_mla_with_cache)
 
 
 @register_backend
@@ -94,6 +102,8 @@ class TorchMLABackend(MLABackend):
     metadata = METADATA
     source = "autodeploy_mla reference implementation (vectorised torch)"
     decode_graph_safe = False  # sizes are read from host metadata at call time
+    #: the sparse (DSA) cached ops: split points too (this backend is the only one serving them so far)
+    dynamic_ops = (torch_mla_sparse_with_cache, DSA_INDEXER_WITH_CACHE)
 
     def check(self, dims: MLADims, dtype: torch.dtype, target: Target) -> CheckResult:
         if not dtype.is_floating_point:

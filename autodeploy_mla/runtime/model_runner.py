@@ -372,7 +372,8 @@ class ModelRunner:
             "cache": {
                 "num_pages": caches.num_pages,
                 "page_size": caches.page_size,
-                "layers": len(caches.caches),
+                "layers": len({lay.layer for lay in caches.layouts}),
+                "caches": len(caches.caches),  # more than layers where a layer also caches DSA index keys
                 "bytes_per_layer": {n: t.numel() * t.element_size() for n, t in caches.caches.items()},
                 "total_bytes": caches.total_bytes,
                 "dtypes": sorted({cache_dtype_name(t.dtype) for t in caches.caches.values()}),

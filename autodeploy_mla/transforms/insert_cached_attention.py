@@ -25,7 +25,8 @@ from ..custom_ops.cache_format import UNIT_SCALES, CacheScales, cache_dtype_name
 from ..custom_ops.mla_dims import MLADims
 from ..custom_ops.torch_mla import source_arg
 from .fx_utils import module_path
-from .sparse_export import SparseAttentionNotServed, sparse_mla_nodes
+from .insert_cached_sparse import INDEX_CACHE_PREFIX, rewrite_sparse, sparse_decision, sparse_node_dims
+from .sparse_export import sparse_mla_nodes
 from ..runtime.artifacts import CacheInput, GraphSignature
 from .backend_resolution import DEVICE_CLASSES, resolve_backend
 from .context import BuildContext
@@ -153,15 +154,8 @@ def insert_cached_mla_attention(ctx: BuildContext, opts: InsertCachedMLAOptions)
     gm = ctx.gm
     assert gm is not None
     nodes = find_mla_nodes(gm)
-    sparse = [module_path(n) for n in sparse_mla_nodes(gm)]
-    if sparse:
-        shown = ", ".join(sparse[:4]) + (f", ... ({len(sparse)} in all)" if len(sparse) > 4 else "")
-        raise SparseAttentionNotServed(
-            f"insert_cached_mla_attention: {shown} are sparse MLA (DeepSeek Sparse Attention), exported as "
-            "torch_dsa_indexer + torch_mla_sparse and checked against Hugging Face, but no backend serves "
-            "sparse MLA from a paged cache yet (it needs the indexer's keys cached next to the latent; "
-            "docs/sparse_mla.md). Run this model in Hugging Face eager meanwhile.")
-    if not nodes:
+    sparse = sparse_mla_nodes(gm)
+    if not nodes and not sparse:
         raise ValueError(
             "insert_cached_mla_attention: the graph has no torch_mla node. Enable match_mla (HF models) "
             "or call torch.ops.autodeploy.torch_mla in the model's attention."
@@ -182,8 +176,11 @@ def insert_cached_mla_attention(ctx: BuildContext, opts: InsertCachedMLAOptions)
                                          opts.preference, opts.allow_fallback, cache_dtype))
 
     # Graph inputs: metadata (union over the chosen backends), then one cache per layer.
+    sparse_layers = [module_path(n) for n in sparse]
+    sparse_decisions = [sparse_decision(layer, sparse_node_dims(n), req) for n, layer, req in
+                        zip(sparse, sparse_layers, _layer_requests(sparse_layers, opts))]
     meta_fields: list[str] = []
-    for d in decisions:
+    for d in [*decisions, *sparse_decisions]:
         for f in get_backend(d.backend).metadata:
             if f not in meta_fields:
                 meta_fields.append(f)
@@ -218,18 +215,27 @@ def insert_cached_mla_attention(ctx: BuildContext, opts: InsertCachedMLAOptions)
         node.replace_all_uses_with(result)
         gm.graph.erase_node(node)
 
+    if sparse:
+        last, sparse_caches = rewrite_sparse(gm, sparse, sparse_decisions, meta_nodes, last, len(caches), ctx.dtype,
+                                             formats_for=lambda layers, dts: layer_cache_formats(layers, ctx, dts))
+        caches += sparse_caches
+        decisions = [*decisions, *sparse_decisions]
     ctx.artifacts.decisions = decisions
     ctx.artifacts.signature = GraphSignature(tuple(meta_fields), tuple(caches), tokens)
     used = sorted({d.backend for d in decisions})
     cache_kinds = sorted({cache_dtype_name(c.spec.dtype) for c in caches})
     layer_rows = []
-    for d, c in zip(decisions, caches):
+    index_caches = {c.layer: c for c in caches if c.name.startswith(INDEX_CACHE_PREFIX)}
+    for d, c in zip(decisions, [c for c in caches if not c.name.startswith(INDEX_CACHE_PREFIX)]):
         row = d.to_dict()
         row["cache"] = {"dtype": cache_dtype_name(c.spec.dtype), "bytes_per_token": c.spec.bytes_per_token}
+        if d.layer in index_caches:  # DSA: the indexer's keys, paged with the latent
+            row["cache"]["index_key_bytes_per_token"] = index_caches[d.layer].spec.bytes_per_token
         if is_fp8(c.spec.dtype):
             row["cache"]["scales"] = {"latent": c.spec.scales.latent, "rope": c.spec.scales.rope}
         layer_rows.append(row)
     return PassResult(
-        f"{len(nodes)} MLA nodes -> {', '.join(used)}; cache {', '.join(cache_kinds)}",
+        f"{len(nodes)} MLA nodes -> {', '.join(used)}; cache {', '.join(cache_kinds)}"
+        + (f"; {len(sparse)} sparse MLA nodes -> torch (index keys cached next to the latent)" if sparse else ""),
         {"layers": layer_rows, "metadata_inputs": meta_fields},
     )
