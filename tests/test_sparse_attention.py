@@ -13,26 +13,16 @@ import torch
 
 from autodeploy_mla.api import optimize
 from autodeploy_mla.models.sparse_attention import find_sparse_attention
-from autodeploy_mla.testing.tiny_configs import build_tiny_model
+from autodeploy_mla.testing.tiny_configs import TINY_CONFIGS, build_tiny_model
 from autodeploy_mla.custom_ops.mla_dims import MLAShapeError
 from autodeploy_mla.transforms import sparse_export
 from autodeploy_mla.transforms.export import SparseAttentionNotCaptured, export_model
 from autodeploy_mla.testing import hf_greedy_generate
 
-_COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-               num_attention_heads=4, num_key_value_heads=4, q_lora_rank=48, kv_lora_rank=40,
-               qk_nope_head_dim=24, qk_rope_head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
-               n_shared_experts=1, first_k_dense_replace=1, index_head_dim=32, index_topk=6,
-               max_position_embeddings=256, tie_word_embeddings=False)
-# 12-16 index heads: an index score is exactly 0 (every head's relu 0) with probability 2^-H, and
-# ties at the top-k boundary would make the selection implementation-defined.
-TINY_DSA = {
-    "deepseek_v32": dict(_COMMON, model_type="deepseek_v32", num_hidden_layers=3, v_head_dim=20,
-                         index_n_heads=16, n_group=2, topk_group=1),
-    "glm_moe_dsa": dict(_COMMON, model_type="glm_moe_dsa", num_hidden_layers=4, v_head_dim=28, index_n_heads=12,
-                        n_group=1, topk_group=1, indexer_types=["full", "full", "shared", "full"],
-                        rope_parameters=dict(rope_type="default", rope_theta=1e6)),
-}
+# The families' tiny configs (model_configs/deepseek_v32.yaml, glm_5.yaml): index_topk 6 below the
+# prompts; 12-16 index heads, since an index score is exactly 0 (every head's relu 0) with probability
+# 2^-H and ties at the top-k boundary would make the selection implementation-defined.
+TINY_DSA = {name: TINY_CONFIGS[name] for name in ("deepseek_v32", "glm_5")}
 
 
 # Small token budget and pages: prompts prefill in chunks of 8, span several pages, and continuous
@@ -98,7 +88,7 @@ def test_sparse_attention_is_detected(family):
     model = build_tiny_model(TINY_DSA[family])
     info = find_sparse_attention(model)
     assert info is not None and info.index_topk == 6
-    if family == "glm_moe_dsa":
+    if family == "glm_5":
         assert info.shared_layers == (2,)
         assert info.indexer_paths == tuple(f"model.layers.{i}.self_attn.indexer" for i in (0, 1, 3))
     else:
@@ -141,7 +131,7 @@ def test_export_as_dsa_source_ops_equals_hf(family):
     assert len(_ops(gm, "torch_dsa_indexer")) == len(full)
     assert len(_ops(gm, "torch_mla_sparse")) == len(model.model.layers)
     checks = gm.meta["sparse_attention"]["checks"]
-    assert [c["shared"] for c in checks] == ([False, True] if family == "glm_moe_dsa" else [False])
+    assert [c["shared"] for c in checks] == ([False, True] if family == "glm_5" else [False])
     assert all(c["checked"] and c["rel_err"] <= 1e-4 and c["tokens"] > 6 for c in checks)
     g = torch.Generator().manual_seed(1)
     for s in (3, 16, 21):
@@ -224,7 +214,7 @@ def test_dsa_source_ops_pass_opcheck():
 def test_sparse_cached_ops_are_piecewise_split_points():
     """Split around the sparse cached ops (as on CUDA, where static pieces become CUDA graphs): the
     indexer and the sparse attention are dynamic pieces, and generation still equals HF."""
-    model = build_tiny_model(TINY_DSA["glm_moe_dsa"])
+    model = build_tiny_model(TINY_DSA["glm_5"])
     om = optimize(model, overrides=[*RUNTIME, "transforms.piecewise.on_cpu=true"])
     dyn = [p.ops for p in om.runner.piecewise.split.pieces if p.kind == "dynamic"]
     assert dyn.count(["autodeploy.torch_dsa_indexer_with_cache.default"]) == 3  # layers 0, 1, 3 (2 is shared)

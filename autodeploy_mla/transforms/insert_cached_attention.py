@@ -165,9 +165,15 @@ def insert_cached_mla_attention(ctx: BuildContext, opts: InsertCachedMLAOptions)
         raise ValueError(f"insert_cached_mla_attention: expected the exported graph's two inputs (input_ids, "
                          f"position_ids), found {list(tokens)}")
     layers = [n.meta.get("mla_layer", n.name) for n in nodes]
-    requests = _layer_requests(layers, opts)
+    sparse_layers = [module_path(n) for n in sparse]
+    # Per-layer options (backend, cache dtype) address dense and sparse layers in one numbering.
+    n_dense = len(layers)
+    all_requests = _layer_requests(layers + sparse_layers, opts)
+    requests, sparse_requests = all_requests[:n_dense], all_requests[n_dense:]
+    all_formats = layer_cache_formats(layers + sparse_layers, ctx,
+                                      [node_dtype(n, ctx.dtype) for n in nodes] + [ctx.dtype] * len(sparse))
+    formats, sparse_formats = all_formats[:n_dense], all_formats[n_dense:]
     dtypes = [node_dtype(n, ctx.dtype) for n in nodes]
-    formats = layer_cache_formats(layers, ctx, dtypes)
     decisions = []
     for node, layer, req, dt, (cache_dtype, _) in zip(nodes, layers, requests, dtypes, formats):
         if source_arg(node, "is_causal") is not True:
@@ -176,9 +182,8 @@ def insert_cached_mla_attention(ctx: BuildContext, opts: InsertCachedMLAOptions)
                                          opts.preference, opts.allow_fallback, cache_dtype))
 
     # Graph inputs: metadata (union over the chosen backends), then one cache per layer.
-    sparse_layers = [module_path(n) for n in sparse]
     sparse_decisions = [sparse_decision(layer, sparse_node_dims(n), req) for n, layer, req in
-                        zip(sparse, sparse_layers, _layer_requests(sparse_layers, opts))]
+                        zip(sparse, sparse_layers, sparse_requests)]
     meta_fields: list[str] = []
     for d in [*decisions, *sparse_decisions]:
         for f in get_backend(d.backend).metadata:
@@ -216,8 +221,8 @@ def insert_cached_mla_attention(ctx: BuildContext, opts: InsertCachedMLAOptions)
         gm.graph.erase_node(node)
 
     if sparse:
-        last, sparse_caches = rewrite_sparse(gm, sparse, sparse_decisions, meta_nodes, last, len(caches), ctx.dtype,
-                                             formats_for=lambda layers, dts: layer_cache_formats(layers, ctx, dts))
+        last, sparse_caches = rewrite_sparse(gm, sparse, sparse_decisions, sparse_formats, meta_nodes, last,
+                                             len(caches), ctx.dtype)
         caches += sparse_caches
         decisions = [*decisions, *sparse_decisions]
     ctx.artifacts.decisions = decisions

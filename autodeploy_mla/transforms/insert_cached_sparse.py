@@ -10,7 +10,7 @@ The torch reference backend is the only one that serves sparse MLA so far; the d
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -60,17 +60,15 @@ def rewrite_sparse(
     gm: torch.fx.GraphModule,
     nodes: Sequence[torch.fx.Node],
     decisions: Sequence[BackendDecision],
+    formats: Sequence[tuple[torch.dtype, CacheScales]],
     meta_nodes: dict[str, torch.fx.Node],
     last: torch.fx.Node,
     first_index: int,
     dtype: torch.dtype,
-    formats_for: Callable[[list[str], list[torch.dtype]], list[tuple[torch.dtype, CacheScales]]],
 ) -> tuple[torch.fx.Node, list[CacheInput]]:
     """Rewrite the sparse nodes in place; returns the last placeholder and the caches it added
     (per layer: its latent cache, then its index-key cache for layers that run an indexer)."""
     be = get_backend(SPARSE_BACKEND)
-    layers = [d.layer for d in decisions]
-    formats = formats_for(layers, [dtype] * len(layers))
     caches: list[CacheInput] = []
     meta = [meta_nodes[f] for f in be.metadata]
     for i, (node, d, (cache_dtype, scales)) in enumerate(zip(nodes, decisions, formats)):
