@@ -78,9 +78,24 @@ def test_sparse_layers_reported_with_their_index_cache(served):
 
 
 def test_sparse_layers_refuse_a_dense_only_backend():
-    with pytest.raises(ValueError, match=r"backend 'triton' was requested, but model\.layers\.0\.self_attn is sparse MLA"):
+    with pytest.raises(ValueError, match=r"backend 'flashinfer_mla' was requested, but model\.layers\.0\.self_attn is "
+                       r"sparse MLA .* only 'triton', 'torch' serve"):
         optimize(build_tiny_model(TINY_DSA["deepseek_v32"]),
-                 overrides=[*RUNTIME, "transforms.insert_cached_mla_attention.backend=triton"])
+                 overrides=[*RUNTIME, "transforms.insert_cached_mla_attention.backend=flashinfer_mla"])
+
+
+@pytest.mark.parametrize("family", list(TINY_DSA))
+def test_sparse_triton_backend_equals_hf(family):
+    """The Triton sparse ops (index scores kernel + top-k, gather attention kernel; interpreted on the
+    CPU) give HF's greedy tokens with chunked prefill and mixed batches, in fp32."""
+    model = build_tiny_model(TINY_DSA[family])
+    om = optimize(model, overrides=[*RUNTIME, "transforms.insert_cached_mla_attention.backend=triton"])
+    assert {r["backend"] for r in om.report()["layers"]} == {"triton"}
+    ops = {str(n.target) for n in om.gm.graph.nodes if n.op == "call_function"}
+    assert {"autodeploy.triton_dsa_indexer_with_cache.default", "autodeploy.triton_mla_sparse_with_cache.default"} <= ops
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(2, 256, (n,), generator=g).tolist() for n in (17, 3, 21)]
+    assert om.generate(prompts, max_new_tokens=6) == [hf_greedy_generate(model, p, 6) for p in prompts], family
 
 
 @pytest.mark.parametrize("family", list(TINY_DSA))
@@ -221,3 +236,54 @@ def test_sparse_cached_ops_are_piecewise_split_points():
     assert dyn.count(["autodeploy.torch_mla_sparse_with_cache.default"]) == 4
     prompts = [list(range(3, 19)), [5, 9, 200, 17]]
     assert om.generate(prompts, max_new_tokens=6) == [hf_greedy_generate(model, p, 6) for p in prompts]
+
+
+def test_sparse_tensor_parallel_two_ranks_equal_hf():
+    """Tensor parallel over heads (2 ranks, gloo, CPU fp32) as for dense MLA: each rank holds 2 of
+    the 4 heads of q_b/kv_b/o_proj, the indexer (and its cache) is replicated; greedy tokens equal
+    HF eager's on both ranks, for prompts longer than index_topk."""
+    from autodeploy_mla.distributed import spawn
+    from autodeploy_mla.testing.probe import ProbeJob, probe_rank
+
+    prompts = [list(range(3, 19)), [5, 9, 200, 17], list(range(40, 61))]
+    jobs = [ProbeJob(fam, fam, RUNTIME, prompts, 6) for fam in TINY_DSA]
+    ranks = spawn(probe_rank, 2, jobs, all_results=True)
+    for fam in TINY_DSA:
+        model = build_tiny_model(TINY_DSA[fam])
+        ref = [hf_greedy_generate(model, p, 6) for p in prompts]
+        r0, r1 = ranks[0][fam], ranks[1][fam]
+        assert r0["tokens"] == r1["tokens"] == ref, fam
+        assert all(lay["dims"]["num_heads"] == 2 for lay in r0["layers"]), fam
+
+
+@pytest.mark.parametrize("n,r,dr,dn,dv,k_top", [(20, 24, 8, 12, 10, 5), (3, 16, 0, 8, 6, 40)])
+def test_triton_sparse_ops_equal_the_torch_reference(n, r, dr, dn, dv, k_top):
+    """One mixed step (a fresh prefill, a decode over 7 cached tokens, a chunk after 4), pages of 4,
+    tail heads (N 20 > one head block), Dr 0, top-k wider than the history: the Triton indexer
+    selects what the torch reference selects, and the Triton sparse attention matches the torch
+    sparse attention on those indices (fp32, interpreted)."""
+    from autodeploy_mla.runtime import PageAllocator, SequenceInfo, StepSequence
+    from autodeploy_mla.custom_ops.sparse_mla import INDEXER_METADATA
+
+    info = SequenceInfo(4, 16, 16, 4, "cpu")
+    alloc = PageAllocator(12, 4, info.max_pages_per_seq)
+    alloc.ensure_many({0: 5, 1: 8, 2: 7})
+    info.prepare_step([StepSequence(0, [1] * 5, 0), StepSequence(1, [1], 7), StepSequence(2, [1] * 3, 4)],
+                      alloc.pages_of)
+    t = info.num_tokens
+    meta = [info.get(m) for m in INDEXER_METADATA]
+    g = torch.Generator().manual_seed(7)
+    h, d = 6, 16
+    q, k, w = torch.randn(1, t, h, d, generator=g), torch.randn(1, t, d, generator=g), torch.rand(1, t, h, generator=g)
+    icache = torch.randn(12, 4, d, generator=g)
+    ref_idx = torch.ops.autodeploy.torch_dsa_indexer_with_cache(q, k, w, *meta, icache.clone(), k_top, 0.25)
+    tri_idx = torch.ops.autodeploy.triton_dsa_indexer_with_cache(q, k, w, *meta, icache.clone(), k_top, 0.25)
+    assert torch.equal(ref_idx, tri_idx)
+    positions = [0, 1, 2, 3, 4, 4, 5, 6, 7]  # prefills packed first, then the decode token
+    assert (ref_idx[0, :t] >= 0).sum(-1).tolist() == [min(k_top, p + 1) for p in positions]
+    x = [torch.randn(1, t, n, dn, generator=g), torch.randn(1, t, n, dr, generator=g), torch.randn(1, t, r, generator=g),
+         torch.randn(1, t, 1, dr, generator=g), torch.randn(n * (dn + dv), r, generator=g)]
+    cache = torch.randn(12, 4, r + dr, generator=g)
+    ref = torch.ops.autodeploy.torch_mla_sparse_with_cache(*x, *meta, ref_idx, cache.clone(), 0.3)
+    out = torch.ops.autodeploy.triton_mla_sparse_with_cache(*x, *meta, ref_idx, cache.clone(), 0.3)
+    assert torch.allclose(out, ref, atol=1e-4, rtol=1e-4), (out - ref).abs().max()

@@ -25,8 +25,9 @@ from ..custom_ops.cache_format import UNIT_SCALES, CacheScales, cache_dtype_name
 from ..custom_ops.mla_dims import MLADims
 from ..custom_ops.torch_mla import source_arg
 from .fx_utils import module_path
-from .insert_cached_sparse import INDEX_CACHE_PREFIX, rewrite_sparse, sparse_decision, sparse_node_dims
-from .sparse_export import sparse_mla_nodes
+from ..custom_ops.sparse_mla import INDEXER_METADATA
+from .insert_cached_sparse import INDEX_CACHE_PREFIX, rewrite_sparse, sparse_decision
+from .sparse_export import sparse_mla_nodes, sparse_node_dims
 from ..runtime.artifacts import CacheInput, GraphSignature
 from .backend_resolution import DEVICE_CLASSES, resolve_backend
 from .context import BuildContext
@@ -182,11 +183,11 @@ def insert_cached_mla_attention(ctx: BuildContext, opts: InsertCachedMLAOptions)
                                          opts.preference, opts.allow_fallback, cache_dtype))
 
     # Graph inputs: metadata (union over the chosen backends), then one cache per layer.
-    sparse_decisions = [sparse_decision(layer, sparse_node_dims(n), req) for n, layer, req in
+    sparse_decisions = [sparse_decision(layer, sparse_node_dims(n), ctx.dtype, req, ctx.target) for n, layer, req in
                         zip(sparse, sparse_layers, sparse_requests)]
     meta_fields: list[str] = []
-    for d in [*decisions, *sparse_decisions]:
-        for f in get_backend(d.backend).metadata:
+    for fields in [*(get_backend(d.backend).metadata for d in decisions), *([INDEXER_METADATA] if sparse else [])]:
+        for f in fields:
             if f not in meta_fields:
                 meta_fields.append(f)
     last = placeholders(gm)[-1]
@@ -241,6 +242,7 @@ def insert_cached_mla_attention(ctx: BuildContext, opts: InsertCachedMLAOptions)
         layer_rows.append(row)
     return PassResult(
         f"{len(nodes)} MLA nodes -> {', '.join(used)}; cache {', '.join(cache_kinds)}"
-        + (f"; {len(sparse)} sparse MLA nodes -> torch (index keys cached next to the latent)" if sparse else ""),
+        + (f"; {len(sparse)} sparse MLA nodes -> {', '.join(sorted({d.backend for d in sparse_decisions}))} "
+           "(index keys paged next to the latent)" if sparse else ""),
         {"layers": layer_rows, "metadata_inputs": meta_fields},
     )

@@ -5,7 +5,8 @@ dense MLA layout, [pages, page_size, R + Dr]); each `torch_dsa_indexer` becomes
 `torch_dsa_indexer_with_cache` over a second cache of the same layer, its index keys
 ([pages, page_size, D], `dsa_index_cache_<i>`), paged by the same page table so one allocation
 covers both. Layers that reuse an earlier layer's selection (GLM-5 "shared") keep only the latent.
-The torch reference backend is the only one that serves sparse MLA so far; the decision says so.
+Backends: Triton (gather kernels, triton_mla/sparse.py) where its check accepts the layer, else the
+torch reference; the decision says which and why.
 """
 
 from __future__ import annotations
@@ -15,37 +16,45 @@ from typing import Any
 
 import torch
 
-from ..custom_ops.backend_registry import BackendDecision, CacheSpec, get_backend
+from ..custom_ops.backend_registry import BackendDecision, CacheSpec, Target, get_backend
 from ..custom_ops.cache_format import CacheScales, is_fp8
-from ..custom_ops.mla_dims import MLADims, infer_dims
-from ..custom_ops.sparse_mla import DSA_INDEXER, DSA_INDEXER_WITH_CACHE, SPARSE_OP
+from ..custom_ops.mla_dims import MLADims
+from ..custom_ops.sparse_mla import DSA_INDEXER, DSA_INDEXER_WITH_CACHE, INDEXER_METADATA
 from ..custom_ops.torch_backend import torch_mla_sparse_with_cache
+from ..custom_ops.triton_mla.sparse import DSA_INDEXER_WITH_CACHE as TRITON_INDEXER_WITH_CACHE
+from ..custom_ops.triton_mla.sparse import triton_mla_sparse_with_cache
 from ..runtime.artifacts import CacheInput
-from .fx_utils import module_path
 
-SPARSE_BACKEND = "torch"
+
+SPARSE_BACKENDS = ("triton", "torch")
+#: backend -> (cached indexer op, cached sparse MLA op)
+SPARSE_OPS = {
+    "torch": (DSA_INDEXER_WITH_CACHE, torch_mla_sparse_with_cache),
+    "triton": (TRITON_INDEXER_WITH_CACHE, triton_mla_sparse_with_cache),
+}
 LATENT_CACHE_PREFIX = "mla_cache_"
 INDEX_CACHE_PREFIX = "dsa_index_cache_"
 INDEXER = DSA_INDEXER.default
 
 
-def sparse_node_dims(node: torch.fx.Node) -> MLADims:
-    """MLA dims of a `torch_mla_sparse` node (bsnd, as sparse export emits it) from its input shapes."""
-    vals = [a.meta.get("val") if isinstance(a, torch.fx.Node) else None for a in node.args[:5]]
-    if any(v is None for v in vals):
-        raise ValueError(f"{module_path(node)}: cannot read the sparse MLA dims (no shape metadata on its inputs)")
-    return infer_dims(SPARSE_OP, *vals, "bsnd")[0]
-
-
-def sparse_decision(layer: str, dims: MLADims, requested: str) -> BackendDecision:
-    """Sparse layers run on the torch reference (the only sparse backend so far); a request for
-    another backend is refused rather than silently ignored."""
-    if requested not in ("auto", SPARSE_BACKEND):
+def sparse_decision(layer: str, dims: MLADims, dtype: torch.dtype, requested: str, target: Target) -> BackendDecision:
+    """Which backend serves a sparse layer: `auto` takes Triton where its check accepts the dims and
+    device (CUDA), else the torch reference; a dense-only backend is refused by name."""
+    if requested not in ("auto", *SPARSE_BACKENDS):
         raise ValueError(f"{layer}: backend {requested!r} was requested, but {layer} is sparse MLA (DeepSeek Sparse "
-                         f"Attention), which only the {SPARSE_BACKEND!r} backend serves so far; request 'auto' or "
-                         f"'{SPARSE_BACKEND}' for it")
-    return BackendDecision(layer, dims, requested, SPARSE_BACKEND,
-                           "sparse MLA (DSA): the torch reference is the only backend that serves it so far")
+                         f"Attention), which only {', '.join(map(repr, SPARSE_BACKENDS))} serve so far; request 'auto' "
+                         "or one of those for it")
+    tri = get_backend("triton").check(dims, dtype, target)
+    if requested == "triton":
+        if not tri.ok:
+            raise ValueError(f"{layer}: backend 'triton' was requested for sparse MLA but refuses: {tri.reason}")
+        return BackendDecision(layer, dims, requested, "triton", "sparse MLA (DSA): requested; Triton gather kernels")
+    if requested == "auto" and target.device.type == "cuda" and tri.ok:
+        return BackendDecision(layer, dims, requested, "triton",
+                               "sparse MLA (DSA): Triton gather kernels (the fastest sparse backend here)")
+    rejected = (("triton", tri.reason),) if requested == "auto" and not tri.ok else ()
+    why = "requested" if requested == "torch" else ("not on CUDA" if tri.ok else "Triton refuses")
+    return BackendDecision(layer, dims, requested, "torch", f"sparse MLA (DSA): torch reference ({why})", rejected)
 
 
 def _own_indexer(node: torch.fx.Node) -> torch.fx.Node | None:
@@ -68,9 +77,8 @@ def rewrite_sparse(
 ) -> tuple[torch.fx.Node, list[CacheInput]]:
     """Rewrite the sparse nodes in place; returns the last placeholder and the caches it added
     (per layer: its latent cache, then its index-key cache for layers that run an indexer)."""
-    be = get_backend(SPARSE_BACKEND)
     caches: list[CacheInput] = []
-    meta = [meta_nodes[f] for f in be.metadata]
+    meta = [meta_nodes[f] for f in INDEXER_METADATA]
     for i, (node, d, (cache_dtype, scales)) in enumerate(zip(nodes, decisions, formats)):
         if is_fp8(cache_dtype):
             raise ValueError(f"{d.layer}: an FP8 cache is not supported for sparse MLA yet; use the model dtype")
@@ -80,7 +88,8 @@ def rewrite_sparse(
         k = first_index + i
         with gm.graph.inserting_after(last):
             latent = last = gm.graph.placeholder(f"{LATENT_CACHE_PREFIX}{k}")
-        caches.append(CacheInput(latent.name, d.layer, SPARSE_BACKEND, d.dims, be.cache_spec(d.dims, dtype)))
+        indexer_op, sparse_op = SPARSE_OPS[d.backend]
+        caches.append(CacheInput(latent.name, d.layer, d.backend, d.dims, get_backend(d.backend).cache_spec(d.dims, dtype)))
         indexer = _own_indexer(node)
         if indexer is not None:
             q, key, w = indexer.args[:3]
@@ -88,16 +97,16 @@ def rewrite_sparse(
             d_idx = int(key.meta["val"].shape[-1])
             with gm.graph.inserting_after(last):
                 icache = last = gm.graph.placeholder(f"{INDEX_CACHE_PREFIX}{k}")
-            caches.append(CacheInput(icache.name, d.layer, SPARSE_BACKEND, d.dims, CacheSpec(width=d_idx, dtype=dtype)))
+            caches.append(CacheInput(icache.name, d.layer, d.backend, d.dims, CacheSpec(width=d_idx, dtype=dtype)))
             with gm.graph.inserting_before(indexer):
-                new_idx = gm.graph.call_function(DSA_INDEXER_WITH_CACHE.default,
+                new_idx = gm.graph.call_function(indexer_op.default,
                                                  (q, key, w, *meta, icache, index_topk, scale))
             new_idx.meta.update({m: v for m, v in indexer.meta.items() if m != "val"})
             indexer.replace_all_uses_with(new_idx)
             gm.graph.erase_node(indexer)
         scale_arg: Any = node.args[7] if len(node.args) > 7 else node.kwargs.get("scale")
         with gm.graph.inserting_before(node):
-            new = gm.graph.call_function(torch_mla_sparse_with_cache.default,
+            new = gm.graph.call_function(sparse_op.default,
                                          (*node.args[:5], *meta, node.args[5], latent,
                                           None if scale_arg is None else float(scale_arg)))
         new.meta.update({m: v for m, v in node.meta.items() if m != "val"})

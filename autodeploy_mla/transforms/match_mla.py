@@ -39,7 +39,7 @@ from ..custom_ops.torch_mla import source_arg
 from .context import BuildContext
 from .fx_utils import ASSERT_METADATA, RESHAPES, TORCH_MLA, aten, module_path, module_stack, skip
 from .fx_utils import shape as _shape
-from .sparse_export import sparse_mla_nodes
+from .sparse_export import sparse_mla_nodes, sparse_node_dims
 from .registry import PassOptions, PassResult, Stage, register_pass
 
 __all__ = ["MLAMatch", "MLAMatchError", "match_mla"]
@@ -873,7 +873,11 @@ class MatchMLAOptions(PassOptions):
 def match_mla_pass(ctx: BuildContext, opts: MatchMLAOptions) -> PassResult:
     assert ctx.gm is not None
     matches = match_mla(ctx.gm)
-    sparse = [module_path(n) for n in sparse_mla_nodes(ctx.gm)]  # exported as DSA source ops already
+    sparse = []
+    for n in sparse_mla_nodes(ctx.gm):  # exported as DSA source ops already: record them like torch_mla nodes
+        n.meta["mla_layer"] = module_path(n)
+        n.meta["mla_dims"] = sparse_node_dims(n)
+        sparse.append(n.meta["mla_layer"])
     if opts.require_match and not matches and not sparse:
         raise ValueError(
             "match_mla: no MLA attention found in the graph. Supported: DeepseekV2/V3, Kimi-K2, "

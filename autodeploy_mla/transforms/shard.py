@@ -50,6 +50,7 @@ from torch.fx import GraphModule, Node
 
 from ..custom_ops.mla_dims import MLADims
 from ..custom_ops.torch_mla import source_arg
+from .sparse_export import TORCH_MLA_SPARSE
 from ..models.checkpoint import ShardSpec
 from ..runtime.artifacts import TensorParallel
 from .context import BuildContext
@@ -310,7 +311,7 @@ def _head_view_edits(nodes: Iterable[Node], n_heads: int, widths: set[int], worl
 
 
 def _plan_attention(gm: GraphModule, plan: _Plan, grouped: set[Any]) -> None:
-    mla = [n for n in gm.graph.nodes if _is(n, {TORCH_MLA})]
+    mla = [n for n in gm.graph.nodes if _is(n, {TORCH_MLA, TORCH_MLA_SPARSE})]  # sparse: same heads layout
     world = plan.world
     bad = []
     for m in mla:
@@ -330,7 +331,7 @@ def _plan_attention(gm: GraphModule, plan: _Plan, grouped: set[Any]) -> None:
         dims = m.meta["mla_dims"]
         n, dn, dr, dv = dims.num_heads, dims.qk_nope_head_dim, dims.qk_rope_head_dim, dims.v_head_dim
         local = n // world
-        if source_arg(m, "layout") != "bsnd":
+        if m.target is not TORCH_MLA_SPARSE and source_arg(m, "layout") != "bsnd":
             raise ShardError(f"shard: {layer}: only bsnd torch_mla nodes are supported")
 
         # query projection: the one matmul behind q_nope and q_pe
@@ -542,7 +543,7 @@ def shard(ctx: BuildContext, opts: ShardOptions) -> PassResult:
     world = ctx.world
     if world is None or world.world_size == 1:
         return PassResult("world_size 1: nothing to shard", {"world_size": 1})
-    if not any(_is(n, {TORCH_MLA}) for n in gm.graph.nodes):
+    if not any(_is(n, {TORCH_MLA, TORCH_MLA_SPARSE}) for n in gm.graph.nodes):
         raise ShardError("shard: the graph has no torch_mla node; run match_mla first (shard goes between "
                          "match_mla and insert_cached_mla_attention)")
     grouped = grouped_mm_ops()

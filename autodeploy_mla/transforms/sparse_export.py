@@ -24,8 +24,11 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from ..custom_ops import sparse_mla  # noqa: F401 - registers the ops
+from ..custom_ops import sparse_mla
+from ..custom_ops.mla_dims import MLADims, infer_dims
+from ..custom_ops.sparse_mla import SPARSE_OP
 from ..models.skeleton import is_placeholder, is_skeleton
+from .fx_utils import module_path
 from ..models.sparse_attention import SparseAttentionInfo
 
 #: relative max error allowed between the HF forward and `sparse_forward` (fp32: same math, other
@@ -201,6 +204,20 @@ class SparseAttentionNotServed(RuntimeError):
     """The graph holds sparse MLA, which no backend serves from a paged cache yet."""
 
 
-def sparse_mla_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
-    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target == torch.ops.autodeploy.torch_mla_sparse.default]
+TORCH_MLA_SPARSE = torch.ops.autodeploy.torch_mla_sparse.default
 
+
+def sparse_mla_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target == TORCH_MLA_SPARSE]
+
+
+
+def sparse_node_dims(node: torch.fx.Node) -> MLADims:
+    """MLA dims of a `torch_mla_sparse` node: as match_mla (or shard) recorded them, else from its input
+    shapes (bsnd, as sparse export emits it)."""
+    if "mla_dims" in node.meta:
+        return node.meta["mla_dims"]
+    vals = [a.meta.get("val") if isinstance(a, torch.fx.Node) else None for a in node.args[:5]]
+    if any(v is None for v in vals):
+        raise ValueError(f"{module_path(node)}: cannot read the sparse MLA dims (no shape metadata on its inputs)")
+    return infer_dims(SPARSE_OP, *vals, "bsnd")[0]

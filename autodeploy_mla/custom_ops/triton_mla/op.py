@@ -34,6 +34,8 @@ from ..mla_dims import MLADims, MLAShapeError, resolve_scale
 from ..op_contract import MLAInputs, check_cached_inputs, define_cached_op
 from ..step_context import active_session
 from . import tuning
+from .sparse import DSA_INDEXER_WITH_CACHE as SPARSE_INDEXER_WITH_CACHE
+from .sparse import triton_mla_sparse_with_cache
 from .tuning import (
     MAX_EXPAND_HEAD_DIM,
     MAX_KV_LORA_RANK,
@@ -442,6 +444,9 @@ class TritonMLABackend(MLABackend):
     # the static page-table width under capture; kernels read lengths from device metadata.
     # Verified by tests/test_triton_mla.py::test_cuda_graph_decode_replays_as_sequences_grow (GPU).
     decode_graph_safe = True
+    #: sparse MLA (DSA) ops: split points; sized from host metadata per call, so not in decode graphs
+    dynamic_ops = (triton_mla_sparse_with_cache, SPARSE_INDEXER_WITH_CACHE)
+    graph_unsafe_ops = dynamic_ops
 
     def check(self, dims: MLADims, dtype: torch.dtype, target: Target) -> CheckResult:
         device = target.device

@@ -1,0 +1,132 @@
+"""Sparse MLA (DSA) cached ops of the Triton backend: `triton_dsa_indexer_with_cache` and
+`triton_mla_sparse_with_cache`, the same contracts as the torch reference ops
+(custom_ops/sparse_mla.py, custom_ops/torch_backend.py) with the scoring and the attention in Triton
+(sparse_kernels.py). Appends, the W_UK / W_V products and the top-k selection stay in torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Optional
+
+import torch
+
+from ..cache_format import CacheScales, is_fp8
+from ..mla_dims import MLAShapeError, resolve_scale
+from ..op_contract import MLAInputs, append_to_paged_cache, check_cached_inputs, define_cached_op
+from ..sparse_mla import INDEXER_METADATA, _check_indexer, select_topk
+
+try:
+    import triton
+
+    from .sparse_kernels import index_scores_kernel, sparse_absorbed_kernel
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - the descriptor refuses every node then
+    HAS_TRITON = False
+
+INDEXER_OP, SPARSE_OP = "triton_dsa_indexer_with_cache", "triton_mla_sparse_with_cache"
+BLOCK_H, BLOCK_N = 16, 32
+
+
+def _need_triton(op: str) -> None:
+    if not HAS_TRITON:
+        raise RuntimeError(f"{op}: triton is not installed; use the torch backend for sparse MLA")
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit operands
+
+
+def _tokens(meta_or_args: Mapping[str, torch.Tensor]) -> tuple[int, int, int, torch.Tensor, torch.Tensor]:
+    """(sequences, tokens, max_kv, token -> sequence, token -> absolute position), from host sizes."""
+    n_pre, n_pre_tok, n_dec = meta_or_args["batch_info_host"].tolist()
+    _, max_kv = meta_or_args["max_seq_info_host"].tolist()
+    nb, num_tok = n_pre + n_dec, n_pre_tok + n_dec
+    tok_seq = meta_or_args["batch_idx"][:num_tok].long()
+    dev = tok_seq.device
+    tok_pos = (meta_or_args["input_pos"][tok_seq].long() + torch.arange(num_tok, device=dev)
+               - meta_or_args["cu_seqlen"][tok_seq].long())
+    return nb, num_tok, max_kv, tok_seq, tok_pos
+
+
+@torch.library.custom_op("autodeploy::triton_dsa_indexer_with_cache", mutates_args=("index_cache",))
+def triton_dsa_indexer_with_cache(
+    q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor,
+    batch_info_host: torch.Tensor, max_seq_info_host: torch.Tensor, cu_seqlen: torch.Tensor, input_pos: torch.Tensor,
+    seq_len_with_cache: torch.Tensor, page_table: torch.Tensor, batch_idx: torch.Tensor, cache_loc: torch.Tensor,
+    index_cache: torch.Tensor, index_topk: int, softmax_scale: float,
+) -> torch.Tensor:
+    """`torch_dsa_indexer_with_cache` with the scores from `index_scores_kernel`."""
+    _need_triton(INDEXER_OP)
+    _check_indexer(q, k, weights, index_topk)
+    t_all, h, d = q.shape[1], q.shape[2], q.shape[3]
+    if index_cache.dim() != 3 or index_cache.shape[-1] != d:
+        raise MLAShapeError(f"{INDEXER_OP}: index_cache must be [num_pages, page_size, D={d}]; got "
+                            f"{tuple(index_cache.shape)}")
+    flat = index_cache.view(-1, d)
+    flat.index_copy_(0, cache_loc[:t_all].long(), k[0].to(flat.dtype))
+    out = torch.full((1, t_all, index_topk), -1, dtype=torch.int32, device=q.device)
+    meta = dict(zip(INDEXER_METADATA, (batch_info_host, max_seq_info_host, cu_seqlen, input_pos, seq_len_with_cache,
+                                        page_table, batch_idx, cache_loc)))
+    nb, num_tok, max_kv, tok_seq, tok_pos = _tokens(meta)
+    if nb == 0 or num_tok == 0:
+        return out
+    qt = q[0, :num_tok].contiguous()
+    wt = weights[0, :num_tok].float().contiguous()
+    scores = torch.empty(num_tok, max_kv, dtype=torch.float32, device=q.device)
+    grid = (num_tok, triton.cdiv(max_kv, BLOCK_N))
+    index_scores_kernel[grid](
+        qt, wt, flat, page_table, tok_seq, tok_pos, seq_len_with_cache, scores,
+        float(softmax_scale), h, d, max_kv, index_cache.shape[1],
+        qt.stride(0), qt.stride(1), wt.stride(0), page_table.stride(0), scores.stride(0),
+        BLOCK_H=16, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_N=BLOCK_N,
+        PRECISION=_precision(flat.dtype),
+    )
+    out[0, :num_tok] = select_topk(scores, scores > float("-inf"), index_topk)
+    return out
+
+
+@triton_dsa_indexer_with_cache.register_fake
+def _triton_dsa_indexer_with_cache_fake(q, k, weights, batch_info_host, max_seq_info_host, cu_seqlen, input_pos,
+                                        seq_len_with_cache, page_table, batch_idx, cache_loc, index_cache,
+                                        index_topk, softmax_scale):
+    _check_indexer(q, k, weights, index_topk)
+    return q.new_empty((1, q.shape[1], index_topk), dtype=torch.int32)
+
+
+def _triton_mla_sparse(x: MLAInputs, meta: Mapping[str, torch.Tensor], mla_cache: torch.Tensor,
+                       scale: Optional[float], scales: CacheScales) -> torch.Tensor:
+    """Append the step's latents, then absorbed attention over each token's top-k positions."""
+    _need_triton(SPARSE_OP)
+    dims = check_cached_inputs(SPARSE_OP, x, mla_cache)
+    if is_fp8(mla_cache.dtype):
+        raise MLAShapeError(f"{SPARSE_OP}: FP8 caches are not supported for sparse MLA yet")
+    append_to_paged_cache(mla_cache, x, meta["cache_loc"], scales)
+    n, r, dr, dv = dims.num_heads, dims.kv_lora_rank, dims.qk_rope_head_dim, dims.v_head_dim
+    t_all = x.q_nope.shape[1]
+    out = x.q_nope.new_zeros(1, t_all, n, dv)
+    nb, num_tok, _, tok_seq, tok_pos = _tokens(meta)
+    if nb == 0 or num_tok == 0:
+        return out
+    topk = meta["topk_indices"][0, :num_tok].contiguous()
+    w_kn, w_v = (w.float() for w in dims.split_kv_b(x.kv_b_proj_weight))
+    q_abs = torch.einsum("tnd,ndr->tnr", x.q_nope[0, :num_tok].float(), w_kn).contiguous()
+    q_pe = x.q_pe[0, :num_tok].contiguous()
+    latent = torch.empty(num_tok, n, r, dtype=torch.float32, device=q_abs.device)
+    page_table = meta["page_table"]
+    flat = mla_cache.view(-1, mla_cache.shape[-1])
+    grid = (num_tok, triton.cdiv(n, BLOCK_H))
+    sparse_absorbed_kernel[grid](
+        q_abs, q_pe, flat, topk, page_table, tok_seq, tok_pos, latent,
+        resolve_scale(dims, scale), n, r, dr, topk.shape[1], flat.shape[1], mla_cache.shape[1],
+        q_abs.stride(0), q_abs.stride(1), q_pe.stride(0), q_pe.stride(1), topk.stride(0), page_table.stride(0),
+        latent.stride(0), latent.stride(1),
+        BLOCK_H=BLOCK_H, BLOCK_R=max(16, triton.next_power_of_2(r)), BLOCK_DR=max(16, triton.next_power_of_2(max(dr, 1))),
+        BLOCK_N=BLOCK_N, PRECISION=_precision(mla_cache.dtype),
+    )
+    out[0, :num_tok] = torch.einsum("tnr,nvr->tnv", latent, w_v).to(out.dtype)
+    return out
+
+
+triton_mla_sparse_with_cache = define_cached_op(SPARSE_OP, (*INDEXER_METADATA, "topk_indices"), _triton_mla_sparse)
+DSA_INDEXER_WITH_CACHE = torch.ops.autodeploy.triton_dsa_indexer_with_cache
