@@ -33,8 +33,9 @@ def _need_triton(op: str) -> None:
         raise RuntimeError(f"{op}: triton is not installed; use the torch backend for sparse MLA")
 
 
-def _precision(dtype: torch.dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit operands
+def _precision(dtype: torch.dtype) -> Optional[str]:
+    """fp32 caches: exact fp32 products (no tf32); 16-bit: the default MMA."""
+    return "ieee" if dtype == torch.float32 else None
 
 
 def _tokens(meta_or_args: Mapping[str, torch.Tensor]) -> tuple[int, int, int, torch.Tensor, torch.Tensor]:
