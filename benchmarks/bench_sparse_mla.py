@@ -112,6 +112,8 @@ def render(res: dict, out: Path) -> None:
         lines.append(f"| {r['batch']} | {r['context']} | {f('indexer_us')} | {f('sparse_attn_us')} | {f('sparse_us')} | "
                      f"{f('dense_best_us')} | {f('sparse_over_dense', 2)} | "
                      f"{'-' if 'triton_vs_torch_rel' not in r else format(r['triton_vs_torch_rel'], '.1e')} |")
+    if res.get("notes"):  # added by hand after the run
+        lines += ["", "Notes:", *[f"- {n}" for n in res["notes"]]]
     (out / "sparse_mla.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     try:
@@ -146,7 +148,11 @@ def main(argv=None) -> int:
     ap.add_argument("--rep-ms", type=float, default=30)
     ap.add_argument("--no-dense", action="store_true")
     ap.add_argument("--quick", action="store_true", help="tiny dims on the CPU (TRITON_INTERPRET=1)")
+    ap.add_argument("--render", help="re-render the table and plot of this JSON next to it, and exit")
     args = ap.parse_args(argv)
+    if args.render:
+        render(json.loads(Path(args.render).read_text()), Path(args.render).parent)
+        return 0
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     d, topk, heads, dim, dtype = V32, TOPK, INDEX_HEADS, INDEX_DIM, torch.bfloat16
     batches = [int(x) for x in args.batches.split(",")]

@@ -4,7 +4,8 @@ The configs live in `model_configs/<family>.yaml` (`model.hf_config`, with the r
 in the comment above it); this module only reads them, so the YAML a user runs and the model a
 test builds are the same. The tiny MLA dims are small but pairwise distinct (N, Dn, Dr, Dv, R), so
 a matcher or kernel that mixes two of them up fails loudly; two layers each, the first dense and
-the second MoE where the family has MoE.
+the second MoE where the family has MoE (the sparse-attention families have 3-4, so that several
+layers run an indexer and GLM-5 has one that reuses another's selection).
 """
 
 from __future__ import annotations
