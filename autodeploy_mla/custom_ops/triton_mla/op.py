@@ -444,9 +444,8 @@ class TritonMLABackend(MLABackend):
     # the static page-table width under capture; kernels read lengths from device metadata.
     # Verified by tests/test_triton_mla.py::test_cuda_graph_decode_replays_as_sequences_grow (GPU).
     decode_graph_safe = True
-    #: sparse MLA (DSA) ops: split points; sized from host metadata per call, so not in decode graphs
+    #: sparse MLA (DSA) ops: split points too; graph safe like the dense op (static sizes under capture)
     dynamic_ops = (triton_mla_sparse_with_cache, SPARSE_INDEXER_WITH_CACHE)
-    graph_unsafe_ops = dynamic_ops
 
     def check(self, dims: MLADims, dtype: torch.dtype, target: Target) -> CheckResult:
         device = target.device

@@ -2,6 +2,10 @@
 `triton_mla_sparse_with_cache`, the same contracts as the torch reference ops
 (custom_ops/sparse_mla.py, custom_ops/torch_backend.py) with the scoring and the attention in Triton
 (sparse_kernels.py). Appends, the W_UK / W_V products and the top-k selection stay in torch.
+
+Both are CUDA-graph safe: eagerly they size their launches from the host metadata; under capture
+from static shapes only (every padded token, the page table's full width), with lengths read on the
+device, so a captured decode step replays correctly as the sequences grow.
 """
 
 from __future__ import annotations
@@ -38,15 +42,30 @@ def _precision(dtype: torch.dtype) -> Optional[str]:
     return "ieee" if dtype == torch.float32 else None
 
 
-def _tokens(meta_or_args: Mapping[str, torch.Tensor]) -> tuple[int, int, int, torch.Tensor, torch.Tensor]:
-    """(sequences, tokens, max_kv, token -> sequence, token -> absolute position), from host sizes."""
-    n_pre, n_pre_tok, n_dec = meta_or_args["batch_info_host"].tolist()
-    _, max_kv = meta_or_args["max_seq_info_host"].tolist()
-    nb, num_tok = n_pre + n_dec, n_pre_tok + n_dec
-    tok_seq = meta_or_args["batch_idx"][:num_tok].long()
+def _capturing() -> bool:
+    """True while a CUDA graph is being captured: sizes must then come from static shapes."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _tokens(meta: Mapping[str, torch.Tensor], t_all: int, page_size: int,
+            static: bool) -> tuple[int, int, int, torch.Tensor, torch.Tensor]:
+    """(sequences, tokens, max_kv, token -> sequence, token -> absolute position).
+
+    Eager: from the host sizes (exactly the step's tokens and longest history). `static` (under CUDA
+    graph capture): every one of the T (padded) tokens, every page-table row and its full width, so
+    a captured decode step replays for any lengths; padded tokens map to sequence 0 (their results
+    are never read) and the kernels mask keys past each sequence's length on the device."""
+    if static:
+        nb, num_tok = meta["page_table"].shape[0], t_all
+        max_kv = meta["page_table"].shape[1] * page_size
+    else:
+        n_pre, n_pre_tok, n_dec = meta["batch_info_host"].tolist()
+        _, max_kv = meta["max_seq_info_host"].tolist()
+        nb, num_tok = n_pre + n_dec, n_pre_tok + n_dec
+    tok_seq = meta["batch_idx"][:num_tok].long()
     dev = tok_seq.device
-    tok_pos = (meta_or_args["input_pos"][tok_seq].long() + torch.arange(num_tok, device=dev)
-               - meta_or_args["cu_seqlen"][tok_seq].long())
+    tok_pos = (meta["input_pos"][tok_seq].long() + torch.arange(num_tok, device=dev)
+               - meta["cu_seqlen"][tok_seq].long())
     return nb, num_tok, max_kv, tok_seq, tok_pos
 
 
@@ -69,7 +88,7 @@ def triton_dsa_indexer_with_cache(
     out = torch.full((1, t_all, index_topk), -1, dtype=torch.int32, device=q.device)
     meta = dict(zip(INDEXER_METADATA, (batch_info_host, max_seq_info_host, cu_seqlen, input_pos, seq_len_with_cache,
                                         page_table, batch_idx, cache_loc)))
-    nb, num_tok, max_kv, tok_seq, tok_pos = _tokens(meta)
+    nb, num_tok, max_kv, tok_seq, tok_pos = _tokens(meta, t_all, index_cache.shape[1], _capturing())
     if nb == 0 or num_tok == 0:
         return out
     qt = q[0, :num_tok].contiguous()
@@ -106,7 +125,7 @@ def _triton_mla_sparse(x: MLAInputs, meta: Mapping[str, torch.Tensor], mla_cache
     n, r, dr, dv = dims.num_heads, dims.kv_lora_rank, dims.qk_rope_head_dim, dims.v_head_dim
     t_all = x.q_nope.shape[1]
     out = x.q_nope.new_zeros(1, t_all, n, dv)
-    nb, num_tok, _, tok_seq, tok_pos = _tokens(meta)
+    nb, num_tok, _, tok_seq, tok_pos = _tokens(meta, t_all, mla_cache.shape[1], _capturing())
     if nb == 0 or num_tok == 0:
         return out
     topk = meta["topk_indices"][0, :num_tok].contiguous()
