@@ -104,7 +104,6 @@ class TorchMLABackend(MLABackend):
     decode_graph_safe = False  # sizes are read from host metadata at call time
     #: the sparse (DSA) cached ops: split points too
     dynamic_ops = (torch_mla_sparse_with_cache, DSA_INDEXER_WITH_CACHE)
-    graph_unsafe_ops = dynamic_ops
 
     def check(self, dims: MLADims, dtype: torch.dtype, target: Target) -> CheckResult:
         if not dtype.is_floating_point:

@@ -84,17 +84,6 @@ def split_point_ops() -> dict[Any, MLABackend]:
     return out
 
 
-def _graph_unsafe_ops(be: MLABackend) -> set[Any]:
-    """The backend's dynamic ops that may not live in a whole-graph decode CUDA graph although its
-    main op may (e.g. sparse ops that size their launches from host metadata)."""
-    out: set[Any] = set()
-    for op in getattr(be, "graph_unsafe_ops", ()) or ():
-        out.add(op)
-        if getattr(op, "default", None) is not None:
-            out.add(op.default)
-    return out
-
-
 def is_split_point(node: torch.fx.Node, ops: dict[Any, MLABackend]) -> bool:
     return node.op == "call_function" and node.target in ops
 
@@ -231,7 +220,7 @@ def split_graph(gm: torch.fx.GraphModule) -> SplitGraph:
                     piece.backends.append(be.name)
                     layer = getattr(n.meta.get("mla_backend"), "layer", None) or n.meta.get("mla_layer", n.name)
                     piece.layers.append(str(layer))
-                    if not be.decode_graph_safe or n.target in _graph_unsafe_ops(be):
+                    if not be.decode_graph_safe:
                         unsafe.setdefault(be.name, []).append(str(layer))
         pieces.append(piece)
     if unsafe:

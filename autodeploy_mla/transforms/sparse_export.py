@@ -200,10 +200,6 @@ def check_each_kind(model: nn.Module, modules: list[tuple[str, nn.Module]]) -> l
     return out
 
 
-class SparseAttentionNotServed(RuntimeError):
-    """The graph holds sparse MLA, which no backend serves from a paged cache yet."""
-
-
 TORCH_MLA_SPARSE = torch.ops.autodeploy.torch_mla_sparse.default
 
 
