@@ -8,7 +8,7 @@ shape (the -1 padding is the contract sparse MLA kernels such as FlashMLA's use)
 `torch.ops.autodeploy.torch_mla_sparse` is `torch_mla` restricted, per query, to the keys the indexer
 selected (and that causality allows). Both are uncached: the sequence is its own history. The export
 pass emits them in place of the HF sparse attention blocks (transforms/sparse_export.py); docs/sparse_mla.md
-has the math with transformer's line numbers.
+has the math, with line numbers in transformers 5.23.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from ..custom_ops.mla_dims import MLADims
 from ..custom_ops.torch_mla import source_arg
 from .fx_utils import module_path
 from ..custom_ops.sparse_mla import INDEXER_METADATA
-from .insert_cached_sparse import INDEX_CACHE_PREFIX, rewrite_sparse, sparse_decision
+from .insert_cached_sparse import INDEX_CACHE_PREFIX, LATENT_CACHE_PREFIX, rewrite_sparse, sparse_decision
 from .sparse_export import sparse_mla_nodes, sparse_node_dims
 from ..runtime.artifacts import CacheInput, GraphSignature
 from .backend_resolution import DEVICE_CLASSES, resolve_backend
@@ -35,7 +35,7 @@ from .fx_utils import TORCH_MLA, aten, placeholders
 from .fx_utils import shape as node_shape
 from .registry import PassOptions, PassResult, Stage, register_pass
 
-CACHE_PREFIX = "mla_cache_"
+CACHE_PREFIX = LATENT_CACHE_PREFIX  # one name scheme for dense and sparse layers
 
 
 def _known_backend(name: str, allow_auto: bool) -> str:

@@ -1,8 +1,8 @@
 """Cache insertion for sparse MLA (DeepSeek Sparse Attention), part of `insert_cached_mla_attention`.
 
-Each `torch_mla_sparse` node becomes `torch_mla_sparse_with_cache` over the layer's latent cache (the
-dense MLA layout, [pages, page_size, R + Dr]); each `torch_dsa_indexer` becomes
-`torch_dsa_indexer_with_cache` over a second cache of the same layer, its index keys
+Each `torch_mla_sparse` node becomes its backend's `*_mla_sparse_with_cache` over the layer's latent
+cache (the dense MLA layout, [pages, page_size, R + Dr]); each `torch_dsa_indexer` becomes
+`*_dsa_indexer_with_cache` over a second cache of the same layer, its index keys
 ([pages, page_size, D], `dsa_index_cache_<i>`), paged by the same page table so one allocation
 covers both. Layers that reuse an earlier layer's selection (GLM-5 "shared") keep only the latent.
 Backends: Triton (gather kernels, triton_mla/sparse.py) where its check accepts the layer, else the
