@@ -146,6 +146,19 @@ INDEXER_METADATA = ("batch_info_host", "max_seq_info_host", "cu_seqlen", "input_
 CACHED_INDEXER_OP = "torch_dsa_indexer_with_cache"
 
 
+def append_index_keys(op: str, q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
+                      cache_loc: torch.Tensor, index_topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cached indexers' common start: check the inputs, write the step's index keys into their
+    slots; returns (the cache viewed [slots, D], the output [1, T, index_topk] filled with -1)."""
+    _check_indexer(q, k, weights, index_topk)
+    t_all, d = q.shape[1], q.shape[3]
+    if index_cache.dim() != 3 or index_cache.shape[-1] != d:
+        raise MLAShapeError(f"{op}: index_cache must be [num_pages, page_size, D={d}]; got {tuple(index_cache.shape)}")
+    flat = index_cache.view(-1, d)
+    flat.index_copy_(0, cache_loc[:t_all].long(), k[0].to(flat.dtype))
+    return flat, torch.full((1, t_all, index_topk), -1, dtype=torch.int32, device=q.device)
+
+
 @torch.library.custom_op("autodeploy::torch_dsa_indexer_with_cache", mutates_args=("index_cache",))
 def torch_dsa_indexer_with_cache(
     q: torch.Tensor,
@@ -167,14 +180,8 @@ def torch_dsa_indexer_with_cache(
     ([pages, page_size, D]): appends the step's keys, then per token returns the `index_topk` best
     positions (within its sequence) among those it may see, int32 [1, T, index_topk], -1 padded.
     Vectorised like the torch MLA reference; sizes from host metadata only (no device sync)."""
-    _check_indexer(q, k, weights, index_topk)
-    t_all, d = q.shape[1], q.shape[3]
-    if index_cache.dim() != 3 or index_cache.shape[-1] != d:
-        raise MLAShapeError(f"{CACHED_INDEXER_OP}: index_cache must be [num_pages, page_size, D={d}]; got "
-                            f"{tuple(index_cache.shape)}")
-    flat = index_cache.view(-1, d)
-    flat.index_copy_(0, cache_loc[:t_all].long(), k[0].to(flat.dtype))
-    out = torch.full((1, t_all, index_topk), -1, dtype=torch.int32, device=q.device)
+    flat, out = append_index_keys(CACHED_INDEXER_OP, q, k, weights, index_cache, cache_loc, index_topk)
+    d = q.shape[3]
     n_pre, n_pre_tok, n_dec = batch_info_host.tolist()
     max_q, max_kv = max_seq_info_host.tolist()
     nb, num_tok = n_pre + n_dec, n_pre_tok + n_dec

@@ -18,7 +18,7 @@ import torch
 from ..cache_format import CacheScales, is_fp8
 from ..mla_dims import MLAShapeError, resolve_scale
 from ..op_contract import MLAInputs, append_to_paged_cache, check_cached_inputs, define_cached_op
-from ..sparse_mla import INDEXER_METADATA, _check_indexer, select_topk
+from ..sparse_mla import INDEXER_METADATA, _check_indexer, append_index_keys, select_topk
 
 try:
     import triton
@@ -78,14 +78,8 @@ def triton_dsa_indexer_with_cache(
 ) -> torch.Tensor:
     """`torch_dsa_indexer_with_cache` with the scores from `index_scores_kernel`."""
     _need_triton(INDEXER_OP)
-    _check_indexer(q, k, weights, index_topk)
+    flat, out = append_index_keys(INDEXER_OP, q, k, weights, index_cache, cache_loc, index_topk)
     t_all, h, d = q.shape[1], q.shape[2], q.shape[3]
-    if index_cache.dim() != 3 or index_cache.shape[-1] != d:
-        raise MLAShapeError(f"{INDEXER_OP}: index_cache must be [num_pages, page_size, D={d}]; got "
-                            f"{tuple(index_cache.shape)}")
-    flat = index_cache.view(-1, d)
-    flat.index_copy_(0, cache_loc[:t_all].long(), k[0].to(flat.dtype))
-    out = torch.full((1, t_all, index_topk), -1, dtype=torch.int32, device=q.device)
     meta = dict(zip(INDEXER_METADATA, (batch_info_host, max_seq_info_host, cu_seqlen, input_pos, seq_len_with_cache,
                                         page_table, batch_idx, cache_loc)))
     nb, num_tok, max_kv, tok_seq, tok_pos = _tokens(meta, t_all, index_cache.shape[1], _capturing())
