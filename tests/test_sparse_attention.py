@@ -256,17 +256,21 @@ def test_sparse_tensor_parallel_two_ranks_equal_hf():
         assert all(lay["dims"]["num_heads"] == 2 for lay in r0["layers"]), fam
 
 
-@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("static,splits", [(False, None), (True, None), (False, 4)])
 @pytest.mark.parametrize("n,r,dr,dn,dv,k_top", [(20, 24, 8, 12, 10, 5), (3, 16, 0, 8, 6, 40)])
-def test_triton_sparse_ops_equal_the_torch_reference(n, r, dr, dn, dv, k_top, static, monkeypatch):
+def test_triton_sparse_ops_equal_the_torch_reference(n, r, dr, dn, dv, k_top, static, splits, monkeypatch):
     """One mixed step (a fresh prefill, a decode over 7 cached tokens, a chunk after 4), pages of 4,
     tail heads (N 20 > one head block), Dr 0, top-k wider than the history: the Triton indexer
     selects what the torch reference selects, and the Triton sparse attention matches the torch
     sparse attention on those indices (fp32, interpreted). `static`: sized as under CUDA-graph
-    capture (every padded token, the page table's full width, lengths only on the device)."""
+    capture (every padded token, the page table's full width, lengths only on the device). `splits`:
+    the top-k list split across programs (k_top 40 -> 2 splits of 32, the second holding only -1
+    entries for these short histories: an empty split must weigh nothing in the merge)."""
     from autodeploy_mla.custom_ops.triton_mla import sparse as tsparse
 
     monkeypatch.setattr(tsparse, "_capturing", lambda: static)
+    if splits:
+        monkeypatch.setattr(tsparse, "sparse_splits", lambda *a: splits)
     from autodeploy_mla.runtime import PageAllocator, SequenceInfo, StepSequence
     from autodeploy_mla.custom_ops.sparse_mla import INDEXER_METADATA
 

@@ -108,6 +108,23 @@ def _triton_dsa_indexer_with_cache_fake(q, k, weights, batch_info_host, max_seq_
     return q.new_empty((1, q.shape[1], index_topk), dtype=torch.int32)
 
 
+def sparse_splits(programs: int, k_top: int, device: torch.device) -> int:
+    """Splits of the top-k list so that a step has about two programs per SM (a decode step of few
+    tokens has too few (token, head block) programs otherwise), each split at least two tiles long."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    return max(1, min(triton.cdiv(2 * sms, max(programs, 1)), k_top // (2 * BLOCK_N)))
+
+
+def merge_splits(part: torch.Tensor, m: torch.Tensor, l: torch.Tensor) -> torch.Tensor:
+    """[T, N, R]: the splits' unnormalised partials [S, T, N, R] merged by their maxima m and sums l
+    (base 2); a split with no valid key has m = -inf and weighs 0; a row with none at all gives 0."""
+    m_max = m.amax(0)
+    w = torch.exp2(m - torch.where(torch.isinf(m_max), torch.zeros_like(m_max), m_max))  # [S, T, N]
+    w = torch.where(torch.isinf(m), torch.zeros_like(w), w)
+    den = (w * l).sum(0)
+    return (part * w[..., None]).sum(0) / torch.where(den == 0, torch.ones_like(den), den)[..., None]
+
+
 def _triton_mla_sparse(x: MLAInputs, meta: Mapping[str, torch.Tensor], mla_cache: torch.Tensor,
                        scale: Optional[float], scales: CacheScales) -> torch.Tensor:
     """Append the step's latents, then absorbed attention over each token's top-k positions."""
@@ -126,18 +143,24 @@ def _triton_mla_sparse(x: MLAInputs, meta: Mapping[str, torch.Tensor], mla_cache
     w_kn, w_v = (w.float() for w in dims.split_kv_b(x.kv_b_proj_weight))
     q_abs = torch.einsum("tnd,ndr->tnr", x.q_nope[0, :num_tok].float(), w_kn).contiguous()
     q_pe = x.q_pe[0, :num_tok].contiguous()
-    latent = torch.empty(num_tok, n, r, dtype=torch.float32, device=q_abs.device)
+    k_top = topk.shape[1]
+    splits = sparse_splits(num_tok * triton.cdiv(n, BLOCK_H), k_top, q_abs.device)
+    chunk = triton.cdiv(triton.cdiv(k_top, splits), BLOCK_N) * BLOCK_N
+    splits = triton.cdiv(k_top, chunk)
+    part = torch.empty(splits, num_tok, n, r, dtype=torch.float32, device=q_abs.device)
+    ml = torch.empty(splits, num_tok, n, 2, dtype=torch.float32, device=q_abs.device)
     page_table = meta["page_table"]
     flat = mla_cache.view(-1, mla_cache.shape[-1])
-    grid = (num_tok, triton.cdiv(n, BLOCK_H))
+    grid = (num_tok, triton.cdiv(n, BLOCK_H), splits)
     sparse_absorbed_kernel[grid](
-        q_abs, q_pe, flat, topk, page_table, tok_seq, tok_pos, latent,
-        resolve_scale(dims, scale), n, r, dr, topk.shape[1], flat.shape[1], mla_cache.shape[1],
+        q_abs, q_pe, flat, topk, page_table, tok_seq, tok_pos, part, ml,
+        resolve_scale(dims, scale), n, r, dr, k_top, flat.shape[1], mla_cache.shape[1], chunk,
         q_abs.stride(0), q_abs.stride(1), q_pe.stride(0), q_pe.stride(1), topk.stride(0), page_table.stride(0),
-        latent.stride(0), latent.stride(1),
+        part.stride(0), part.stride(1), part.stride(2), ml.stride(0), ml.stride(1),
         BLOCK_H=BLOCK_H, BLOCK_R=max(16, triton.next_power_of_2(r)), BLOCK_DR=max(16, triton.next_power_of_2(max(dr, 1))),
         BLOCK_N=BLOCK_N, PRECISION=_precision(mla_cache.dtype),
     )
+    latent = merge_splits(part, ml[..., 0], ml[..., 1])
     out[0, :num_tok] = torch.einsum("tnr,nvr->tnv", latent, w_v).to(out.dtype)
     return out
 

@@ -3,10 +3,12 @@
 - `index_scores_kernel`: the lightning indexer's score of every cached key for each packed token,
   `sum_h w[t,h] * relu(scale * q[t,h,:] . k[j,:])` in fp32 (-inf where token t may not see key j);
   the top-k over those rows is `torch.topk` (an exact, well-kept selection).
-- `sparse_absorbed_kernel`: absorbed MLA attention of one token x BLOCK_H heads over the K cache
-  positions its top-k names (-1 = none): each tile of BLOCK_N positions is mapped through the page
-  table to cache slots and gathered row by row, then the usual online softmax in base 2. The result
-  is in latent space ([T, N, R], fp32); the caller applies W_v.
+- `sparse_absorbed_kernel`: absorbed MLA attention of one token x BLOCK_H heads over one split of
+  the K cache positions its top-k names (-1 = none): each tile of BLOCK_N positions is mapped through
+  the page table to cache slots and gathered row by row, then the usual online softmax in base 2. It
+  writes the split's unnormalised latent-space partial ([S, T, N, R], fp32) and its (max, sum); the
+  caller merges the splits by log-sum-exp and applies W_v. Splits give a decode step of few tokens
+  enough programs to fill the GPU.
 
 Both take the token -> sequence map and each token's absolute position, so prefill chunks, decode and
 mixed steps are one launch. Any N (heads masked to BLOCK_H), R, Dr (0 allowed), D and top-k.
@@ -54,14 +56,16 @@ def index_scores_kernel(
 
 @triton.jit
 def sparse_absorbed_kernel(
-    q_abs_ptr, q_pe_ptr, cache_ptr, topk_ptr, page_table_ptr, tok_seq_ptr, tok_pos_ptr, out_ptr,
-    sm_scale, N, R, DR, K, W, page_size,
-    stride_qt, stride_qh, stride_pt, stride_pht, stride_kt, stride_ptab, stride_ot, stride_oh,
+    q_abs_ptr, q_pe_ptr, cache_ptr, topk_ptr, page_table_ptr, tok_seq_ptr, tok_pos_ptr, out_ptr, ml_ptr,
+    sm_scale, N, R, DR, K, W, page_size, chunk,
+    stride_qt, stride_qh, stride_pt, stride_pht, stride_kt, stride_ptab, stride_os, stride_ot, stride_oh,
+    stride_ms, stride_mt,
     BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     t = tl.program_id(0)
     hb = tl.program_id(1)
+    sp = tl.program_id(2)  # split of the top-k list: entries [sp * chunk, (sp + 1) * chunk)
     seq = tl.load(tok_seq_ptr + t)
     pos = tl.load(tok_pos_ptr + t)
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -77,9 +81,10 @@ def sparse_absorbed_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_R], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_N):
+    k_end = tl.minimum(K, (sp + 1) * chunk)
+    for k0 in range(sp * chunk, k_end, BLOCK_N):
         offs_k = k0 + tl.arange(0, BLOCK_N)
-        idx = tl.load(topk_ptr + t * stride_kt + offs_k, mask=offs_k < K, other=-1)
+        idx = tl.load(topk_ptr + t * stride_kt + offs_k, mask=offs_k < k_end, other=-1)
         valid = (idx >= 0) & (idx <= pos)
         page = tl.load(page_table_ptr + seq * stride_ptab + idx // page_size, mask=valid, other=0)
         slot = page.to(tl.int64) * page_size + idx % page_size
@@ -97,6 +102,8 @@ def sparse_absorbed_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(dt), ckv, input_precision=PRECISION)
         m_i = m_new
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(out_ptr + t * stride_ot + offs_h[:, None] * stride_oh + offs_r[None, :], out,
+    # unnormalised partial of this split, with its running max (base 2) and sum for the merge
+    tl.store(out_ptr + sp * stride_os + t * stride_ot + offs_h[:, None] * stride_oh + offs_r[None, :], acc,
              mask=hm[:, None] & (offs_r[None, :] < R))
+    tl.store(ml_ptr + sp * stride_ms + t * stride_mt + offs_h * 2, m_i, mask=hm)
+    tl.store(ml_ptr + sp * stride_ms + t * stride_mt + offs_h * 2 + 1, l_i, mask=hm)
