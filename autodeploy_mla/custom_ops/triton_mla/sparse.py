@@ -110,9 +110,11 @@ def _triton_dsa_indexer_with_cache_fake(q, k, weights, batch_info_host, max_seq_
 
 def sparse_splits(programs: int, k_top: int, device: torch.device) -> int:
     """Splits of the top-k list so that a step has about two programs per SM (a decode step of few
-    tokens has too few (token, head block) programs otherwise), each split at least two tiles long."""
+    tokens has too few (token, head block) programs otherwise), each split at least two tiles long;
+    none once the step alone has two per SM. Measured on the H200 (N 128, top-k 2048): batch 1, 32
+    splits 178 us vs 385 unsplit; batch 32 (256 programs), 2 splits 520 us vs 455 unsplit."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    return max(1, min(triton.cdiv(2 * sms, max(programs, 1)), k_top // (2 * BLOCK_N)))
+    return max(1, min((2 * sms) // max(programs, 1), k_top // (2 * BLOCK_N)))
 
 
 def merge_splits(part: torch.Tensor, m: torch.Tensor, l: torch.Tensor) -> torch.Tensor:
