@@ -61,6 +61,17 @@ def decode_runtime(args: argparse.Namespace, extra: int) -> dict[str, Any]:
     }
 
 
+def deepseek_v32_shaped(args: argparse.Namespace) -> dict[str, Any]:
+    """The V3 shape with DeepSeek-V3.2's sparse attention: a lightning indexer per layer (64 heads x
+    128, index_topk 2048 by default; `--quick` runs shrink them), contexts up to 128k."""
+    cfg = deepseek_v3_shaped(args)
+    cfg.update({"model_type": "deepseek_v32", "index_n_heads": getattr(args, "index_heads", 64),
+                "index_head_dim": getattr(args, "index_dim", 128), "index_topk": getattr(args, "index_topk", 2048),
+                "max_position_embeddings": 163840})
+    cfg.pop("rope_interleave", None)  # DeepSeek-V3.2 always ropes the main attention interleaved
+    return cfg
+
+
 # deepseek-ai/DeepSeek-V2-Lite config.json (the fields the HF DeepseekV2 model reads).
 V2_LITE = {
     "model_type": "deepseek_v2",

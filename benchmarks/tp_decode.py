@@ -1,7 +1,8 @@
 """Tensor-parallel scaling: decode step latency, prefill throughput, all-reduce share, build time and
 memory per rank at world sizes 1, 2, 4, 8 (the `shard` pass, NCCL all-reduce).
 
-Models (`--model`): `v3_shape` (default; a DeepSeek-V3-shaped `transformers` model with the real MLA
+Models (`--model`): `v32_shape` (the V3 shape with DeepSeek-V3.2's lightning indexer per layer:
+DeepSeek Sparse Attention, 64 index heads x 128, `--index-topk` 2048), `v3_shape` (default; a DeepSeek-V3-shaped `transformers` model with the real MLA
 dims N 128, q_lora 1536, R 512, Dr 64, Dn 128, Dv 128, hidden 7168, a few layers with fewer/smaller
 routed experts; the model of benchmarks/e2e_decode.py), or a published config: `v2_lite`
 (DeepSeek-V2-Lite, 15.7 B), `glm_4_7_flash` (GLM-4.7-Flash, 29.9 B, N 20, Dn 192 != Dv 256),
@@ -44,7 +45,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from deepseek_shape import PUBLISHED, decode_runtime, deepseek_v3_shaped, extra_tokens  # benchmarks/ is sys.path[0] as a script
+from deepseek_shape import PUBLISHED, decode_runtime, deepseek_v3_shaped, deepseek_v32_shaped, extra_tokens  # benchmarks/ is sys.path[0] as a script
 from e2e_roofline import time_prefill
 
 DEFAULT_BATCHES = (1, 8, 32, 64)
@@ -55,6 +56,8 @@ AGREE_PROMPTS = ([5, 9, 200, 17], [3, 3, 8, 1, 90, 2, 7, 7, 7, 100, 11], [42], [
 
 def hf_config_of(args: argparse.Namespace) -> dict[str, Any]:
     """The HF config dict of `--model` (the V3 shape from the dimension arguments; --quick shrinks it)."""
+    if args.model == "v32_shape":
+        return deepseek_v32_shaped(args)
     if args.model == "v3_shape" or args.quick:
         return deepseek_v3_shaped(args)
     return dict(PUBLISHED[args.model])
@@ -228,7 +231,8 @@ def environment(device_type: str) -> dict[str, Any]:
 def model_line(data: dict[str, Any]) -> str:
     m = data["model"]
     name = data.get("model_name", "v3_shape")
-    what = "DeepSeek-V3-shaped" if name == "v3_shape" else f"published {name} config"
+    what = {"v3_shape": "DeepSeek-V3-shaped", "v32_shape": f"DeepSeek-V3.2-shaped (sparse attention, index_topk "
+            f"{m.get('index_topk')})"}.get(name, f"published {name} config")
     return (f"Model: {what}, {m['num_hidden_layers']} layers, N {m['num_attention_heads']}, R {m['kv_lora_rank']}, "
             f"hidden {m['hidden_size']}, {m.get('n_routed_experts', 0)} experts x {m['moe_intermediate_size']} "
             f"top-{m.get('num_experts_per_tok', 0)}, dtype {data['dtype']}, weights `model.init: "
@@ -351,7 +355,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--world-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2])
     ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=list(DEFAULT_BATCHES))
     ap.add_argument("--contexts", type=lambda s: [int(x) for x in s.split(",")], default=list(DEFAULT_CONTEXTS))
-    ap.add_argument("--model", default="v3_shape", choices=["v3_shape", *PUBLISHED])
+    ap.add_argument("--model", default="v3_shape", choices=["v3_shape", "v32_shape", *PUBLISHED])
+    ap.add_argument("--index-topk", type=int, default=2048, help="v32_shape: the indexer's top-k")
     ap.add_argument("--init", default="hashed", choices=["hashed", "transformers"],
                     help="random weights: hashed = every rank generates only its slices")
     ap.add_argument("--prefill", type=int, default=0, help="also time one prefill of this many tokens per world size")
@@ -393,6 +398,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         args.q_lora, args.kv_lora, args.dn, args.dr, args.dv = 64, 64, 16, 16, 16
         args.experts, args.layers, args.page_size, args.steps, args.warmup = 4, 2, 16, 3, 1
         args.batches, args.contexts = [1, 4], [32]
+        args.index_topk, args.index_heads, args.index_dim = 8, 4, 16
 
     from autodeploy_mla.distributed import spawn
 
