@@ -335,3 +335,30 @@ def test_gpu_sparse_triton(family):
     rows = ((ours - ref).abs().amax(-1) / ref.abs().max()).tolist()
     assert sum(e < 3e-2 for e in rows) >= 0.9 * len(rows), rows
 
+
+
+@pytest.mark.parametrize("prefix", ["torch", "triton"])
+def test_cached_sparse_ops_declare_their_cache_mutation_and_pass_opcheck(prefix):
+    """Each cached sparse op mutates exactly its cache argument, says so in its schema, and passes
+    torch.library.opcheck (schema, fake tensors, autograd registration, dynamic shapes) on a mixed step."""
+    from autodeploy_mla.runtime import PageAllocator, SequenceInfo, StepSequence
+    from autodeploy_mla.custom_ops.sparse_mla import INDEXER_METADATA
+
+    indexer = getattr(torch.ops.autodeploy, f"{prefix}_dsa_indexer_with_cache").default
+    attend = getattr(torch.ops.autodeploy, f"{prefix}_mla_sparse_with_cache").default
+    for op, cache in ((indexer, "index_cache"), (attend, "mla_cache")):
+        assert [a.name for a in op._schema.arguments if a.alias_info is not None and a.alias_info.is_write] == [cache]
+    info = SequenceInfo(4, 16, 16, 4, "cpu")
+    alloc = PageAllocator(12, 4, info.max_pages_per_seq)
+    alloc.ensure_many({0: 5, 1: 8})
+    info.prepare_step([StepSequence(0, [1] * 5, 0), StepSequence(1, [1], 7)], alloc.pages_of)
+    t = info.num_tokens
+    meta = [info.get(m) for m in INDEXER_METADATA]
+    g = torch.Generator().manual_seed(2)
+    q, k, w = torch.randn(1, t, 4, 16, generator=g), torch.randn(1, t, 16, generator=g), torch.rand(1, t, 4, generator=g)
+    torch.library.opcheck(indexer, (q, k, w, *meta, torch.randn(12, 4, 16, generator=g), 3, 0.25))
+    idx = indexer(q, k, w, *meta, torch.randn(12, 4, 16, generator=g), 3, 0.25)
+    n, dn, dr, dv, r = 3, 8, 4, 6, 16
+    x = (torch.randn(1, t, n, dn, generator=g), torch.randn(1, t, n, dr, generator=g), torch.randn(1, t, r, generator=g),
+         torch.randn(1, t, 1, dr, generator=g), torch.randn(n * (dn + dv), r, generator=g))
+    torch.library.opcheck(attend, (*x, *meta, idx, torch.randn(12, 4, r + dr, generator=g), 0.3))

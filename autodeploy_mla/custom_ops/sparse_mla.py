@@ -136,8 +136,6 @@ def _torch_mla_sparse_fake(q_nope, q_pe, compressed_kv, kpe, kv_b_proj_weight, t
     return q_nope.new_empty(shape)
 
 
-SPARSE_SOURCE_OPS = (torch.ops.autodeploy.torch_dsa_indexer.default, torch.ops.autodeploy.torch_mla_sparse.default)
-
 
 # ----------------------------------------------------------------------------- cached (paged) form
 #: host/device metadata the cached indexer reads (the torch reference backend's fields)
@@ -232,4 +230,5 @@ def allowed_by_topk(topk_indices: torch.Tensor, tok_seq: torch.Tensor, tok_q: to
 
 #: the op packets (fx nodes target `.default`)
 DSA_INDEXER = torch.ops.autodeploy.torch_dsa_indexer
+MLA_SPARSE = torch.ops.autodeploy.torch_mla_sparse
 DSA_INDEXER_WITH_CACHE = torch.ops.autodeploy.torch_dsa_indexer_with_cache

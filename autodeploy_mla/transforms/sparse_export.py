@@ -200,7 +200,7 @@ def check_each_kind(model: nn.Module, modules: list[tuple[str, nn.Module]]) -> l
     return out
 
 
-TORCH_MLA_SPARSE = torch.ops.autodeploy.torch_mla_sparse.default
+TORCH_MLA_SPARSE = sparse_mla.MLA_SPARSE.default
 
 
 def sparse_mla_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
