@@ -13,11 +13,13 @@ def test_cached_op_schema(name):
     schema = be.cached_op.default._schema
     args = [a.name for a in schema.arguments]
     assert args[:5] == SHARED_PREFIX, "cached ops share one positional signature (DESIGN §6)"
-    assert args[5 : 5 + len(be.metadata)] == list(be.metadata), "metadata in the declared order"
-    assert args[5 + len(be.metadata)] == "mla_cache"
-    cache_arg = schema.arguments[5 + len(be.metadata)]
+    # sparse-only backends' ops also take the layer's selection after the metadata
+    meta = [*be.metadata, *(["topk_indices"] if be.sparse_only else [])]
+    assert args[5 : 5 + len(meta)] == meta, "metadata in the declared order"
+    assert args[5 + len(meta)] == "mla_cache"
+    cache_arg = schema.arguments[5 + len(meta)]
     assert cache_arg.alias_info is not None and cache_arg.alias_info.is_write, "the cache write must be declared"
-    assert args[6 + len(be.metadata)] == "scale"
+    assert args[6 + len(meta)] == "scale"
     written = [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
     assert written == ["mla_cache"], f"undeclared or unexpected mutation: {written}"
 

@@ -14,7 +14,10 @@ import torch
 from autodeploy_mla.api import optimize
 from autodeploy_mla.models.sparse_attention import find_sparse_attention
 from autodeploy_mla.testing.tiny_configs import TINY_CONFIGS, build_tiny_model
-from autodeploy_mla.custom_ops.mla_dims import MLAShapeError
+from autodeploy_mla.custom_ops.backend_registry import DeviceInfo, Target
+from autodeploy_mla.custom_ops.mla_dims import MLADims, MLAShapeError
+from autodeploy_mla.transforms.backend_resolution import resolve_backend
+from autodeploy_mla.transforms.insert_cached_sparse import sparse_decision
 from autodeploy_mla.transforms import sparse_export
 from autodeploy_mla.transforms.export import SparseAttentionNotCaptured, export_model
 from autodeploy_mla.testing import hf_greedy_generate
@@ -78,10 +81,25 @@ def test_sparse_layers_reported_with_their_index_cache(served):
 
 
 def test_sparse_layers_refuse_a_dense_only_backend():
-    with pytest.raises(ValueError, match=r"backend 'flashinfer_mla' was requested, but model\.layers\.0\.self_attn is "
-                       r"sparse MLA .* only 'triton', 'torch' serve"):
+    with pytest.raises(ValueError, match=r"backend 'flashinfer_trtllm_mla' was requested, but model\.layers\.0\."
+                       r"self_attn is sparse MLA .* only 'flashinfer_mla_sparse', 'triton', 'torch' serve"):
         optimize(build_tiny_model(TINY_DSA["deepseek_v32"]),
-                 overrides=[*RUNTIME, "transforms.insert_cached_mla_attention.backend=flashinfer_mla"])
+                 overrides=[*RUNTIME, "transforms.insert_cached_mla_attention.backend=flashinfer_trtllm_mla"])
+
+
+def test_dense_flashinfer_request_maps_sparse_layers_to_the_sparse_sibling():
+    """`backend: flashinfer_mla` means FlashInfer for sparse layers too (flashinfer_mla_sparse), which
+    on this CPU refuses with its own reason; a dense layer never resolves to the sparse-only backend."""
+    dims = MLADims(4, 16, 8, 16, 32)
+    target = Target(DeviceInfo("cpu"), {"torch": torch.__version__, "flashinfer": "0.7.2"}, 16)
+    with pytest.raises(ValueError, match=r"backend 'flashinfer_mla_sparse' was requested for sparse MLA but "
+                       r"refuses: .*CUDA"):
+        sparse_decision("model.layers.0.self_attn", dims, torch.bfloat16, "flashinfer_mla", target)
+    h200 = Target(DeviceInfo("cuda", (9, 0), "H200", 132), {"torch": "2.11", "triton": "3.6", "flashinfer": "0.7.2"}, 64)
+    d = resolve_backend("l0", MLADims(128, 128, 64, 128, 512), torch.bfloat16, h200, "auto",
+                        {"sm90": ["flashinfer_mla_sparse", "flashinfer_mla"]})
+    assert d.backend == "flashinfer_mla" and d.rejected[0][0] == "flashinfer_mla_sparse"
+    assert "sparse MLA (DeepSeek Sparse Attention) layers only" in d.rejected[0][1]
 
 
 @pytest.mark.parametrize("family", list(TINY_DSA))
@@ -362,3 +380,142 @@ def test_cached_sparse_ops_declare_their_cache_mutation_and_pass_opcheck(prefix)
     x = (torch.randn(1, t, n, dn, generator=g), torch.randn(1, t, n, dr, generator=g), torch.randn(1, t, r, generator=g),
          torch.randn(1, t, 1, dr, generator=g), torch.randn(n * (dn + dv), r, generator=g))
     torch.library.opcheck(attend, (*x, *meta, idx, torch.randn(12, 4, r + dr, generator=g), 0.3))
+
+
+# ----------------------------------------------------------------------------- FlashInfer sparse backend
+def test_flashinfer_sparse_host_metadata():
+    """One request per token: positions from the host mirrors, min(top-k, position + 1) keys each,
+    packed back to back; the valid selected positions map through the page table into that packing
+    on the device (the -1 tail into the junk element)."""
+    from autodeploy_mla.custom_ops.flashinfer_sparse import pack_selected_slots, sparse_csr, token_positions
+    from autodeploy_mla.runtime import PageAllocator, SequenceInfo, StepSequence
+
+    info = SequenceInfo(4, 16, 16, 4, "cpu")
+    alloc = PageAllocator(12, 4, info.max_pages_per_seq)
+    alloc.ensure_many({0: 5, 1: 8, 2: 7})
+    order = info.prepare_step([StepSequence(0, [1] * 5, 0), StepSequence(1, [1], 7), StepSequence(2, [1] * 3, 4)],
+                              alloc.pages_of)
+    pos = token_positions(info.get("cu_seqlen_host"), info.get("input_pos_host"), 3)
+    assert pos.tolist() == [0, 1, 2, 3, 4, 4, 5, 6, 7]  # prefills packed first, then the decode token
+    qo, kv_indptr, kv_len = sparse_csr(pos, 6)
+    assert qo.tolist() == list(range(10)) and kv_len.dtype == torch.int32
+    assert kv_len.tolist() == [1, 2, 3, 4, 5, 5, 6, 6, 6] and kv_indptr.tolist() == [0, 1, 3, 6, 10, 15, 20, 26, 32, 38]
+    t = info.num_tokens
+    # each token selects its visible positions newest first, valid entries before the -1 tail
+    topk = torch.tensor([[p - j if j <= p else -1 for j in range(6)] for p in pos.tolist()], dtype=torch.int32)
+    out = torch.full((t * 6 + 1,), -7, dtype=torch.int32)
+    pack_selected_slots(topk, info.get("batch_idx")[:t], torch.from_numpy(pos), info.get("page_table"), 4, out)
+    seq_at = [order[0]] * 5 + [order[1]] * 3 + [order[2]]
+    expect = [alloc.pages_of(seq_at[i])[q // 4] * 4 + q % 4 for i, p in enumerate(pos.tolist())
+              for q in topk[i].tolist() if q >= 0]
+    assert out[:38].tolist() == expect and (out[38:-1] == -7).all()  # the tail is untouched
+
+
+FI_DIMS = {"kv_lora_rank": 256, "qk_rope_head_dim": 64, "index_head_dim": 128, "index_n_heads": 8, "index_topk": 16}
+
+
+def _gpu_flashinfer() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    pytest.importorskip("flashinfer")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graph", [False, True])
+def test_gpu_flashinfer_sparse_ops_equal_the_reference(graph):
+    """bf16, (R, Dr) = (512, 64), N 16, top-k 64, pages of 16: the FlashInfer sparse attention matches
+    the torch reference on the Triton indexer's selection (valid entries first) on a mixed step and
+    the decode steps after it. `graph`: the decode steps are graph-marked, captured once and
+    replayed as the sequences grow."""
+    _gpu_flashinfer()
+    from autodeploy_mla.custom_ops import using_sessions
+    from autodeploy_mla.custom_ops.backend_registry import SessionSpec, get_backend
+    from autodeploy_mla.custom_ops.sparse_mla import INDEXER_METADATA
+    from autodeploy_mla.runtime import PageAllocator, SequenceInfo, StepSequence
+    from autodeploy_mla.runtime.model_runner import step_descriptor
+
+    dev, dt, ps, k_top, h, d = torch.device("cuda"), torch.bfloat16, 16, 64, 8, 128
+    dims = MLADims(16, 128, 64, 128, 512)
+    info = SequenceInfo(4, 256, 512, ps, dev)
+    alloc = PageAllocator(64, ps, info.max_pages_per_seq)
+    be = get_backend("flashinfer_mla_sparse")
+    target = Target.detect(dev, ps)
+    assert be.check(dims, dt, target).ok, be.check(dims, dt, target).reason
+    sess = be.setup(SessionSpec((dims,), dt, dev, target, 4, 256, info.max_pages_per_seq, (dt,), (k_top,)))
+    g = torch.Generator(device="cuda").manual_seed(3)
+    cache = torch.randn(64, ps, 576, device=dev, generator=g).to(dt)
+    icache = torch.randn(64, ps, d, device=dev, generator=g).to(dt)
+    w = (torch.randn(16 * 256, 512, device=dev, generator=g) / 20).to(dt)
+    alloc.ensure_many({0: 100, 1: 91, 2: 40})
+    # A fresh prefill, a decode after 90 cached tokens, a chunk of 33 after 7; then decode steps.
+    steps = [[StepSequence(0, [1] * 100, 0), StepSequence(1, [1], 90), StepSequence(2, [1] * 33, 7)]]
+    graph_obj, static = None, None
+    for j in range(4):
+        if j:
+            steps.append([StepSequence(s, [1], 100 + j - 1 if s == 0 else (91 + j - 1 if s == 1 else 40 + j - 1))
+                          for s in (0, 1, 2)])
+            alloc.ensure_many({0: 100 + j, 1: 91 + j, 2: 40 + j})
+        info.prepare_step(steps[j], alloc.pages_of)
+        sess.prepare(info, step_descriptor(info, (3,) if graph else ()))
+        t = info.num_tokens
+        meta = [info.get(m) for m in INDEXER_METADATA]
+        q = torch.randn(1, t, h, d, device=dev, generator=g).to(dt)
+        kk = torch.randn(1, t, d, device=dev, generator=g).to(dt)
+        wt = torch.rand(1, t, h, device=dev, generator=g)
+        fi = torch.ops.autodeploy.triton_dsa_indexer_with_cache(q, kk, wt, *meta, icache, k_top, 0.1)
+        valid = fi[0] >= 0  # the layout the packing relies on: valid entries first, min(K, pos + 1) of them
+        assert torch.equal(valid, valid.cummin(-1).values)
+        x = [torch.randn(1, t, 16, 128, device=dev, generator=g).to(dt), torch.randn(1, t, 16, 64, device=dev, generator=g).to(dt),
+             torch.randn(1, t, 512, device=dev, generator=g).to(dt), torch.randn(1, t, 1, 64, device=dev, generator=g).to(dt), w]
+        ref = torch.ops.autodeploy.torch_mla_sparse_with_cache(*x, *meta, fi, cache.clone(), None)
+        with using_sessions({be.name: sess}):
+            if graph and j >= 1:
+                if graph_obj is None:  # capture the decode step once (inputs in fixed buffers), then replay
+                    static = [a.clone() for a in x[:4]] + [fi.clone()]
+                    be.cached_op(*static[:4], w, *meta, static[4], cache.clone(), None)  # warm-up
+                    graph_obj = torch.cuda.CUDAGraph()
+                    cap_cache = cache
+                    with torch.cuda.graph(graph_obj):
+                        static_out = be.cached_op(*static[:4], w, *meta, static[4], cap_cache, None)
+                for a, b in zip(static, [*x[:4], fi]):
+                    a.copy_(b)
+                graph_obj.replay()
+                out = static_out
+            else:
+                out = be.cached_op(*x, *meta, fi, cache, None)
+        err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+        assert err < 2e-2, (j, err)
+    assert sess.stats()["plans"] >= 4 and (not graph or sess.stats()["graph_wrappers"] == [3])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", list(TINY_DSA))
+def test_gpu_sparse_flashinfer_model(family):
+    """bf16, tiny configs widened to FlashInfer's dims (R 256, Dr 64, top-k 16 < the prompts): the
+    sparse layers resolve to flashinfer_mla_sparse; prompt logits within bf16 tolerance of HF's at 90%
+    of the positions; generation with decode CUDA graphs picks, at >= 90% of its steps, a token whose
+    HF logit (teacher-forced on the generated text) is within bf16 tolerance of HF's best."""
+    _gpu_flashinfer()
+    model = build_tiny_model({**TINY_DSA[family], **FI_DIMS}, dtype=torch.bfloat16).cuda()
+    om = optimize(model, overrides=[*GPU_RUNTIME, "model.device=cuda", "model.dtype=bfloat16",
+                                    "transforms.insert_cached_mla_attention.backend=flashinfer_mla"])
+    assert {r["backend"] for r in om.report()["layers"]} == {"flashinfer_mla_sparse"}
+    p = list(range(5, 5 + 40))
+    with torch.no_grad():
+        ref = model(torch.tensor([p], device="cuda")).logits[0].float()
+    rows = ((om.prefill_logits(p).float() - ref).abs().amax(-1) / ref.abs().max()).tolist()
+    assert sum(e < 3e-2 for e in rows) >= 0.9 * len(rows), rows
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(2, 256, (n,), generator=g).tolist() for n in (*PROMPT_LENS, 40)]
+    outs = om.generate(prompts, max_new_tokens=8)
+    st = om.runner.piecewise.summary()
+    assert st["decode_graph"] and st["stats"].get("decode_graph", 0) > 0, st
+    ok = total = 0
+    for prompt, gen in zip(prompts, outs):
+        with torch.no_grad():
+            lg = model(torch.tensor([prompt + gen], device="cuda")).logits[0].float()
+        for i, tok in enumerate(gen):
+            row = lg[len(prompt) - 1 + i]
+            ok += bool(row[tok] >= row.max() - 3e-2 * row.abs().max())
+            total += 1
+    assert ok >= 0.9 * total, (ok, total)

@@ -26,5 +26,5 @@ from .backend_registry import (  # noqa: F401,E402
 from .step_context import active_session, using_sessions  # noqa: F401,E402
 from . import torch_backend  # noqa: F401,E402
 from . import triton_mla  # noqa: F401,E402
-from . import flashinfer_mla, flashinfer_trtllm_mla  # noqa: F401,E402
+from . import flashinfer_mla, flashinfer_trtllm_mla, flashinfer_sparse  # noqa: F401,E402
 from . import moe  # noqa: F401,E402

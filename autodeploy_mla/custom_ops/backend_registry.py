@@ -138,6 +138,9 @@ class SessionSpec:
     max_pages_per_seq: int
     #: the paged cache dtype of each node in `dims` (empty: every cache holds `dtype`)
     cache_dtypes: tuple[torch.dtype, ...] = ()
+    #: per node in `dims`: the width of the top-k selection a sparse (DSA) layer's attention reads;
+    #: 0 for a dense node or a sparse layer's index-key cache (empty: all 0)
+    index_topk: tuple[int, ...] = ()
 
     @property
     def page_size(self) -> int:
@@ -145,6 +148,9 @@ class SessionSpec:
 
     def node_cache_dtypes(self) -> tuple[torch.dtype, ...]:
         return self.cache_dtypes or (self.dtype,) * len(self.dims)
+
+    def node_index_topk(self) -> tuple[int, ...]:
+        return self.index_topk or (0,) * len(self.dims)
 
 
 @dataclass(frozen=True)
@@ -219,6 +225,8 @@ class MLABackend:
     #: Where this op's facts come from (README links, measurements): shown in reports.
     source: ClassVar[str] = ""
     is_dynamic: ClassVar[bool] = True  # piecewise split point
+    #: serves sparse MLA (DSA) layers only: dense resolution never picks it
+    sparse_only: ClassVar[bool] = False
     decode_graph_safe: ClassVar[bool] = False  # may run inside a whole-graph decode CUDA graph
 
     def check(self, dims: MLADims, dtype: torch.dtype, target: Target) -> CheckResult:

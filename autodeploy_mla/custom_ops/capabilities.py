@@ -61,7 +61,7 @@ SOURCES: Mapping[str, str] = MappingProxyType({
 class KernelFacts:
     """What one FlashInfer kernel family accepts for FlashInfer versions in [min_version, max_version)."""
 
-    backend: str  # descriptor name: "flashinfer_mla" | "flashinfer_trtllm_mla"
+    backend: str  # descriptor name: "flashinfer_mla" | "flashinfer_mla_sparse" | "flashinfer_trtllm_mla"
     kernel: str  # "fa3" | "fa2" | "trtllm-gen"
     min_version: Version
     max_version: Version  # exclusive
@@ -145,6 +145,23 @@ FLASHINFER_FACTS: tuple[KernelFacts, ...] = (
         sources=("DESIGN8", "FI_MAIN_SRC"),
         notes="R % 128 == 0 (capped at 512: larger ranks exceed fa2 shared memory), Dr % 64 == 0.",
     ),
+    # ---- Sparse MLA (DSA) through the same wrapper with pages of one token (flashinfer_sparse.py):
+    # page size 1 is in FlashInfer's MLA tests; 0.7.x checks each request's CSR span against its
+    # length, which the packed slot layout meets. Dims as for the dense wrapper of the same version.
+    KernelFacts(
+        "flashinfer_mla_sparse", "fa3", (0, 7, 0), (0, 8, 0), frozenset({90}), _BF16_FP16,
+        ranks=frozenset({128, 256, 512}), ropes=frozenset({0, 64}), page_sizes=frozenset({1}), max_heads=128,
+        sources=("FI_MAIN_SRC", "FI_TESTS", "FI_072_SRC"),
+        notes="one request per query token over its selected slots; (512,64) and (256,64) run on the H200 "
+        "(tests/test_sparse_attention.py GPU tests, docs/benchmarks/sparse_mla.md, 2026-11-24); 128 and Dr=0 from source.",
+        evidence="measured",
+    ),
+    KernelFacts(
+        "flashinfer_mla_sparse", "fa2", (0, 7, 0), (0, 8, 0), _FA2_SMS, _BF16_FP16,
+        ranks=frozenset({128, 256, 384, 512}), ropes=frozenset({0, 64}), page_sizes=frozenset({1}), max_heads=128,
+        sources=("FI_MAIN_SRC", "FI_TESTS", "FI_072_SRC"),
+        notes="as the fa3 record; not run on hardware by this project.",
+    ),
     # ---- trtllm_batch_decode_with_kv_cache_mla (TRT-LLM-gen, Blackwell datacenter only).
     KernelFacts(
         "flashinfer_trtllm_mla", "trtllm-gen", (0, 6, 0), (0, 8, 0), frozenset({100, 103}),
@@ -162,6 +179,21 @@ FLASHINFER_FACTS: tuple[KernelFacts, ...] = (
         notes="(256,64) is listed as supported by _check_trtllm_gen_mla_shape from 0.6.18; untested on hardware.",
     ),
 )
+
+#: FlashInfer 0.7.2's dedicated sparse-MLA entry points and where they run (FI_072_SRC: mla/_core.py
+#: `trtllm_batch_decode_with_kv_cache_mla(sparse_mla_top_k=...)`, whose backend "auto" picks trtllm-gen
+#: on SM10x, "sparse" on SM12x and raises on any other major; dsa_sparse_attention.py and
+#: dsa_indexer.py: "SM100/SM103/SM107 only", 64 / 32 heads, training). None runs on Hopper, so
+#: `flashinfer_mla_sparse` uses the dense wrapper there (above); calling these is left for a machine
+#: that has them.
+SPARSE_NOTES: Mapping[str, str] = MappingProxyType({
+    "trtllm_batch_decode_with_kv_cache_mla(sparse_mla_top_k>0)": "SM100/103 (trtllm-gen), SM12x (sparse); "
+    "(R, Dr) in {(512, 64), (512, 0)}; raises on SM90",
+    "dsa_sparse_attention": "SM100/103/107, 64 query heads, training",
+    "dsa_indexer_topk": "SM100/103/107, 32 heads x 128, training",
+    "top_k_page_table_transform": "any CUDA GPU (radix; clusters kernel on SM100); CUDA-graph safe mode; its JIT "
+    "build did not finish in 9 minutes on the H200 (2026-11-24), so the selection stays on torch.topk",
+})
 
 KNOWN_FAILURES: tuple[KnownFailure, ...] = (
     KnownFailure(

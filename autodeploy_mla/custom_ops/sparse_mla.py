@@ -177,6 +177,8 @@ def torch_dsa_indexer_with_cache(
     """The indexer over a packed token batch ([1, T, ...]) and a paged cache of index keys
     ([pages, page_size, D]): appends the step's keys, then per token returns the `index_topk` best
     positions (within its sequence) among those it may see, int32 [1, T, index_topk], -1 padded.
+    Contract of every cached indexer op: the min(index_topk, position + 1) valid entries come first,
+    the -1 entries after them (FlashInfer's sparse attention reads exactly that prefix).
     Vectorised like the torch MLA reference; sizes from host metadata only (no device sync)."""
     flat, out = append_index_keys(CACHED_INDEXER_OP, q, k, weights, index_cache, cache_loc, index_topk)
     d = q.shape[3]

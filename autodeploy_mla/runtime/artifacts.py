@@ -28,6 +28,8 @@ class CacheInput:
     backend: str
     dims: MLADims
     spec: CacheSpec
+    #: sparse (DSA) layers' latent caches: the top-k width their attention reads (0 otherwise)
+    index_topk: int = 0
 
 
 @dataclass(frozen=True)

@@ -104,7 +104,7 @@ class ModelRunner:
         for name, caches in sig.caches_by_backend().items():
             spec = SessionSpec(tuple(c.dims for c in caches), dtype, self.device, target, rt.max_batch_size,
                                rt.max_num_tokens, self.seq_info.max_pages_per_seq,
-                               tuple(c.spec.dtype for c in caches))
+                               tuple(c.spec.dtype for c in caches), tuple(c.index_topk for c in caches))
             self.sessions[name] = get_backend(name).setup(spec, (policies or {}).get(name))
         self.piecewise: Optional[PiecewiseRunner] = None
         if compiled.split is not None:

@@ -41,6 +41,8 @@ def arch_key(device: DeviceInfo) -> str:
 def accepts(name: str, dims: MLADims, dtype: torch.dtype, cache_dtype: torch.dtype, target: Target) -> CheckResult:
     """Backend `name`'s verdict on a node: its dims check, then its cache-dtype check."""
     be = get_backend(name)
+    if be.sparse_only:
+        return CheckResult(False, "serves sparse MLA (DeepSeek Sparse Attention) layers only; this layer is dense")
     res = be.check(dims, dtype, target)
     if not res.ok:
         return res

@@ -5,8 +5,9 @@ cache (the dense MLA layout, [pages, page_size, R + Dr]); each `torch_dsa_indexe
 `*_dsa_indexer_with_cache` over a second cache of the same layer, its index keys
 ([pages, page_size, D], `dsa_index_cache_<i>`), paged by the same page table so one allocation
 covers both. Layers that reuse an earlier layer's selection (GLM-5 "shared") keep only the latent.
-Backends: Triton (gather kernels, triton_mla/sparse.py) where its check accepts the layer, else the
-torch reference; the decision says which and why.
+Backends, in `auto` order on CUDA: FlashInfer's MLA wrapper over one-token pages
+(flashinfer_sparse.py), Triton (gather kernels, triton_mla/sparse.py), else the torch reference; the
+decision says which and why, and why each faster one was passed over.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 
 from ..custom_ops.backend_registry import BackendDecision, CacheSpec, Target, get_backend
 from ..custom_ops.cache_format import CacheScales, is_fp8
+from ..custom_ops.flashinfer_sparse import flashinfer_mla_sparse_with_cache
 from ..custom_ops.mla_dims import MLADims
 from ..custom_ops.sparse_mla import DSA_INDEXER, DSA_INDEXER_WITH_CACHE, INDEXER_METADATA
 from ..custom_ops.torch_backend import torch_mla_sparse_with_cache
@@ -26,11 +28,16 @@ from ..custom_ops.triton_mla.sparse import triton_mla_sparse_with_cache
 from ..runtime.artifacts import CacheInput
 
 
-SPARSE_BACKENDS = ("triton", "torch")
+#: backends that serve sparse layers, in `auto` order (fastest first on the H200:
+#: docs/benchmarks/sparse_mla.md)
+SPARSE_BACKENDS = ("flashinfer_mla_sparse", "triton", "torch")
+#: a dense backend requested for every layer serves a model's sparse layers through its sparse sibling
+SPARSE_SIBLING = {"flashinfer_mla": "flashinfer_mla_sparse"}
 #: backend -> (cached indexer op, cached sparse MLA op)
 SPARSE_OPS = {
     "torch": (DSA_INDEXER_WITH_CACHE, torch_mla_sparse_with_cache),
     "triton": (TRITON_INDEXER_WITH_CACHE, triton_mla_sparse_with_cache),
+    "flashinfer_mla_sparse": (TRITON_INDEXER_WITH_CACHE, flashinfer_mla_sparse_with_cache),
 }
 LATENT_CACHE_PREFIX = "mla_cache_"
 INDEX_CACHE_PREFIX = "dsa_index_cache_"
@@ -38,23 +45,32 @@ INDEXER = DSA_INDEXER.default
 
 
 def sparse_decision(layer: str, dims: MLADims, dtype: torch.dtype, requested: str, target: Target) -> BackendDecision:
-    """Which backend serves a sparse layer: `auto` takes Triton where its check accepts the dims and
-    device (CUDA), else the torch reference; a dense-only backend is refused by name."""
-    if requested not in ("auto", *SPARSE_BACKENDS):
+    """Which backend serves a sparse layer: an explicit request (a dense backend with a sparse sibling
+    maps to it) must be accepted by that backend's check; `auto` takes the first of SPARSE_BACKENDS
+    whose check accepts the layer on a CUDA device, else the torch reference."""
+    wanted = SPARSE_SIBLING.get(requested, requested)
+    if wanted not in ("auto", *SPARSE_BACKENDS):
         raise ValueError(f"{layer}: backend {requested!r} was requested, but {layer} is sparse MLA (DeepSeek Sparse "
                          f"Attention), which only {', '.join(map(repr, SPARSE_BACKENDS))} serve so far; request 'auto' "
                          "or one of those for it")
-    tri = get_backend("triton").check(dims, dtype, target)
-    if requested == "triton":
-        if not tri.ok:
-            raise ValueError(f"{layer}: backend 'triton' was requested for sparse MLA but refuses: {tri.reason}")
-        return BackendDecision(layer, dims, requested, "triton", "sparse MLA (DSA): requested; Triton gather kernels")
-    if requested == "auto" and target.device.type == "cuda" and tri.ok:
-        return BackendDecision(layer, dims, requested, "triton",
-                               "sparse MLA (DSA): Triton gather kernels (the fastest sparse backend here)")
-    rejected = (("triton", tri.reason),) if requested == "auto" and not tri.ok else ()
-    why = "requested" if requested == "torch" else ("not on CUDA" if tri.ok else "Triton refuses")
-    return BackendDecision(layer, dims, requested, "torch", f"sparse MLA (DSA): torch reference ({why})", rejected)
+    if wanted != "auto":
+        res = get_backend(wanted).check(dims, dtype, target)
+        if not res.ok:
+            raise ValueError(f"{layer}: backend {wanted!r} was requested for sparse MLA but refuses: {res.reason}")
+        how = "requested" if wanted == requested else f"{requested!r} requested: its sparse sibling"
+        return BackendDecision(layer, dims, requested, wanted, f"sparse MLA (DSA): {how}; {res.reason}")
+    rejected: list[tuple[str, str]] = []
+    if target.device.type == "cuda":
+        for name in SPARSE_BACKENDS[:-1]:
+            res = get_backend(name).check(dims, dtype, target)
+            if res.ok:
+                return BackendDecision(layer, dims, requested, name,
+                                       f"sparse MLA (DSA): first accepted in the sparse auto order; {res.reason}",
+                                       tuple(rejected))
+            rejected.append((name, res.reason))
+    why = "not on CUDA" if target.device.type != "cuda" else "no faster sparse backend accepts the layer"
+    return BackendDecision(layer, dims, requested, "torch", f"sparse MLA (DSA): torch reference ({why})",
+                           tuple(rejected))
 
 
 def _own_indexer(node: torch.fx.Node) -> torch.fx.Node | None:
@@ -89,7 +105,9 @@ def rewrite_sparse(
         with gm.graph.inserting_after(last):
             latent = last = gm.graph.placeholder(f"{LATENT_CACHE_PREFIX}{k}")
         indexer_op, sparse_op = SPARSE_OPS[d.backend]
-        caches.append(CacheInput(latent.name, d.layer, d.backend, d.dims, get_backend(d.backend).cache_spec(d.dims, dtype)))
+        topk_width = int(node.args[5].meta["val"].shape[-1])
+        caches.append(CacheInput(latent.name, d.layer, d.backend, d.dims, get_backend(d.backend).cache_spec(d.dims, dtype),
+                                 index_topk=topk_width))
         indexer = _own_indexer(node)
         if indexer is not None:
             q, key, w = indexer.args[:3]
