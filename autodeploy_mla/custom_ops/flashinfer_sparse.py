@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 from typing import Any, Literal, Optional
 
 import numpy as np
@@ -60,7 +61,8 @@ BACKEND = "flashinfer_mla_sparse"
 OP = "flashinfer_mla_sparse_with_cache"
 SPARSE_METADATA = (*INDEXER_METADATA, "topk_indices")
 #: sparse cached ops a step can be handed to, by backend name (same signature as this backend's op)
-FALLBACK_OPS = {"triton": triton_mla_sparse_with_cache, "torch": torch_mla_sparse_with_cache}
+FALLBACK_OPS: Mapping[str, Any] = MappingProxyType({"triton": triton_mla_sparse_with_cache,
+                                                   "torch": torch_mla_sparse_with_cache})
 
 
 @dataclass(frozen=True)
