@@ -95,6 +95,8 @@ def test_dense_flashinfer_request_maps_sparse_layers_to_the_sparse_sibling():
     with pytest.raises(ValueError, match=r"backend 'flashinfer_mla_sparse' was requested for sparse MLA but "
                        r"refuses: .*CUDA"):
         sparse_decision("model.layers.0.self_attn", dims, torch.bfloat16, "flashinfer_mla", target)
+    d = sparse_decision("model.layers.0.self_attn", dims, torch.bfloat16, "flashinfer_mla", target, allow_fallback=True)
+    assert d.backend == "torch" and d.rejected[0][0] == "flashinfer_mla_sparse" and "CUDA" in d.rejected[0][1]
     h200 = Target(DeviceInfo("cuda", (9, 0), "H200", 132), {"torch": "2.11", "triton": "3.6", "flashinfer": "0.7.2"}, 64)
     d = resolve_backend("l0", MLADims(128, 128, 64, 128, 512), torch.bfloat16, h200, "auto",
                         {"sm90": ["flashinfer_mla_sparse", "flashinfer_mla"]})

@@ -183,7 +183,8 @@ def insert_cached_mla_attention(ctx: BuildContext, opts: InsertCachedMLAOptions)
                                          opts.preference, opts.allow_fallback, cache_dtype))
 
     # Graph inputs: metadata (union over the chosen backends), then one cache per layer.
-    sparse_decisions = [sparse_decision(layer, sparse_node_dims(n), ctx.dtype, req, ctx.target) for n, layer, req in
+    sparse_decisions = [sparse_decision(layer, sparse_node_dims(n), ctx.dtype, req, ctx.target, opts.allow_fallback)
+                        for n, layer, req in
                         zip(sparse, sparse_layers, sparse_requests)]
     meta_fields: list[str] = []
     for fields in [*(get_backend(d.backend).metadata for d in decisions), *([INDEXER_METADATA] if sparse else [])]:

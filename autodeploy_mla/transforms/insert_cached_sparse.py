@@ -44,28 +44,36 @@ INDEX_CACHE_PREFIX = "dsa_index_cache_"
 INDEXER = DSA_INDEXER.default
 
 
-def sparse_decision(layer: str, dims: MLADims, dtype: torch.dtype, requested: str, target: Target) -> BackendDecision:
+def sparse_decision(layer: str, dims: MLADims, dtype: torch.dtype, requested: str, target: Target,
+                    allow_fallback: bool = False) -> BackendDecision:
     """Which backend serves a sparse layer: an explicit request (a dense backend with a sparse sibling
-    maps to it) must be accepted by that backend's check; `auto` takes the first of SPARSE_BACKENDS
-    whose check accepts the layer on a CUDA device, else the torch reference."""
+    maps to it) must be accepted by that backend's check, or with `allow_fallback` resolution goes on
+    as for `auto`, which takes the first of SPARSE_BACKENDS whose check accepts the layer on a CUDA
+    device, else the torch reference."""
     wanted = SPARSE_SIBLING.get(requested, requested)
     if wanted not in ("auto", *SPARSE_BACKENDS):
         raise ValueError(f"{layer}: backend {requested!r} was requested, but {layer} is sparse MLA (DeepSeek Sparse "
                          f"Attention), which only {', '.join(map(repr, SPARSE_BACKENDS))} serve so far; request 'auto' "
                          "or one of those for it")
+    rejected: list[tuple[str, str]] = []
     if wanted != "auto":
         res = get_backend(wanted).check(dims, dtype, target)
-        if not res.ok:
-            raise ValueError(f"{layer}: backend {wanted!r} was requested for sparse MLA but refuses: {res.reason}")
         how = "requested" if wanted == requested else f"{requested!r} requested: its sparse sibling"
-        return BackendDecision(layer, dims, requested, wanted, f"sparse MLA (DSA): {how}; {res.reason}")
-    rejected: list[tuple[str, str]] = []
+        if res.ok:
+            return BackendDecision(layer, dims, requested, wanted, f"sparse MLA (DSA): {how}; {res.reason}")
+        if not allow_fallback:
+            raise ValueError(f"{layer}: backend {wanted!r} was requested for sparse MLA but refuses: {res.reason}. "
+                             "Choose another backend, use `auto`, or set insert_cached_mla_attention.allow_fallback: true.")
+        rejected.append((wanted, res.reason))
     if target.device.type == "cuda":
         for name in SPARSE_BACKENDS[:-1]:
+            if name == wanted:
+                continue
             res = get_backend(name).check(dims, dtype, target)
             if res.ok:
+                how = "fallback" if wanted != "auto" else "auto"
                 return BackendDecision(layer, dims, requested, name,
-                                       f"sparse MLA (DSA): first accepted in the sparse auto order; {res.reason}",
+                                       f"sparse MLA (DSA): {how}: first accepted in the sparse auto order; {res.reason}",
                                        tuple(rejected))
             rejected.append((name, res.reason))
     why = "not on CUDA" if target.device.type != "cuda" else "no faster sparse backend accepts the layer"
