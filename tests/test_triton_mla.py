@@ -111,7 +111,7 @@ def test_split_k_on_and_off(splits, mode, small_blocks):
 def test_static_split_plan_used_under_capture(monkeypatch, small_blocks):
     """Under CUDA-graph capture the decode split plan comes from the page-table width, not from the
     step's max kv length; it must give the same results (chunks past a sequence are skipped)."""
-    monkeypatch.setattr(top, "_capturing", lambda: True)
+    monkeypatch.setattr(top, "_capturing_on", lambda dev: True)
     sch = [{0: 3, 1: 2}] + [{0: 1, 1: 1}] * 6 + [{0: 1, 1: 1, 2: 50}, {0: 1, 1: 1, 2: 1}]
     res = scenario(CPU_DIMS["r64_dr8"], sch, page_size=4)
     assert res.max_rel_error() < 1e-5

@@ -23,7 +23,7 @@ policy.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Optional
 
 import torch
@@ -36,6 +36,7 @@ from ..step_context import active_session
 from . import tuning
 from .sparse import DSA_INDEXER_WITH_CACHE as SPARSE_INDEXER_WITH_CACHE
 from .sparse import triton_mla_sparse_with_cache
+from .launch import BoundKernel, LaunchCache
 from .tuning import (
     MAX_EXPAND_HEAD_DIM,
     MAX_KV_LORA_RANK,
@@ -122,6 +123,11 @@ DEFAULT_POLICY = TritonPolicy()
 
 
 class TritonMLASession(BackendSession):
+    """The Triton backend's state for one model: its policy, the kernel variants already loaded, the
+    compiled kernels it launches directly (`LaunchCache`), and the step plan `prepare` makes once per
+    step for every layer: the step's host shape (`StepShape`) and, filled by the first layer of each
+    kind of node, the launch plans the other layers of that kind reuse."""
+
     backend = "triton"
 
     def __init__(self, spec: SessionSpec, policy: TritonPolicy = DEFAULT_POLICY) -> None:
@@ -129,37 +135,118 @@ class TritonMLASession(BackendSession):
         self.policy = policy
         #: (kernel config, dims, dtype, device, page size) whose SPLIT and non-SPLIT variants are loaded.
         self.warmed: set[tuple[Any, ...]] = set()
+        self.launches = LaunchCache()
+        #: this step's host shape (None before the first prepare: ops then read the host metadata)
+        self.step: Optional[StepShape] = None
+        #: this step's launch plans by node kind and role (cleared by prepare)
+        self.plans: dict[tuple[Any, ...], Any] = {}
+        #: what every op call of this model runs with (the dicts above and below are shared with it)
+        self.call = _Call(policy, self.warmed, self.launches, self.plans, descriptors={}, views={})
+
+    def prepare(self, meta: Any, step: Any) -> None:
+        """Read the step's host metadata once for all layers (ops check the batch counts still match)."""
+        self.step = StepShape.from_host(meta.get("batch_info_host"), meta.get("max_seq_info_host"),
+                                        meta.get("cu_seqlen_host"), meta.get("input_pos_host"))
+        self.plans.clear()
+
+    def stats(self) -> dict[str, Any]:
+        return {"warmed_variants": len(self.warmed), "step_plans": len(self.plans), **self.launches.stats()}
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """Host facts of one step that every layer's launch decisions read (DESIGN §7 host mirrors)."""
+
+    n_pre: int  # prefill sequences (chunked-prefill continuations included)
+    n_pre_tok: int  # their new tokens
+    n_dec: int  # decode sequences (one token each)
+    max_q: int
+    max_kv: int
+    prefix: int  # cached tokens under the prefill sequences
+    pairs: int  # causal (query, key) pairs of the prefill part
+
+    @property
+    def num_tok(self) -> int:
+        return self.n_pre_tok + self.n_dec
+
+    @property
+    def key(self) -> tuple[int, int, int, int, int]:
+        return (self.n_pre, self.n_pre_tok, self.n_dec, self.max_q, self.max_kv)
+
+    @classmethod
+    def from_host(cls, batch_info_host: torch.Tensor, max_seq_info_host: torch.Tensor,
+                  cu_seqlen_host: torch.Tensor, input_pos_host: torch.Tensor) -> "StepShape":
+        n_pre, n_pre_tok, n_dec = (int(v) for v in batch_info_host.tolist()[:3])
+        max_q, max_kv = (int(v) for v in max_seq_info_host.tolist()[:2])
+        prefix = pairs = 0
+        if n_pre > 0:
+            cu = cu_seqlen_host[: n_pre + 1].numpy().astype("int64")
+            q = cu[1:] - cu[:-1]
+            p = input_pos_host[:n_pre].numpy().astype("int64")
+            prefix, pairs = int(p.sum()), int((q * p + q * (q + 1) // 2).sum())
+        return cls(n_pre, n_pre_tok, n_dec, max_q, max_kv, prefix, pairs)
 
 
 @dataclass
 class _Call:
-    """What one op call runs with: the policy, and where to record warmed-up kernel variants."""
+    """What one op call runs with: the policy, and from its model's session the kernel variants
+    already loaded, the compiled kernels to launch directly and the step's plans. Outside a model step
+    (no session) they are None: kernels go through Triton's JIT launcher and nothing is remembered."""
 
     policy: TritonPolicy
     warmed: Optional[set[tuple[Any, ...]]] = field(default=None)
+    launches: Optional[LaunchCache] = field(default=None)
+    plans: Optional[dict[tuple[Any, ...], Any]] = field(default=None)
+    #: the session's per-cache TMA descriptors
+    descriptors: Optional[dict[tuple[Any, ...], Any]] = field(default=None)
+    #: the session's (W_kn, W_v) views per kv_b_proj weight
+    views: Optional[dict[tuple[Any, ...], Any]] = field(default=None)
 
     def empty(self, *shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         if self.policy.poison_buffers:
             return torch.full(shape, float("nan"), dtype=dtype, device=device)
         return torch.empty(*shape, dtype=dtype, device=device)
 
+    def bound(self, fn: Any, constexprs: dict[str, Any]) -> BoundKernel:
+        if self.launches is None:
+            return BoundKernel(fn, constexprs)
+        return self.launches.get(fn, constexprs)
 
-def _capturing() -> bool:
-    """True while a CUDA graph is being captured (then only static bounds may size the grid)."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    def plan(self, key: tuple[Any, ...], make: Any) -> Any:
+        """The step's plan for `key`: made by `make()` once per step when there is a session."""
+        if self.plans is None:
+            return make()
+        got = self.plans.get(key)
+        if got is None:
+            got = self.plans[key] = make()
+        return got
+
+
+def _capturing_on(dev: torch.device) -> bool:
+    """True while a CUDA graph is being captured on `dev`'s stream (then only static bounds may size
+    the grid). A CPU op never captures: no CUDA query."""
+    return dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 # ----------------------------------------------------------------------------- launchers
-def _launch_append(compressed_kv, kpe, mla_cache, cache_loc, num_tok, dims, scales: CacheScales = UNIT_SCALES):
+APPEND_BLOCK_T = 16
+
+
+def _append_kernel(call: _Call, dims: MLADims, cache_dtype: torch.dtype) -> BoundKernel:
     r, dr = dims.kv_lora_rank, dims.qk_rope_head_dim
-    block_t = 16
-    flat = mla_cache.view(-1, mla_cache.shape[-1])
-    K.append_kernel[(triton.cdiv(num_tok, block_t),)](
-        compressed_kv, kpe, flat, cache_loc, num_tok, 1.0 / scales.latent, 1.0 / scales.rope,
-        compressed_kv.stride(1), kpe.stride(1), flat.stride(0),
-        R=r, DR=dr, BLOCK_T=block_t, BLOCK_R=pow2(r), BLOCK_DR=pow2(dr), QUANT=is_fp8(mla_cache.dtype),
-        EXACT_CAST=interpreting(), num_warps=4,
-    )
+    return call.bound(K.append_kernel, dict(R=r, DR=dr, BLOCK_T=APPEND_BLOCK_T, BLOCK_R=pow2(r), BLOCK_DR=pow2(dr),
+                                            QUANT=is_fp8(cache_dtype), EXACT_CAST=interpreting(), num_warps=4))
+
+
+def _launch_append(compressed_kv, kpe, mla_cache, cache_loc, num_tok, dims, scales: CacheScales = UNIT_SCALES,
+                   call: Optional[_Call] = None):
+    """append_kernel over the first `num_tok` tokens (the cache is passed whole: its rows are
+    [num_pages * page_size, R + Dr] with row stride mla_cache.stride(1))."""
+    call = call or _Call(DEFAULT_POLICY)
+    bk = call.plan(("append", dims, mla_cache.dtype), lambda: _append_kernel(call, dims, mla_cache.dtype))
+    bk.launch((triton.cdiv(num_tok, APPEND_BLOCK_T),), (compressed_kv, kpe, mla_cache, cache_loc),
+              (num_tok, 1.0 / scales.latent, 1.0 / scales.rope, compressed_kv.stride(1), kpe.stride(1),
+               mla_cache.stride(1)))
 
 
 def _scaled(mla_cache: torch.Tensor, scales: CacheScales) -> bool:
@@ -193,16 +280,32 @@ def _heads_on_n_descriptors(flat: torch.Tensor, cfg, page_size: int, block_c: in
             TensorDescriptor.from_tensor(flat, [cfg.block_n, pow2(dr)]) if dr else None)
 
 
-def _launch_absorbed(call: _Call, q_abs, q_pe, mla_cache, page_table, cu_seqlen, input_pos, seq_len, latent,
-                     *, seq_base, n_seqs, tok_base, n_tok, abs_base, max_q, kv_bound, cfg, dims, qk_scale,
-                     scales: CacheScales = UNIT_SCALES, q_scale: Optional[torch.Tensor] = None):
-    """`q_scale` given: q_abs / q_pe are e4m3 (quantize_queries) and the kernel runs e4m3 MMAs.
-    `cfg.heads_on_n`: absorbed_attn_heads_on_n_kernel (never with q_scale)."""
+def _reduce_meta(r: int) -> dict[str, Any]:
+    return dict(R=r, BLOCK_R=pow2(r), num_warps=4 if r <= 256 else 8)
+
+
+@dataclass(frozen=True)
+class _AbsorbedLaunch:
+    """One absorbed launch of a step, planned once for every layer of the same kind: the attention
+    kernel (+ split merge), grid, split count and chunk."""
+
+    attn: BoundKernel
+    reduce: Optional[BoundKernel]
+    grid: tuple[int, int, int]
+    splits: int
+    chunk: int
+    heads_on_n: bool
+    block_c: int
+    tma_ok: bool  # the config asks for TMA tiles and the device has them (the cache's alignment is per layer)
+
+
+def _plan_absorbed(call: _Call, cfg, dims: MLADims, q_dtype: torch.dtype, mla_cache: torch.Tensor, scaled: bool,
+                   fp8_dot: bool, n_seqs: int, max_q: int, kv_bound: int, dev: torch.device) -> _AbsorbedLaunch:
     n, r, dr = dims.num_heads, dims.kv_lora_rank, dims.qk_rope_head_dim
     num_hb = triton.cdiv(n, cfg.block_h)
     num_qb = triton.cdiv(max_q, cfg.block_q)
-    dev = q_abs.device
     progs = n_seqs * num_hb * num_qb
+    page_size = mla_cache.shape[1]
     if cfg.heads_on_n:
         width = pow2(r) + (pow2(dr) if dr else 0)
         partial = cfg.block_h * cfg.block_q * r * 8 / (cfg.block_n * width * mla_cache.element_size())
@@ -211,70 +314,107 @@ def _launch_absorbed(call: _Call, q_abs, q_pe, mla_cache, page_table, cu_seqlen,
                                          partial)
     else:
         splits, chunk = split_plan(progs, kv_bound, cfg.block_n, call.policy.decode_splits, dev)
-    split = splits > 1
-    flat = mla_cache.view(-1, mla_cache.shape[-1])
-    page_size = mla_cache.shape[1]
-    scaled = _scaled(mla_cache, scales) or q_scale is not None
     meta = dict(
         N=n, R=r, DR=dr, PAGE_SIZE=page_size, NUM_HB=num_hb, BLOCK_H=cfg.block_h, BLOCK_Q=cfg.block_q,
-        BLOCK_N=cfg.block_n, BLOCK_DR=pow2(dr), DOT_PREC=dot_precision(q_abs.dtype), SCALED=scaled,
+        BLOCK_N=cfg.block_n, BLOCK_DR=pow2(dr), DOT_PREC=dot_precision(q_dtype), SCALED=scaled,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    block_c = 0
+    tma_ok = False
     if cfg.heads_on_n:
-        if q_scale is not None:
+        if fp8_dot:
             raise AssertionError("FP8_DOT runs on absorbed_attn_kernel only (decode_config picks it)")
         kernel = K.absorbed_attn_heads_on_n_kernel
         block_c = max(16, pow2(r) // 2)
-        descs = _heads_on_n_descriptors(flat, cfg, page_size, block_c, dr)
-        meta.update(BLOCK_C=block_c, USE_TMA=descs[0] is not None,
-                    F16=is_fp8(mla_cache.dtype) and q_abs.dtype == torch.bfloat16)
+        tma_ok = (cfg.tma and dev.type == "cuda" and page_size % cfg.block_n == 0
+                  and torch.cuda.get_device_capability(dev) >= (9, 0))
+        meta.update(BLOCK_C=block_c, F16=is_fp8(mla_cache.dtype) and q_dtype == torch.bfloat16)
     else:
         kernel = K.absorbed_attn_kernel
-        descs = ()
-        meta.update(BLOCK_R=pow2(r), FP8_DOT=q_scale is not None, EXACT_CAST=interpreting())
-    reduce_meta = dict(R=r, BLOCK_R=pow2(r), num_warps=4 if r <= 256 else 8)
+        meta.update(BLOCK_R=pow2(r), FP8_DOT=fp8_dot, EXACT_CAST=interpreting())
+    split = splits > 1
+    if cfg.heads_on_n:  # USE_TMA is decided per layer (the cache's alignment): both variants may run
+        attn = call.bound(kernel, {**meta, "SPLIT": split, "USE_TMA": tma_ok})
+    else:
+        attn = call.bound(kernel, {**meta, "SPLIT": split})
+    reduce = call.bound(K.split_reduce_kernel, _reduce_meta(r)) if split else None
+    return _AbsorbedLaunch(attn, reduce, (num_hb * num_qb, n_seqs, splits), splits, chunk, cfg.heads_on_n, block_c,
+                           tma_ok)
+
+
+def _launch_absorbed(call: _Call, q_abs, q_pe, mla_cache, page_table, cu_seqlen, input_pos, seq_len, latent,
+                     *, seq_base, n_seqs, tok_base, n_tok, abs_base, max_q, kv_bound, cfg, dims, qk_scale,
+                     scales: CacheScales = UNIT_SCALES, q_scale: Optional[torch.Tensor] = None) -> int:
+    """`q_scale` given: q_abs / q_pe are e4m3 (quantize_queries) and the kernel runs e4m3 MMAs.
+    `cfg.heads_on_n`: absorbed_attn_heads_on_n_kernel (never with q_scale). Returns the split count."""
+    n, r, dr = dims.num_heads, dims.kv_lora_rank, dims.qk_rope_head_dim
+    dev = q_abs.device
+    scaled = _scaled(mla_cache, scales) or q_scale is not None
+    fp8_dot = q_scale is not None
+    key = ("absorbed", cfg, dims, q_abs.dtype, mla_cache.dtype, mla_cache.shape[1], scaled, fp8_dot, n_seqs, max_q,
+           kv_bound)
+    plan = call.plan(key, lambda: _plan_absorbed(call, cfg, dims, q_abs.dtype, mla_cache, scaled, fp8_dot, n_seqs,
+                                                  max_q, kv_bound, dev))
+    splits, chunk = plan.splits, plan.chunk
+    flat_stride = mla_cache.stride(1)
+    if plan.heads_on_n:
+        descs = _cache_descriptors(call, mla_cache, cfg, plan.block_c, dr) if plan.tma_ok else (None, None)
+        attn = plan.attn
+        if plan.tma_ok and descs[0] is None:  # this layer's cache cannot take TMA: the pointer variant
+            attn = call.bound(attn.fn, {**attn.constexprs, "USE_TMA": False})
+        extra: tuple[Any, ...] = descs
+    else:
+        attn = plan.attn
+        extra = (latent if q_scale is None else q_scale,)
 
     def args(part_acc, part_lse):
         is_split = part_acc is not latent
         pa = part_acc.stride()[:3] if is_split else (0, 0, 0)
         pl = part_lse.stride()[:2] if is_split else (0, 0)
-        if cfg.heads_on_n:
-            extra = (*descs,)
-        else:
-            extra = (latent if q_scale is None else q_scale,)
-        attn = (q_abs, q_pe, flat, page_table, cu_seqlen, input_pos, seq_len, latent, part_acc, part_lse,
-                *extra, seq_base, tok_base, abs_base, chunk, qk_scale, scales.latent, scales.rope,
-                q_abs.stride(0), q_abs.stride(1), q_pe.stride(1), q_pe.stride(2),
-                flat.stride(0), page_table.stride(0), latent.stride(0), latent.stride(1), *pa, *pl)
-        red = (part_acc, part_lse, latent, tok_base, abs_base, splits, *pa, *pl, latent.stride(0), latent.stride(1))
-        return attn, red
+        ptrs = (q_abs, q_pe, mla_cache, page_table, cu_seqlen, input_pos, seq_len, latent, part_acc, part_lse, *extra)
+        scalars = (seq_base, tok_base, abs_base, chunk, qk_scale, scales.latent, scales.rope,
+                   q_abs.stride(0), q_abs.stride(1), q_pe.stride(1), q_pe.stride(2),
+                   flat_stride, page_table.stride(0), latent.stride(0), latent.stride(1), *pa, *pl)
+        red = (tok_base, abs_base, splits, *pa, *pl, latent.stride(0), latent.stride(1))
+        return ptrs, scalars, (part_acc, part_lse, latent), red
 
-    if dev.type == "cuda" and not _capturing():
+    if dev.type == "cuda" and not _capturing_on(dev):
         # Load both variants (SPLIT or not) now, in eager mode: a decode step captured into a CUDA
         # graph later plans its splits from the static capacity and may need the other variant,
         # and loading a kernel module while a stream is capturing is not allowed.
-        key = (cfg, dims, q_abs.dtype, mla_cache.dtype, scaled, q_scale is not None, dev, page_size)
-        if call.warmed is None or key not in call.warmed:
+        wkey = (cfg, dims, q_abs.dtype, mla_cache.dtype, scaled, fp8_dot, dev, mla_cache.shape[1], extra[0] is None)
+        if call.warmed is None or wkey not in call.warmed:
             dummy_acc = torch.empty(1, n, 2, r, dtype=torch.float32, device=dev)
             dummy_lse = torch.empty(1, n, 2, dtype=torch.float32, device=dev)
             for pa_, pl_, sp in ((latent, latent, False), (dummy_acc, dummy_lse, True)):
-                a_attn, a_red = args(pa_, pl_)
-                kernel.warmup(*a_attn, SPLIT=sp, grid=(1,), **meta).run  # noqa: B018
+                ptrs, scalars, rptrs, red = args(pa_, pl_)
+                call.bound(attn.fn, {**attn.constexprs, "SPLIT": sp}).warmup(ptrs, scalars)
                 if sp:
-                    K.split_reduce_kernel.warmup(*a_red, grid=(1,), **reduce_meta).run  # noqa: B018
+                    call.bound(K.split_reduce_kernel, _reduce_meta(r)).warmup(rptrs, red)
             if call.warmed is not None:
-                call.warmed.add(key)
+                call.warmed.add(wkey)
 
-    if split:
+    if splits > 1:
         part_acc = call.empty(n_tok, n, splits, r, dtype=torch.float32, device=dev)
         part_lse = call.empty(n_tok, n, splits, dtype=torch.float32, device=dev)
     else:
         part_acc = part_lse = latent  # unused
-    a_attn, a_red = args(part_acc, part_lse)
-    kernel[(num_hb * num_qb, n_seqs, splits)](*a_attn, SPLIT=split, **meta)
-    if split:
-        K.split_reduce_kernel[(n_tok, n)](*a_red, **reduce_meta)
+    ptrs, scalars, rptrs, red = args(part_acc, part_lse)
+    attn.launch(plan.grid, ptrs, scalars)
+    if plan.reduce is not None:
+        plan.reduce.launch((n_tok, n), rptrs, red)
     return splits
+
+
+def _cache_descriptors(call: _Call, mla_cache: torch.Tensor, cfg, block_c: int, dr: int):
+    """The heads-on-N TMA descriptors of one layer's cache, built once per cache (they hold no step data)."""
+    key = (mla_cache.data_ptr(), tuple(mla_cache.shape), mla_cache.dtype, cfg.block_n, block_c, dr)
+    got = None if call.descriptors is None else call.descriptors.get(key)
+    if got is None:
+        got = _heads_on_n_descriptors(mla_cache.view(-1, mla_cache.shape[-1]), cfg, mla_cache.shape[1], block_c, dr)
+        if call.descriptors is not None:
+            call.descriptors[key] = got
+    return got
 
 
 def _prefill_expanded(call: _Call, q_nope, q_pe, mla_cache, kv_b_proj_weight, page_table, cu_seqlen, input_pos,
@@ -286,29 +426,26 @@ def _prefill_expanded(call: _Call, q_nope, q_pe, mla_cache, kv_b_proj_weight, pa
     kv_cu = torch.zeros(n_pre + 1, dtype=torch.int32, device=dev)
     torch.cumsum(seq_len[:n_pre], 0, dtype=torch.int32, out=kv_cu[1:])
     lat = call.empty(total_kv, w, dtype=q_nope.dtype, device=dev)  # an FP8 cache is dequantised here
-    flat = mla_cache.view(-1, w)
     block_t = 32
-    K.gather_kv_kernel[(triton.cdiv(max_kv, block_t), n_pre)](
-        flat, page_table, seq_len, kv_cu, lat, scales.latent, scales.rope,
-        flat.stride(0), page_table.stride(0), lat.stride(0),
-        W=w, R=r, PAGE_SIZE=mla_cache.shape[1], BLOCK_T=block_t, BLOCK_W=min(256, pow2(w)),
-        SCALED=_scaled(mla_cache, scales), num_warps=4,
-    )
+    gather = call.bound(K.gather_kv_kernel, dict(W=w, R=r, PAGE_SIZE=mla_cache.shape[1], BLOCK_T=block_t,
+                                                 BLOCK_W=min(256, pow2(w)), SCALED=_scaled(mla_cache, scales),
+                                                 num_warps=4))
+    gather.launch((triton.cdiv(max_kv, block_t), n_pre), (mla_cache, page_table, seq_len, kv_cu, lat),
+                  (scales.latent, scales.rope, mla_cache.stride(1), page_table.stride(0), lat.stride(0)))
     kv = torch.matmul(lat[:, :r], kv_b_proj_weight.t())  # [total_kv, N*(Dn+Dv)]: K_nope | V per head
     cfg = expand_config(dims, q_nope.dtype, triton.cdiv(max_q, 128) * n * n_pre, tuning.num_sms(dev))
     bm, bn = cfg.block_m, cfg.block_n
     num_qb = triton.cdiv(max_q, bm)
     dn1, dn2 = nope_chunks(dn, cfg.split_nope)
     descs = _kv_descriptors(kv, lat, bn, dn1, dn2, pow2(dv), pow2(dr) if dr else 0) if cfg.tma else None
-    K.expanded_prefill_kernel[(num_qb, n, n_pre)](
-        q_nope, q_pe, kv, lat, cu_seqlen, input_pos, kv_cu, out, *(descs or (None,) * 4), qk_scale,
-        q_nope.stride(1), q_nope.stride(2), q_pe.stride(1), q_pe.stride(2),
-        kv.stride(0), lat.stride(0), out.stride(1), out.stride(2),
+    expand = call.bound(K.expanded_prefill_kernel, dict(
         DN=dn, DV=dv, DR=dr, R=r, BLOCK_M=bm, BLOCK_N=bn,
         BLOCK_DN=dn1, BLOCK_DN2=dn2, BLOCK_DV=pow2(dv), BLOCK_DR=pow2(dr),
         DOT_PREC=dot_precision(q_nope.dtype), HEAVY_FIRST=cfg.heavy_first, USE_TMA=descs is not None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+    expand.launch((num_qb, n, n_pre), (q_nope, q_pe, kv, lat, cu_seqlen, input_pos, kv_cu, out, *(descs or (None,) * 4)),
+                  (qk_scale, q_nope.stride(1), q_nope.stride(2), q_pe.stride(1), q_pe.stride(2),
+                   kv.stride(0), lat.stride(0), out.stride(1), out.stride(2)))
 
 
 def _kv_descriptors(kv: torch.Tensor, lat: torch.Tensor, bn: int, dn1: int, dn2: int, dv: int, dr: int):
@@ -324,14 +461,6 @@ def _kv_descriptors(kv: torch.Tensor, lat: torch.Tensor, bn: int, dn1: int, dn2:
             TensorDescriptor.from_tensor(kv, [bn, dv]), TensorDescriptor.from_tensor(lat, [bn, dr]) if dr else None)
 
 
-def _prefill_shape(cu_seqlen_host, input_pos_host, n_pre: int) -> tuple[int, int, int]:
-    """(new tokens, cached prefix tokens, causal (query, key) pairs) of the prefill seqs, from host data."""
-    q = (cu_seqlen_host[1 : n_pre + 1] - cu_seqlen_host[:n_pre]).long()
-    p = input_pos_host[:n_pre].long()
-    pairs = (q * p + q * (q + 1) // 2).sum()
-    return int(q.sum()), int(p.sum()), int(pairs)
-
-
 # ----------------------------------------------------------------------------- the op
 def _decode_config(call: _Call, dims: MLADims, dtype: torch.dtype, cache_dtype: torch.dtype):
     """decode_config under the policy: FP8_DOT runs on the head-rows kernel only."""
@@ -339,11 +468,33 @@ def _decode_config(call: _Call, dims: MLADims, dtype: torch.dtype, cache_dtype: 
     return decode_config(dims, dtype, cache_dtype, layout)
 
 
-def _current_call() -> _Call:
+def _current_call(meta: Mapping[str, torch.Tensor]) -> tuple[_Call, StepShape]:
+    """The call context and the step's host shape. With a session whose `prepare` saw this step
+    (its batch counts match the host metadata), both come from the session and the step's plans are
+    shared by all layers; otherwise they are made for this call alone."""
+    bi = meta["batch_info_host"].tolist()
+    ms = meta["max_seq_info_host"].tolist()
     sess = active_session("triton")
     if isinstance(sess, TritonMLASession):
-        return _Call(sess.policy, sess.warmed)
-    return _Call(DEFAULT_POLICY)
+        step = sess.step
+        if step is not None and step.key == (bi[0], bi[1], bi[2], ms[0], ms[1]):
+            return sess.call, step
+        call = replace(sess.call, plans=None)
+    else:
+        call = _Call(DEFAULT_POLICY)
+    return call, StepShape.from_host(meta["batch_info_host"], meta["max_seq_info_host"], meta["cu_seqlen_host"],
+                                     meta["input_pos_host"])
+
+
+def _absorb_weights(call: _Call, dims: MLADims, kv_b_proj_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(W_kn, W_v) views of a layer's kv_b_proj weight, made once per weight when there is a session."""
+    if call.views is None:
+        return dims.split_kv_b(kv_b_proj_weight)
+    key = (kv_b_proj_weight.data_ptr(), kv_b_proj_weight.shape, kv_b_proj_weight.dtype, dims)
+    got = call.views.get(key)
+    if got is None:
+        got = call.views[key] = dims.split_kv_b(kv_b_proj_weight)
+    return got
 
 
 def _triton_mla_with_cache(x: MLAInputs, meta: Mapping[str, torch.Tensor], mla_cache: torch.Tensor,
@@ -356,15 +507,16 @@ def _triton_mla_with_cache(x: MLAInputs, meta: Mapping[str, torch.Tensor], mla_c
     why = validate_dims(dims, x.q_nope.dtype)
     if why:
         raise MLAShapeError(f"{OP}: {why}. The descriptor's check() refuses these dims; use another backend.")
-    call = _current_call()
+    call, step = _current_call(meta)
     prefill_mode = call.policy.prefill_mode
     if prefill_mode == "expand" and not expansion_supported(dims):
         raise MLAShapeError(f"{OP}: prefill_mode='expand' needs Dn, Dv <= {MAX_EXPAND_HEAD_DIM}, got "
                             f"Dn={dims.qk_nope_head_dim}, Dv={dims.v_head_dim}; use 'auto' or 'absorb'.")
     q_nope, q_pe, compressed_kv, kpe, kv_b_proj_weight = x
-    for name, t in (("compressed_kv", compressed_kv), ("kpe", kpe), ("q_nope", q_nope), ("q_pe", q_pe)):
-        if t.stride(-1) != 1:
-            raise MLAShapeError(f"{OP}: {name} must have a unit stride in its last dim, got strides {t.stride()}.")
+    if compressed_kv.stride(-1) != 1 or kpe.stride(-1) != 1 or q_nope.stride(-1) != 1 or q_pe.stride(-1) != 1:
+        for name, t in (("compressed_kv", compressed_kv), ("kpe", kpe), ("q_nope", q_nope), ("q_pe", q_pe)):
+            if t.stride(-1) != 1:
+                raise MLAShapeError(f"{OP}: {name} must have a unit stride in its last dim, got strides {t.stride()}.")
     if not mla_cache.is_contiguous():
         raise MLAShapeError(f"{OP}: mla_cache must be contiguous [num_pages, page_size, R+Dr].")
     page_table, cu_seqlen, input_pos = meta["page_table"], meta["cu_seqlen"], meta["input_pos"]
@@ -372,30 +524,30 @@ def _triton_mla_with_cache(x: MLAInputs, meta: Mapping[str, torch.Tensor], mla_c
 
     n, dv = dims.num_heads, dims.v_head_dim
     t_all = q_nope.shape[1]
-    out = call.empty(1, t_all, n, dv, dtype=q_nope.dtype, device=q_nope.device)
-    n_pre, n_pre_tok, n_dec = (int(v) for v in meta["batch_info_host"].tolist())  # host tensor: no sync
-    max_q, max_kv = (int(v) for v in meta["max_seq_info_host"].tolist())
-    num_tok = n_pre_tok + n_dec
+    dev = q_nope.device
+    out = call.empty(1, t_all, n, dv, dtype=q_nope.dtype, device=dev)
+    n_pre, n_pre_tok, n_dec, max_q, max_kv = step.key
+    num_tok = step.num_tok
     if num_tok < t_all:
         out[:, num_tok:].zero_()  # padded tokens: finite
     if num_tok == 0:
         return out
 
-    _launch_append(compressed_kv, kpe, mla_cache, meta["cache_loc"], num_tok, dims, scales)
+    _launch_append(compressed_kv, kpe, mla_cache, meta["cache_loc"], num_tok, dims, scales, call)
     qk_scale = resolve_scale(dims, scale) * LOG2E
 
     mode = None
     total_kv = 0
     if n_pre > 0:
-        new_tok, prefix, pairs = _prefill_shape(meta["cu_seqlen_host"], meta["input_pos_host"], n_pre)
-        total_kv = new_tok + prefix
-        mode = choose_prefill_path(dims, new_tok, prefix, pairs) if prefill_mode == "auto" else prefill_mode
+        total_kv = n_pre_tok + step.prefix
+        mode = choose_prefill_path(dims, n_pre_tok, step.prefix, step.pairs) if prefill_mode == "auto" \
+            else prefill_mode
 
     abs_lo = 0 if mode == "absorb" else n_pre_tok
     if abs_lo < num_tok:
-        w_kn, w_v = dims.split_kv_b(kv_b_proj_weight)
+        w_kn, w_v = _absorb_weights(call, dims, kv_b_proj_weight)
         q_abs = torch.bmm(q_nope[0, abs_lo:num_tok].transpose(0, 1), w_kn)  # [N, Ta, R]
-        latent = call.empty(*q_abs.shape, dtype=q_abs.dtype, device=q_abs.device)
+        latent = call.empty(*q_abs.shape, dtype=q_abs.dtype, device=dev)
         q_in, qpe_in, q_scale = q_abs, q_pe, None
         if is_fp8(mla_cache.dtype) and call.policy.fp8_dot:
             q_in, qpe_in, q_scale = quantize_queries(q_abs, q_pe[:, :num_tok])
@@ -411,16 +563,16 @@ def _triton_mla_with_cache(x: MLAInputs, meta: Mapping[str, torch.Tensor], mla_c
             # capture, a split count from the static cache capacity (page-table width), so a replay
             # stays correct while sequences grow; kernels skip chunks past each sequence's length.
             static_kv = page_table.shape[1] * mla_cache.shape[1]
-            kv_bound = static_kv if _capturing() else min(max_kv, static_kv)
+            kv_bound = static_kv if _capturing_on(dev) else min(max_kv, static_kv)
+            cfg = call.plan(("decode_cfg", dims, q_nope.dtype, mla_cache.dtype),
+                            lambda: _decode_config(call, dims, q_nope.dtype, mla_cache.dtype))
             _launch_absorbed(
                 call, q_in, qpe_in, mla_cache, page_table, cu_seqlen, input_pos, seq_len_with_cache, latent,
                 seq_base=n_pre, n_seqs=n_dec, tok_base=n_pre_tok, n_tok=n_dec, abs_base=abs_lo, max_q=1,
-                kv_bound=kv_bound, cfg=_decode_config(call, dims, q_nope.dtype, mla_cache.dtype), dims=dims,
-                qk_scale=qk_scale,
-                scales=scales, q_scale=q_scale,
+                kv_bound=kv_bound, cfg=cfg, dims=dims, qk_scale=qk_scale, scales=scales, q_scale=q_scale,
             )
-        o = torch.bmm(latent, w_v.transpose(1, 2))  # [N, Ta, Dv]
-        out[0, abs_lo:num_tok].copy_(o.transpose(0, 1))
+        # latent . W_v^T written straight into out's rows ([N, Ta, Dv] view, row stride N*Dv): no copy
+        torch.bmm(latent, w_v.transpose(1, 2), out=out[0, abs_lo:num_tok].transpose(0, 1))
     if mode == "expand":
         _prefill_expanded(
             call, q_nope, q_pe, mla_cache, kv_b_proj_weight, page_table, cu_seqlen, input_pos, seq_len_with_cache,
