@@ -152,6 +152,7 @@ class NewApi:
             from autodeploy_mla.testing.scenarios import step_descriptor
 
         self.reg, self.using_sessions, self.step_descriptor = reg, using_sessions, step_descriptor
+        self.via = "op"
 
     def check(self, be, dims, dtype, device, page_size):
         return be.check(dims, dtype, self.reg.Target.detect(device, page_size))
@@ -169,7 +170,10 @@ class NewApi:
         def prepare() -> None:
             session.prepare(info, describe(info))
 
-        return Step(be.cached_op.default, args, prepare, lambda: self.using_sessions(sessions))
+        # --via direct: what the piecewise runner calls for an eager attention piece (the backend's
+        # direct_call, no dispatcher), where the backend has one; else the op, as a graph calls it
+        op = getattr(be, "direct_call", None) if self.via == "direct" else None
+        return Step(op or be.cached_op.default, args, prepare, lambda: self.using_sessions(sessions))
 
 
 def load_api(root: Path):
@@ -265,6 +269,7 @@ def child_main(args: argparse.Namespace) -> None:
 
     root = Path(args.root)
     api = load_api(root)
+    api.via = args.via
     from autodeploy_mla.custom_ops.backend_registry import all_backends
     from autodeploy_mla.custom_ops.mla_dims import MLADims
 
@@ -342,7 +347,8 @@ def run_root(root: Path, args: argparse.Namespace) -> dict[str, Any]:
                "--device", args.device, "--dtype", args.dtype, "--backends", *args.backends,
                "--shapes", *args.shapes, "--calls", str(args.calls), "--warmup", str(args.warmup),
                "--calls-per-step", str(args.calls_per_step), "--cpu-threads", str(args.cpu_threads),
-               "--pin-cpu", str(args.pin_cpu), "--result-file", str(result)]
+               "--pin-cpu", str(args.pin_cpu), "--result-file", str(result),
+               "--via", args.new_via if root == Path(args.new_root).resolve() else "op"]
         # cwd outside the repo: nothing but PYTHONPATH can provide `autodeploy_mla`.
         proc = subprocess.run(cmd, env=env, cwd=tmp, check=False)
         if proc.returncode != 0:
@@ -550,7 +556,7 @@ def parent_main(args: argparse.Namespace) -> None:
     rows = build_rows(results, labels)
     meta = {"command": "python " + " ".join(sys.argv), "date": datetime.datetime.now().astimezone().isoformat(
         timespec="seconds"), "machine": runs[labels[0]][0]["machine"], "roots": {lb: str(r) for lb, r in roots.items()},
-            "git": git_state(), "device": args.device, "dtype": args.dtype, "calls": args.calls,
+            "git": git_state(), "new_via": args.new_via, "device": args.device, "dtype": args.dtype, "calls": args.calls,
             "warmup": args.warmup, "calls_per_step": args.calls_per_step, "rounds": args.rounds, "pin_cpu": args.pin_cpu,
             "cpu_threads": args.cpu_threads if args.device == "cpu" else None}
     lines = table(rows, labels)
@@ -590,6 +596,10 @@ def parse_args() -> argparse.Namespace:
                          "intra-op thread pool on one core, which made FlashInfer's host planning 100x slower)")
     ap.add_argument("--cpu-threads", type=int, default=1,
                     help="torch threads on --device cpu (0 = torch's default); 1 keeps a shared CPU quieter")
+    ap.add_argument("--new-via", default="op", choices=("op", "direct"),
+                    help="how the new root's calls are made: through the registered op (the dispatcher, as a "
+                         "graph node) or the backend's direct_call (what the piecewise runner calls); old: op")
+    ap.add_argument("--via", default="op", choices=("op", "direct"), help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help="directory for op_host_cost.{json,md,png}")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--result-file", default=None, help=argparse.SUPPRESS)

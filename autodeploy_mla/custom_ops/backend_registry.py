@@ -228,6 +228,9 @@ class MLABackend:
     #: serves sparse MLA (DSA) layers only: dense resolution never picks it
     sparse_only: ClassVar[bool] = False
     decode_graph_safe: ClassVar[bool] = False  # may run inside a whole-graph decode CUDA graph
+    #: the cached op's implementation with the op's signature, for runtimes that call an eager op
+    #: without the dispatcher (the lean path; None: always through the dispatcher)
+    direct_call: ClassVar[Optional[Any]] = None
 
     def check(self, dims: MLADims, dtype: torch.dtype, target: Target) -> CheckResult:
         raise NotImplementedError
@@ -298,6 +301,15 @@ def cached_ops() -> set[Any]:
             ops.add(b.cached_op)
             ops.add(getattr(b.cached_op, "default", b.cached_op))
     return ops
+
+
+def direct_calls() -> dict[Any, Any]:
+    """Cached op overload -> its backend's `direct_call`, for every backend that offers one."""
+    out: dict[Any, Any] = {}
+    for b in _REGISTRY.values():
+        if b.direct_call is not None:
+            out[getattr(b.cached_op, "default", b.cached_op)] = b.direct_call
+    return out
 
 
 def make_session_spec(dims: Sequence[MLADims], dtype: torch.dtype, device: torch.device | str, target: Target,

@@ -85,8 +85,9 @@ def append_to_paged_cache(mla_cache: torch.Tensor, x: MLAInputs, cache_loc: torc
     flat.index_copy_(0, cache_loc[:t].long(), new)
 
 
-def define_cached_op(name: str, metadata: tuple[str, ...], impl: CachedImpl) -> Any:
-    """Register `torch.ops.autodeploy.<name>` with the shared signature; returns the op packet."""
+def cached_kernel(name: str, metadata: tuple[str, ...], impl: CachedImpl) -> Callable[..., torch.Tensor]:
+    """The op's implementation with the shared positional signature: what the dispatcher calls, and
+    what a runtime may call directly for an eager op (the lean path: no dispatcher on the way)."""
     n_meta = len(metadata)
     cache_at = len(MLA_INPUTS) + n_meta
 
@@ -100,13 +101,23 @@ def define_cached_op(name: str, metadata: tuple[str, ...], impl: CachedImpl) -> 
         scales = UNIT_SCALES if pair == (1.0, 1.0) else CacheScales(*pair)
         return impl(x, meta, args[cache_at], rest.get("scale"), scales)
 
+    kernel.__name__ = kernel.__qualname__ = name
+    kernel.__doc__ = impl.__doc__
+    return kernel
+
+
+def define_cached_op(name: str, metadata: tuple[str, ...], impl: CachedImpl,
+                     kernel: Optional[Callable[..., torch.Tensor]] = None) -> Any:
+    """Register `torch.ops.autodeploy.<name>` with the shared signature; returns the op packet.
+    `kernel`: the `cached_kernel` of `impl` when the caller keeps it for direct calls."""
+    cache_at = len(MLA_INPUTS) + len(metadata)
+    kernel = kernel or cached_kernel(name, metadata, impl)
+
     def fake(*args: Any, **kwargs: Any) -> torch.Tensor:
         x = tuple.__new__(MLAInputs, args[:5])
         dims = check_cached_inputs(name, x, args[cache_at])
         return x.q_nope.new_empty(1, x.q_nope.shape[1], dims.num_heads, dims.v_head_dim)
 
-    kernel.__name__ = kernel.__qualname__ = name
-    kernel.__doc__ = impl.__doc__
     op = torch.library.custom_op(f"autodeploy::{name}", kernel, mutates_args=(CACHE_ARG,),
                                  schema=cached_op_schema(metadata))
     op.register_fake(fake)

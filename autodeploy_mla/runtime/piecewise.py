@@ -37,7 +37,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from ..custom_ops.backend_registry import StepDescriptor
+from ..custom_ops.backend_registry import StepDescriptor, direct_calls
 from .cuda_graphs import BORROW, OWNED, CaptureError, GraphCapturer, cuda_graphs_available, tensor_key
 
 STATIC, DYNAMIC = "static", "dynamic"
@@ -202,6 +202,9 @@ class PiecewiseRunner:
         self._capturer = GraphCapturer(self.device) if self.use_graphs else None
 
         top = split.module
+        direct = direct_calls()
+        #: dynamic pieces whose cached ops run without the dispatcher (their backend's direct_call)
+        self.direct_pieces: list[str] = []
         eager_attrs: dict[str, Any] = {}
         graph_attrs: dict[str, Any] = {}
         self.static_pieces: list[_StaticPiece] = []
@@ -219,7 +222,10 @@ class PiecewiseRunner:
                 self.static_pieces.append(sp)
                 graph_attrs[piece.name] = sp
             else:
-                graph_attrs[piece.name] = fn
+                fn = _with_direct_calls(sub, direct)
+                if fn is not sub:
+                    self.direct_pieces.append(piece.name)
+                eager_attrs[piece.name] = graph_attrs[piece.name] = fn
         for node in top.graph.nodes:  # leftover top-level attributes (normally none)
             if node.op == "get_attr":
                 eager_attrs[node.target] = graph_attrs[node.target] = _fetch(top, node.target)
@@ -306,7 +312,23 @@ class PiecewiseRunner:
             "captured": self.captured(),
             "stats": dict(self.stats),
             "failures": dict(self.failures),
+            "direct_call_pieces": len(self.direct_pieces),
         }
+
+
+def _with_direct_calls(sub: torch.fx.GraphModule, direct: dict[Any, Any]) -> torch.fx.GraphModule:
+    """A copy of dynamic piece `sub` (sharing its parameters) whose cached ops call their backend's
+    implementation directly: eager attention pieces run once per layer per non-graph step, and the
+    dispatcher's argument handling for a 19-argument mutating op is a large share of their host time
+    (docs/benchmarks/op_host_cost.md). Same function, same arguments; `sub` itself keeps the op."""
+    nodes = [n for n in sub.graph.nodes if n.op == "call_function" and n.target in direct]
+    if not nodes:
+        return sub
+    graph = copy.deepcopy(sub.graph)
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target in direct:
+            node.target = direct[node.target]
+    return torch.fx.GraphModule(sub, graph, sub.__class__.__name__)
 
 
 _ASSERT_OPS = (torch.ops.aten._assert_tensor_metadata.default,)

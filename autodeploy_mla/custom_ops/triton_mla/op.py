@@ -31,7 +31,7 @@ import torch
 from ..backend_registry import BackendSession, CheckResult, MLABackend, SessionSpec, Target, parse_version, register_backend
 from ..cache_format import FP8_DTYPE, FP8_MAX, UNIT_SCALES, CacheScales, cache_dtype_name, is_fp8
 from ..mla_dims import MLADims, MLAShapeError, resolve_scale
-from ..op_contract import MLAInputs, check_cached_inputs, define_cached_op
+from ..op_contract import MLAInputs, cached_kernel, check_cached_inputs, define_cached_op
 from ..step_context import active_session
 from . import tuning
 from .sparse import DSA_INDEXER_WITH_CACHE as SPARSE_INDEXER_WITH_CACHE
@@ -582,7 +582,9 @@ def _triton_mla_with_cache(x: MLAInputs, meta: Mapping[str, torch.Tensor], mla_c
     return out
 
 
-triton_mla_with_cache = define_cached_op(OP, METADATA, _triton_mla_with_cache)
+#: the op's implementation, called directly by the piecewise runner for eager attention pieces
+triton_mla_with_cache_direct = cached_kernel(OP, METADATA, _triton_mla_with_cache)
+triton_mla_with_cache = define_cached_op(OP, METADATA, _triton_mla_with_cache, triton_mla_with_cache_direct)
 
 
 # ----------------------------------------------------------------------------- descriptor
@@ -590,6 +592,7 @@ triton_mla_with_cache = define_cached_op(OP, METADATA, _triton_mla_with_cache)
 class TritonMLABackend(MLABackend):
     name = "triton"
     cached_op = triton_mla_with_cache
+    direct_call = staticmethod(triton_mla_with_cache_direct)
     metadata = METADATA
     source = "autodeploy_mla Triton kernels (docs/triton_backend.md; H200 numbers in docs/benchmarks/mla_kernels.md)"
     # Decode grids come from host batch_info (fixed per captured batch size) and a split count from

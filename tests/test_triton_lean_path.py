@@ -1,0 +1,199 @@
+"""The Triton backend's lean eager path (issue 14, item 4).
+
+CPU (CI): the op reads the step's host shape from its session (made once per step by `prepare`) and
+shares one launch plan between a step's layers; a session whose `prepare` did not see the step
+(counts differ) is not trusted; the piecewise runner calls the op's implementation directly for
+eager attention pieces and greedy tokens still equal HF eager (interpreted Triton, fp32);
+`BoundKernel`'s specialisation key separates everything Triton specialises on.
+GPU (marked): a direct launch of each compiled kernel gives the JIT launch's bytes, and the op in a
+session launches directly after its first step.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from autodeploy_mla.api import optimize
+from autodeploy_mla.custom_ops import get_backend
+from autodeploy_mla.custom_ops.backend_registry import StepDescriptor, Target, direct_calls, make_session_spec
+from autodeploy_mla.custom_ops.mla_dims import MLADims
+from autodeploy_mla.custom_ops.step_context import using_sessions
+from autodeploy_mla.custom_ops.triton_mla import op as top
+from autodeploy_mla.custom_ops.triton_mla.launch import BoundKernel, _spec
+from autodeploy_mla.runtime.page_allocator import PageAllocator
+from autodeploy_mla.runtime.sequence_info import SequenceInfo, StepSequence
+from autodeploy_mla.testing import hf_greedy_generate
+from autodeploy_mla.testing.tiny_configs import TINY_CONFIGS
+
+DIMS = MLADims(4, 16, 8, 16, 32)
+PAGE = 4
+
+
+def _session(device: str = "cpu", dtype=torch.float32) -> top.TritonMLASession:
+    spec = make_session_spec([DIMS], dtype, device, Target.detect(device, PAGE), 4, 32, 16)
+    return get_backend("triton").setup(spec)
+
+
+def _step(info: SequenceInfo, alloc: PageAllocator, seqs: list[tuple[int, int, int]], gen: torch.Generator):
+    alloc.ensure_many({sid: n + c for sid, n, c in seqs})
+    info.prepare_step([StepSequence(sid, [1] * n, c) for sid, n, c in seqs], alloc.pages_of)
+
+
+def _inputs(t: int, gen: torch.Generator, dtype=torch.float32, device="cpu"):
+    d = DIMS
+    mk = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float32).to(device, dtype)  # noqa: E731
+    return (mk(1, t, d.num_heads, d.qk_nope_head_dim), mk(1, t, d.num_heads, d.qk_rope_head_dim),
+            mk(1, t, d.kv_lora_rank), mk(1, t, 1, d.qk_rope_head_dim),
+            mk(d.num_heads * (d.qk_nope_head_dim + d.v_head_dim), d.kv_lora_rank) / 4)
+
+
+def _call(be, x, info, cache):
+    return be.cached_op.default(*x, *[info.get(m) for m in be.metadata], cache, None)
+
+
+def _reference(x, info, cache):
+    ref = get_backend("torch")
+    return ref.cached_op.default(*x, *[info.get(m) for m in ref.metadata], cache, None)
+
+
+# ----------------------------------------------------------------------------- CPU
+def test_step_plan_made_once_and_shared_by_layers():
+    """Two layers of one step share the session's plans; the next prepare clears them; outputs equal
+    the torch reference in every layer."""
+    gen = torch.Generator().manual_seed(0)
+    be = get_backend("triton")
+    sess = _session()
+    info = SequenceInfo(4, 32, 64, PAGE, torch.device("cpu"))
+    alloc = PageAllocator(40, PAGE, info.max_pages_per_seq)
+    caches = [torch.zeros(40, PAGE, DIMS.latent_dim) for _ in range(2)]
+    refs = [torch.zeros_like(c) for c in caches]
+
+    for seqs in ([(0, 6, 0), (1, 3, 0)], [(0, 1, 6), (1, 2, 3), (2, 1, 0)], [(0, 1, 7), (1, 1, 5), (2, 1, 1)]):
+        _step(info, alloc, seqs, gen)
+        sess.prepare(info, StepDescriptor(info.num_tokens, info.num_tokens, len(seqs), False))
+        assert sess.step is not None and sess.step.num_tok == sum(n for _, n, _ in seqs)
+        assert not sess.plans
+        with using_sessions({"triton": sess}):
+            for layer in range(2):
+                x = _inputs(info.num_tokens, gen)
+                got = _call(be, x, info, caches[layer])
+                want = _reference(x, info, refs[layer])
+                torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-4)
+                if layer == 0:
+                    plans_after_first = dict(sess.plans)
+            assert sess.plans == plans_after_first  # the second layer made no new plan
+        torch.testing.assert_close(caches[0], refs[0])
+
+
+def test_session_not_trusted_for_a_step_it_did_not_prepare():
+    """A session prepared for another step (other batch counts) is not used for this call: the op
+    reads the host metadata itself and keeps nothing in the session's step plans."""
+    gen = torch.Generator().manual_seed(1)
+    be = get_backend("triton")
+    sess = _session()
+    info = SequenceInfo(4, 32, 64, PAGE, torch.device("cpu"))
+    alloc = PageAllocator(40, PAGE, info.max_pages_per_seq)
+    cache, ref = torch.zeros(40, PAGE, DIMS.latent_dim), torch.zeros(40, PAGE, DIMS.latent_dim)
+
+    _step(info, alloc, [(0, 5, 0)], gen)
+    sess.prepare(info, StepDescriptor(5, 5, 1, False))
+    _step(info, alloc, [(0, 1, 5), (1, 4, 0)], gen)  # no prepare for this step
+    x = _inputs(info.num_tokens, gen)
+    with using_sessions({"triton": sess}):
+        got = _call(be, x, info, cache)
+    torch.testing.assert_close(got, _reference(x, info, ref), rtol=2e-4, atol=2e-4)
+    assert not sess.plans
+
+
+def test_piecewise_runner_calls_the_op_directly_and_tokens_equal_hf():
+    cfg = copy.deepcopy(TINY_CONFIGS["deepseek_v3"])
+    cfg["num_hidden_layers"] = 2
+    om = optimize(None, {
+        "model": {"hf_config": cfg, "device": "cpu", "dtype": "float32"},
+        "runtime": {"max_batch_size": 4, "max_seq_len": 64, "max_num_tokens": 16, "page_size": 4},
+        "transforms": {"piecewise": {"enabled": True, "on_cpu": True},
+                       "insert_cached_mla_attention": {"backend": "triton"}},
+    })
+    pw = om.runner.piecewise
+    dyn = [p.name for p in pw.split.pieces if p.kind == "dynamic"]
+    assert pw.direct_pieces == dyn and pw.summary()["direct_call_pieces"] == 2
+    direct = set(direct_calls().values())
+    for name in dyn:
+        run = pw.eager_module.get_submodule(name)
+        assert any(n.target in direct for n in run.graph.nodes if n.op == "call_function")
+        # the split graph itself keeps the registered op (reports, re-tracing)
+        src = pw.split.module.get_submodule(name)
+        assert not any(n.target in direct for n in src.graph.nodes if n.op == "call_function")
+    prompts = [[5, 6, 7, 8, 9], [3, 4], [9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 12]]
+    got = om.generate(prompts, max_new_tokens=5)
+    for p, g in zip(prompts, got):
+        assert g == hf_greedy_generate(om.eager_model, p, 5)
+    stats = om.runner.sessions["triton"].stats()
+    assert stats["step_plans"] >= 1 and stats["bound_kernels"] >= 3
+
+
+def test_specialisation_key_separates_what_triton_specialises():
+    t = torch.zeros(64, dtype=torch.float16)
+    assert _spec(t) != _spec(t[1:])  # 16-byte alignment
+    assert _spec(t) != _spec(t.float())  # dtype
+    assert len({_spec(1), _spec(16), _spec(17), _spec(2 ** 40)}) == 4  # ==1, %16, plain, 64-bit
+    assert _spec(True) != _spec(False) and _spec(None) is None
+    assert _spec(0.5) == _spec(2.0)  # floats are not specialised
+
+
+def test_bound_kernel_stays_on_the_jit_path_in_the_interpreter():
+    from autodeploy_mla.custom_ops.triton_mla import kernels as K
+
+    bk = BoundKernel(K.split_reduce_kernel, dict(R=8, BLOCK_R=16))
+    assert not bk.direct  # TRITON_INTERPRET=1 (conftest): nothing compiled to call
+    n, s, r = 2, 3, 8
+    acc = torch.randn(1, n, s, r)
+    lse = torch.randn(1, n, s)
+    out = torch.empty(n, 1, r)
+    bk.launch((1, n), (acc, lse, out), (0, 0, s, *acc.stride()[:3], *lse.stride()[:2], out.stride(0), out.stride(1)))
+    w = torch.softmax(lse * 0.6931471805599453, dim=-1)  # base-2 lse
+    torch.testing.assert_close(out[:, 0], (w[0, :, :, None] * acc[0]).sum(1), rtol=1e-5, atol=1e-5)
+    assert bk.jit_launches == 1 and bk.direct_launches == 0
+
+
+# ----------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+def test_gpu_direct_launches_equal_jit_launches():
+    """Decode and mixed steps through a session (direct launches from the second step on) give the
+    same bytes as the same op without a session (Triton's JIT launcher), and the direct path is used."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("interpreter")
+
+    gen = torch.Generator().manual_seed(3)
+    be = get_backend("triton")
+    dims = MLADims(16, 128, 64, 128, 512)
+    spec = make_session_spec([dims], torch.bfloat16, "cuda", Target.detect("cuda", 64), 8, 256, 64)
+    sess = be.setup(spec)
+    info = SequenceInfo(8, 256, 4096, 64, torch.device("cuda"))
+    alloc = PageAllocator(200, 64, info.max_pages_per_seq)
+    c_direct = torch.randn(200, 64, dims.latent_dim, generator=gen).to("cuda", torch.bfloat16)
+    c_jit = c_direct.clone()
+    for step, seqs in enumerate(([(i, 1, 300 + 97 * i) for i in range(6)],
+                                 [(i, 1, 301 + 97 * i) for i in range(6)],
+                                 [(0, 1, 302), (1, 1, 398), (6, 40, 0), (7, 17, 100)])):
+        alloc.ensure_many({sid: n + c for sid, n, c in seqs})
+        info.prepare_step([StepSequence(sid, [1] * n, c) for sid, n, c in seqs], alloc.pages_of)
+        sess.prepare(info, StepDescriptor(info.num_tokens, info.num_tokens, len(seqs), step < 2))
+        t = info.num_tokens
+        x = [torch.randn(*s, generator=gen).to("cuda", torch.bfloat16) for s in
+             ((1, t, 16, 128), (1, t, 16, 64), (1, t, 512), (1, t, 1, 64), (16 * 256, 512))]
+        x[4] = x[4] / 8
+        for _ in range(2):  # the first call of a variant compiles through the JIT; the second is direct
+            with using_sessions({"triton": sess}):
+                a = _call(be, x, info, c_direct)
+            b = _call(be, x, info, c_jit)
+            torch.cuda.synchronize()
+            assert torch.equal(a, b) and torch.equal(c_direct, c_jit)
+    assert sess.stats()["direct_launches"] > 0
