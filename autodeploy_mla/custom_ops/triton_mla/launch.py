@@ -38,7 +38,7 @@ _ALIGN = 16
 
 def _spec(v: Any) -> Any:
     """The part of one runtime argument that Triton may specialise a compiled kernel on."""
-    if isinstance(v, torch.Tensor):
+    if type(v) is torch.Tensor or isinstance(v, torch.Tensor):
         return (v.dtype, v.data_ptr() % _ALIGN == 0)
     if isinstance(v, bool) or v is None:
         return v
@@ -47,16 +47,24 @@ def _spec(v: Any) -> Any:
     if isinstance(v, float):
         return float
     base = getattr(v, "base", None)
-    if isinstance(base, torch.Tensor):  # a host TensorDescriptor
-        return ("desc", tuple(v.block_shape), base.dtype, base.data_ptr() % _ALIGN == 0,
-                tuple(int(s) * base.element_size() % _ALIGN == 0 for s in v.strides[:-1]))
+    if isinstance(base, torch.Tensor):  # a host TensorDescriptor: TMA needs 16-byte aligned bases and strides
+        return ("desc", tuple(v.block_shape), base.dtype)
     return type(v)
 
 
-def _runtime_hooks() -> tuple[Any, Any]:
-    knobs = getattr(triton, "knobs", None)
-    rt = getattr(knobs, "runtime", None)
-    return getattr(rt, "launch_enter_hook", None), getattr(rt, "launch_exit_hook", None)
+def _launch_hooks_active() -> bool:
+    """Whether a profiler set Triton's launch enter/exit hooks (they need the JIT path's launch
+    metadata). Triton >= 3.5 keeps them as a `HookChain` that is empty by default; older versions
+    as None or a plain callable."""
+    rt = getattr(getattr(triton, "knobs", None), "runtime", None)
+    for name in ("launch_enter_hook", "launch_exit_hook"):
+        h = getattr(rt, name, None)
+        if h is None:
+            continue
+        calls = getattr(h, "calls", None)
+        if calls is None or calls:
+            return True
+    return False
 
 
 class BoundKernel:
@@ -70,7 +78,7 @@ class BoundKernel:
     session (sessions are per model and stepped by one thread)."""
 
     __slots__ = ("fn", "constexprs", "_tail", "_compiled", "_scalar_keys", "direct", "jit_launches",
-                 "direct_launches")
+                 "direct_launches", "why_jit")
 
     #: distinct scalar tuples remembered (a step's layers share one; bases change between steps)
     MAX_SCALAR_KEYS = 256
@@ -84,12 +92,18 @@ class BoundKernel:
         n_runtime = sum(not getattr(p, "is_constexpr", True) for p in params)
         prefix_ok = all(not getattr(p, "is_constexpr", True) for p in params[:n_runtime])
         self._tail: Optional[tuple[Any, ...]] = None
-        if params and prefix_ok and not interpreting():
+        #: why launches go through the JIT launcher ("" while direct launches are possible)
+        self.why_jit = ""
+        if interpreting():
+            self.why_jit = "interpreter"
+        elif not params or not prefix_ok:
+            self.why_jit = "runtime parameters are not the signature's prefix"
+        else:
             try:
                 self._tail = tuple(self.constexprs[p.name] if p.name in self.constexprs else _default(p)
                                    for p in params[n_runtime:])
-            except KeyError:
-                self._tail = None  # a parameter we cannot fill: stay on the JIT path
+            except KeyError as e:
+                self.why_jit = f"no value for constexpr {e}"  # stay on the JIT path
         self._compiled: dict[tuple, Any] = {}
         self._scalar_keys: dict[tuple, tuple] = {}
         self.direct = self._tail is not None
@@ -109,8 +123,7 @@ class BoundKernel:
         key = (tuple(map(_spec, ptrs)), skey)
         ck = self._compiled.get(key)
         if ck is not None:
-            enter, leave = _runtime_hooks()
-            if enter is None and leave is None:
+            if not _launch_hooks_active():
                 stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
                 ck.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
                        ck.function, ck.packed_metadata, None, None, None, *ptrs, *scalars, *self._tail)
@@ -118,8 +131,10 @@ class BoundKernel:
                 return
         ck = self.fn[tuple(grid)](*ptrs, *scalars, **self.constexprs)
         self.jit_launches += 1
-        if ck is not None and all(hasattr(ck, a) for a in ("run", "function", "packed_metadata")) \
-                and _on_cuda(ptrs):
+        missing = [a for a in ("run", "function", "packed_metadata") if not hasattr(ck, a)]
+        if missing:
+            self.why_jit = f"compiled kernel {type(ck).__name__} lacks {missing}"
+        elif _on_cuda(ptrs):
             self._compiled[key] = ck
 
     def warmup(self, ptrs: Sequence[Any], scalars: Sequence[Any]) -> None:

@@ -423,8 +423,7 @@ def _prefill_expanded(call: _Call, q_nope, q_pe, mla_cache, kv_b_proj_weight, pa
                         dims.qk_rope_head_dim)
     dev = q_nope.device
     w = r + dr
-    kv_cu = torch.zeros(n_pre + 1, dtype=torch.int32, device=dev)
-    torch.cumsum(seq_len[:n_pre], 0, dtype=torch.int32, out=kv_cu[1:])
+    kv_cu = call.plan(("kv_cu", n_pre, dev), lambda: _kv_offsets(seq_len, n_pre, dev))  # once per step
     lat = call.empty(total_kv, w, dtype=q_nope.dtype, device=dev)  # an FP8 cache is dequantised here
     block_t = 32
     gather = call.bound(K.gather_kv_kernel, dict(W=w, R=r, PAGE_SIZE=mla_cache.shape[1], BLOCK_T=block_t,
@@ -446,6 +445,14 @@ def _prefill_expanded(call: _Call, q_nope, q_pe, mla_cache, kv_b_proj_weight, pa
     expand.launch((num_qb, n, n_pre), (q_nope, q_pe, kv, lat, cu_seqlen, input_pos, kv_cu, out, *(descs or (None,) * 4)),
                   (qk_scale, q_nope.stride(1), q_nope.stride(2), q_pe.stride(1), q_pe.stride(2),
                    kv.stride(0), lat.stride(0), out.stride(1), out.stride(2)))
+
+
+def _kv_offsets(seq_len: torch.Tensor, n_pre: int, dev: torch.device) -> torch.Tensor:
+    """[0, kv_0, kv_0 + kv_1, ...] of the prefill sequences, on the device (no sync): where each
+    sequence's rows start in the expanded K/V buffers. The same for every layer of a step."""
+    kv_cu = torch.zeros(n_pre + 1, dtype=torch.int32, device=dev)
+    torch.cumsum(seq_len[:n_pre], 0, dtype=torch.int32, out=kv_cu[1:])
+    return kv_cu
 
 
 def _kv_descriptors(kv: torch.Tensor, lat: torch.Tensor, bn: int, dn1: int, dn2: int, dv: int, dr: int):
