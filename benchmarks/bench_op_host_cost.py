@@ -94,6 +94,8 @@ SHAPES = {s.name: s for s in (
     Shape("decode_b1_kv512", "decode 1 x kv 512", ((1, 511),)),
     Shape("prefill_128", "prefill 1 x 128 new", ((128, 0),)),
     Shape("mixed_4d_p64", "mixed 4 decode (kv 1024) + prefill 64", ((64, 0),) + ((1, 1023),) * 4),
+    # Speculative-decoding verification: 3 draft tokens + 1 per sequence on a cached history.
+    Shape("spec_32x4_kv1024", "multi-token decode 32 x 4 new (kv 1024)", ((4, 1020),) * 32),
     # No sequence, one padded token: every op returns right after its checks and the cache write, so
     # this is the per-call floor (dispatcher, argument packing, session lookup) without the math.
     Shape("floor_pad1", "floor: 1 padded token, no sequence", (), pad_to=1),
@@ -157,13 +159,13 @@ class NewApi:
     def check(self, be, dims, dtype, device, page_size):
         return be.check(dims, dtype, self.reg.Target.detect(device, page_size))
 
-    def step(self, be, dims, dtype, info, args) -> Step:
+    def step(self, be, dims, dtype, info, args, policy: Any = None) -> Step:
         import torch
 
         target = self.reg.Target.detect(info.device, info.page_size)
         spec = self.reg.SessionSpec((dims,), dtype, torch.device(info.device), target, info.max_batch_size,
                                     info.max_num_tokens, info.max_pages_per_seq)
-        session = be.setup(spec)
+        session = be.setup(spec) if policy is None else be.setup(spec, policy)
         sessions = {be.name: session}  # the runner's dict: built once per model
         describe = self.step_descriptor
 

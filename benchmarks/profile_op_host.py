@@ -33,6 +33,8 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=300)
     ap.add_argument("--via", default="direct", choices=("op", "direct"))
     ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--layout", default="auto", choices=("auto", "heads_on_m", "heads_on_n"),
+                    help="TritonPolicy.decode_layout (decode and multi-token decode kernels)")
     ap.add_argument("--json", default=None, help="write the host median and device time here")
     args = ap.parse_args()
     be = get_backend("triton")
@@ -40,7 +42,9 @@ def main() -> None:
     api.via = args.via
     with torch.inference_mode():
         dims, info, op_args = build_step_data(be, SHAPES[args.shape], torch.bfloat16, "cuda")
-        step = api.step(be, dims, torch.bfloat16, info, op_args)
+        from autodeploy_mla.custom_ops.triton_mla import TritonPolicy
+
+        step = api.step(be, dims, torch.bfloat16, info, op_args, TritonPolicy(decode_layout=args.layout))
         step.prepare()
         with step.context():
             for _ in range(20):
@@ -77,12 +81,12 @@ def main() -> None:
             with torch.cuda.graph(graph):
                 step.op(*step.args)
             dev_us = triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median") * 1e3
-            print(f"{args.shape}: device {dev_us:.1f} us per call (CUDA-graph replay of one call)")
+            print(f"{args.shape} [{args.layout}]: device {dev_us:.1f} us per call (CUDA-graph replay of one call)")
             if args.json:
                 import json
 
                 Path(args.json).write_text(json.dumps({
-                    "shape": args.shape, "via": args.via, "host_us_median": statistics.median(times),
+                    "shape": args.shape, "via": args.via, "layout": args.layout, "host_us_median": statistics.median(times),
                     "host_us_p10": sorted(times)[len(times) // 10], "device_us": dev_us,
                     "gpu": torch.cuda.get_device_name(), "session": sess.stats()}))
             prof = cProfile.Profile()

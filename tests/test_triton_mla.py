@@ -151,6 +151,55 @@ def test_head_block_tails(monkeypatch):
         assert res.max_rel_error() < 1e-5, mode
 
 
+# ----------------------------------------------------------------------------- multi-token decode
+# Speculative-decoding verification: after a prefill, every sequence gets 2-9 new tokens per step on
+# its cached history (causal among them), some steps mixed with plain decode tokens.
+SPEC_SCHEDULE = [{0: 9, 1: 6, 2: 13}, {0: 4, 1: 4, 2: 5}, {0: 3, 1: 9, 2: 1}, {0: 2, 1: 1, 2: 7, 3: 6},
+                 {0: 5, 1: 3, 2: 4, 3: 1}, {0: 1, 1: 1, 2: 1, 3: 1}]
+
+
+@pytest.mark.parametrize("layout", ["heads_on_n", "heads_on_m"])
+@pytest.mark.parametrize("dims_name", list(CPU_DIMS))
+def test_multi_token_decode_matches_oracle(monkeypatch, dims_name, layout):
+    """Multi-token decode steps (absorbed: several new tokens per sequence on a cached history) on
+    the decode kernel's query columns (heads-on-N) or the absorbed-prefill rows (heads-on-M), equal to
+    the float64 oracle; the heads-on-N steps really ran with BLOCK_Q > 1."""
+    cfgs = []
+    orig = top._launch_absorbed
+
+    def spy(*a, **k):
+        cfgs.append(k["cfg"])
+        return orig(*a, **k)
+
+    monkeypatch.setattr(top, "_launch_absorbed", spy)
+    d = CPU_DIMS[dims_name]
+    res = scenario(d, SPEC_SCHEDULE, "absorb", layout=layout, page_size=4, seed=11)
+    assert res.max_rel_error() < 1e-5
+    multi = [c for c in cfgs if c.block_q > 1]
+    assert multi, cfgs
+    if layout == "heads_on_n" and tuning.heads_on_n_supported(d):
+        assert all(c.heads_on_n for c in multi)
+        assert max(c.block_q for c in multi) == 4  # 16-head column blocks: 4 tokens x 16 heads = 64 columns
+    else:
+        assert not any(c.heads_on_n for c in multi)
+
+
+def test_multi_token_config_columns():
+    dec = tuning.AbsorbedConfig(16, 1, 64, 4, 2, heads_on_n=True, tma=True)
+    assert [tuning.multi_token_config(dec, q).block_q for q in (1, 2, 3, 4, 5, 9, 16)] == [1, 2, 4, 4, 4, 4, 4]
+    wide = tuning.AbsorbedConfig(64, 1, 64, 8, 2, heads_on_n=True, tma=True)  # N = 128: one token per program
+    assert tuning.multi_token_config(wide, 8).block_q == 1
+    assert tuning.multi_token_config(dec, 4).tma and tuning.multi_token_config(dec, 4).heads_on_n
+
+
+def test_long_chunks_keep_the_absorbed_prefill_config():
+    d = CPU_DIMS["r64_dr16"]
+    call = top._Call(TritonPolicy())
+    assert top._absorb_config(call, d, torch.float32, torch.float32, tuning.MULTI_TOKEN_MAX_Q + 1) == \
+        tuning.absorb_prefill_config(d, torch.float32)
+    assert top._absorb_config(call, d, torch.float32, torch.float32, 4).heads_on_n
+
+
 # ----------------------------------------------------------------------------- heads on N (decode)
 @pytest.mark.parametrize("layout", ["heads_on_m", "heads_on_n"])
 @pytest.mark.parametrize("dims_name", list(CPU_DIMS))
@@ -394,6 +443,19 @@ def test_gpu_decode_layouts(dims_name, layout):
     masked last tile by pointer; long histories so split-K and several tiles per chunk run."""
     sch = [{0: 1000, 1: 130, 2: 64, 3: 7}] + [{0: 1, 1: 1, 2: 1, 3: 1}] * 3
     res = scenario(GPU_DIMS[dims_name], sch, layout=layout, page_size=64, dtype=torch.bfloat16, device="cuda", seed=2)
+    assert 0 < res.max_rel_error() < 1e-2, res.max_rel_error()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["heads_on_m", "heads_on_n"])
+@pytest.mark.parametrize("dims_name", list(GPU_DIMS))
+def test_gpu_multi_token_decode(dims_name, layout):
+    """Speculative-decoding verification steps on real dims (2-9 new tokens per sequence on
+    histories of 64-1000 tokens, with plain decode tokens in the same step), 64-token pages: the
+    decode kernel's query columns (TMA tiles) and the absorbed-prefill rows."""
+    sch = [{0: 1000, 1: 130, 2: 64, 3: 7}, {0: 4, 1: 9, 2: 2, 3: 5}, {0: 3, 1: 1, 2: 8, 3: 1}, {0: 1, 1: 1, 2: 1, 3: 6}]
+    res = scenario(GPU_DIMS[dims_name], sch, "absorb", layout=layout, page_size=64, dtype=torch.bfloat16,
+                   device="cuda", seed=4)
     assert 0 < res.max_rel_error() < 1e-2, res.max_rel_error()
 
 

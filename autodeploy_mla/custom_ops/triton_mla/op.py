@@ -41,12 +41,14 @@ from .tuning import (
     MAX_EXPAND_HEAD_DIM,
     MAX_KV_LORA_RANK,
     MAX_ROPE_DIM,
+    MULTI_TOKEN_MAX_Q,
     absorb_prefill_config,
     choose_prefill_path,
     decode_config,
     dot_precision,
     expand_config,
     expansion_supported,
+    multi_token_config,
     interpreting,
     nope_chunks,
     num_sms,
@@ -475,6 +477,18 @@ def _decode_config(call: _Call, dims: MLADims, dtype: torch.dtype, cache_dtype: 
     return decode_config(dims, dtype, cache_dtype, layout)
 
 
+def _absorb_config(call: _Call, dims: MLADims, dtype: torch.dtype, cache_dtype: torch.dtype, max_q: int):
+    """Config of the absorbed prefill part. Multi-token decode (every sequence's new tokens <=
+    MULTI_TOKEN_MAX_Q on a cached history: speculative-decoding verification) runs on the decode
+    kernel with query columns where the decode layout is heads-on-N; longer chunks, and dims decoded
+    heads-on-M, take absorb_prefill_config (64 rows of query tokens x heads)."""
+    if max_q <= MULTI_TOKEN_MAX_Q:
+        dec = _decode_config(call, dims, dtype, cache_dtype)
+        if dec.heads_on_n:
+            return multi_token_config(dec, max_q)
+    return absorb_prefill_config(dims, dtype)
+
+
 def _current_call(meta: Mapping[str, torch.Tensor]) -> tuple[_Call, StepShape]:
     """The call context and the step's host shape. With a session whose `prepare` saw this step
     (its batch counts match the host metadata), both come from the session and the step's plans are
@@ -562,7 +576,9 @@ def _triton_mla_with_cache(x: MLAInputs, meta: Mapping[str, torch.Tensor], mla_c
             _launch_absorbed(
                 call, q_in, qpe_in, mla_cache, page_table, cu_seqlen, input_pos, seq_len_with_cache, latent,
                 seq_base=0, n_seqs=n_pre, tok_base=0, n_tok=n_pre_tok, abs_base=abs_lo, max_q=max_q,
-                kv_bound=max_kv, cfg=absorb_prefill_config(dims, q_nope.dtype), dims=dims, qk_scale=qk_scale,
+                kv_bound=max_kv, dims=dims, qk_scale=qk_scale,
+                cfg=call.plan(("absorb_cfg", dims, q_nope.dtype, mla_cache.dtype, max_q),
+                              lambda: _absorb_config(call, dims, q_nope.dtype, mla_cache.dtype, max_q)),
                 scales=scales, q_scale=q_scale,
             )
         if n_dec > 0:

@@ -194,6 +194,20 @@ def decode_config(dims: MLADims, dtype: torch.dtype, cache_dtype: Optional[torch
     return AbsorbedConfig(64, 1, 64, 8, 2)
 
 
+#: Longest query run per sequence served as multi-token decode (speculative-decoding verification:
+#: a few draft tokens + 1 on a cached history) by the decode kernel's query columns.
+MULTI_TOKEN_MAX_Q = 16
+
+
+def multi_token_config(decode: AbsorbedConfig, max_q: int) -> AbsorbedConfig:
+    """The heads-on-N decode config widened to BLOCK_Q query tokens per program (columns = BLOCK_Q x
+    BLOCK_H <= 64, the decode kernel's widest column block): every query token of a sequence reads
+    each KV tile once per program, causal among the new tokens by per-column limits."""
+    block_q = max(1, min(1 << (max(1, max_q) - 1).bit_length(), 64 // decode.block_h))
+    return AbsorbedConfig(decode.block_h, block_q, decode.block_n, decode.num_warps, decode.num_stages,
+                          heads_on_n=decode.heads_on_n, tma=decode.tma)
+
+
 def absorb_prefill_config(dims: MLADims, dtype: torch.dtype) -> AbsorbedConfig:
     """BLOCK_Q query tokens x BLOCK_H heads (64 rows) per program: every row shares each KV tile."""
     block_h = min(pow2(dims.num_heads), 64)
