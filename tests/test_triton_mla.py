@@ -186,18 +186,30 @@ def test_multi_token_decode_matches_oracle(monkeypatch, dims_name, layout):
 
 def test_multi_token_config_columns():
     dec = tuning.AbsorbedConfig(16, 1, 64, 4, 2, heads_on_n=True, tma=True)
-    assert [tuning.multi_token_config(dec, q).block_q for q in (1, 2, 3, 4, 5, 9, 16)] == [1, 2, 4, 4, 4, 4, 4]
+    assert [tuning.multi_token_config(dec, q, 512).block_q for q in (1, 2, 3, 4, 5, 9, 16)] == [1, 2, 4, 4, 4, 4, 4]
     wide = tuning.AbsorbedConfig(64, 1, 64, 8, 2, heads_on_n=True, tma=True)  # N = 128: one token per program
-    assert tuning.multi_token_config(wide, 8).block_q == 1
-    assert tuning.multi_token_config(dec, 4).tma and tuning.multi_token_config(dec, 4).heads_on_n
+    assert tuning.multi_token_config(wide, 8, 512).block_q == 1
+    assert tuning.multi_token_config(dec, 4, 512).tma and tuning.multi_token_config(dec, 4, 512).heads_on_n
+    # warps as measured on the H200: 8 for 64 columns over R 512; the decode's 4 at 32 columns or R 256
+    assert [tuning.multi_token_config(dec, q, 512).num_warps for q in (2, 4)] == [4, 8]
+    assert tuning.multi_token_config(tuning.AbsorbedConfig(32, 1, 64, 4, 2, heads_on_n=True), 4, 256).num_warps == 4
 
 
-def test_long_chunks_keep_the_absorbed_prefill_config():
+def test_multi_token_kernel_choice():
+    """Columns (the heads-on-N decode kernel) by default where decode runs heads-on-N — measured
+    faster on the H200 — rows (absorb_prefill_config) for chunks over MULTI_TOKEN_MAX_Q, N 33-64,
+    an FP8 cache unless forced, and decode_layout="heads_on_m"."""
     d = CPU_DIMS["r64_dr16"]
-    call = top._Call(TritonPolicy())
-    assert top._absorb_config(call, d, torch.float32, torch.float32, tuning.MULTI_TOKEN_MAX_Q + 1) == \
-        tuning.absorb_prefill_config(d, torch.float32)
-    assert top._absorb_config(call, d, torch.float32, torch.float32, 4).heads_on_n
+    rows = tuning.absorb_prefill_config(d, torch.float32)
+    f32, e4m3 = torch.float32, torch.float8_e4m3fn
+    auto = top._Call(TritonPolicy())
+    assert top._absorb_config(auto, d, f32, f32, 4).heads_on_n
+    assert top._absorb_config(auto, d, f32, f32, tuning.MULTI_TOKEN_MAX_Q + 1) == rows
+    assert top._absorb_config(auto, MLADims(48, 16, 8, 16, 64), f32, f32, 4) == \
+        tuning.absorb_prefill_config(MLADims(48, 16, 8, 16, 64), f32)
+    assert top._absorb_config(auto, d, f32, e4m3, 4) == rows
+    assert top._absorb_config(top._Call(TritonPolicy(decode_layout="heads_on_n")), d, f32, e4m3, 4).heads_on_n
+    assert top._absorb_config(top._Call(TritonPolicy(decode_layout="heads_on_m")), d, f32, f32, 4) == rows
 
 
 # ----------------------------------------------------------------------------- heads on N (decode)

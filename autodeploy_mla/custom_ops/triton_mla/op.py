@@ -48,6 +48,7 @@ from .tuning import (
     dot_precision,
     expand_config,
     expansion_supported,
+    heads_on_n_supported,
     multi_token_config,
     interpreting,
     nope_chunks,
@@ -478,14 +479,18 @@ def _decode_config(call: _Call, dims: MLADims, dtype: torch.dtype, cache_dtype: 
 
 
 def _absorb_config(call: _Call, dims: MLADims, dtype: torch.dtype, cache_dtype: torch.dtype, max_q: int):
-    """Config of the absorbed prefill part. Multi-token decode (every sequence's new tokens <=
-    MULTI_TOKEN_MAX_Q on a cached history: speculative-decoding verification) runs on the decode
-    kernel with query columns where the decode layout is heads-on-N; longer chunks, and dims decoded
-    heads-on-M, take absorb_prefill_config (64 rows of query tokens x heads)."""
-    if max_q <= MULTI_TOKEN_MAX_Q:
+    """Config of the absorbed prefill part, which is also where multi-token decode lands (every
+    sequence's few new tokens on a cached history: speculative-decoding verification; the cost rule
+    keeps such chunks absorbed). Up to MULTI_TOKEN_MAX_Q new tokens per sequence, where decode runs
+    heads-on-N: that kernel with query columns (multi_token_config); H200, bf16: 1.2-2.0x faster
+    than the rows on 16 of 16 shapes of N 16/20/32/128 (docs/benchmarks/multi_token.md). Otherwise
+    (longer chunks, N 33-64, an FP8 cache — columns measured in bf16 only — or
+    decode_layout="heads_on_m"): absorb_prefill_config, 64 rows of query tokens x heads."""
+    if max_q <= MULTI_TOKEN_MAX_Q and heads_on_n_supported(dims) and \
+            (call.policy.decode_layout == "heads_on_n" or (call.policy.decode_layout == "auto" and not is_fp8(cache_dtype))):
         dec = _decode_config(call, dims, dtype, cache_dtype)
         if dec.heads_on_n:
-            return multi_token_config(dec, max_q)
+            return multi_token_config(dec, max_q, dims.kv_lora_rank)
     return absorb_prefill_config(dims, dtype)
 
 

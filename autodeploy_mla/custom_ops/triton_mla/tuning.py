@@ -199,12 +199,17 @@ def decode_config(dims: MLADims, dtype: torch.dtype, cache_dtype: Optional[torch
 MULTI_TOKEN_MAX_Q = 16
 
 
-def multi_token_config(decode: AbsorbedConfig, max_q: int) -> AbsorbedConfig:
+def multi_token_config(decode: AbsorbedConfig, max_q: int, kv_lora_rank: int) -> AbsorbedConfig:
     """The heads-on-N decode config widened to BLOCK_Q query tokens per program (columns = BLOCK_Q x
     BLOCK_H <= 64, the decode kernel's widest column block): every query token of a sequence reads
-    each KV tile once per program, causal among the new tokens by per-column limits."""
+    each KV tile once per program, causal among the new tokens by per-column limits. 8 warps once
+    the block is 64 columns wide over a latent wider than 256 (its two fp32 [R/2, 64] accumulators):
+    H200 sweep (benchmarks/bench_multi_token.py, docs/benchmarks/multi_token.md) — N 16 q 4:
+    51.8 us at 8 warps vs 88.9 at 4; N 16 q 2 (32 columns): 74.7 at 4 vs 91.1 at 8; Mistral R 256 at
+    64 columns: 4 warps best (44.3 vs 49.5 us). This rule picks the faster of the two on all 16 rows."""
     block_q = max(1, min(1 << (max(1, max_q) - 1).bit_length(), 64 // decode.block_h))
-    return AbsorbedConfig(decode.block_h, block_q, decode.block_n, decode.num_warps, decode.num_stages,
+    warps = 8 if (block_q * decode.block_h >= 64 and kv_lora_rank > 256) else decode.num_warps
+    return AbsorbedConfig(decode.block_h, block_q, decode.block_n, warps, decode.num_stages,
                           heads_on_n=decode.heads_on_n, tma=decode.tma)
 
 
