@@ -108,6 +108,83 @@ def test_session_not_trusted_for_a_step_it_did_not_prepare():
     assert not sess.plans
 
 
+def test_session_not_trusted_when_only_the_prefix_differs():
+    """Same batch counts and max lengths as the prepared step, another cached prefix (which sizes
+    the expanded prefill's history buffer): the op must not use the prepared step's sizes."""
+    gen = torch.Generator().manual_seed(2)
+    be = get_backend("triton")
+    sess = _session()
+    info = SequenceInfo(4, 32, 64, PAGE, torch.device("cpu"))
+    alloc = PageAllocator(60, PAGE, info.max_pages_per_seq)
+    cache, ref = torch.zeros(60, PAGE, DIMS.latent_dim), torch.zeros(60, PAGE, DIMS.latent_dim)
+    _step(info, alloc, [(0, 4, 10), (1, 4, 20)], gen)
+    sess.prepare(info, StepDescriptor(8, 8, 2, False))
+    prepared = sess.step
+    _step(info, alloc, [(0, 4, 14), (1, 4, 20)], gen)  # same counts and max lengths, prefix 34 (was 30)
+    assert sess.step.key == top.StepShape.from_host(info.get("batch_info_host"), info.get("max_seq_info_host"),
+                                                    info.get("cu_seqlen_host"), info.get("input_pos_host")).key
+    x = _inputs(info.num_tokens, gen)
+    with using_sessions({"triton": sess}):
+        got = _call(be, x, info, cache)
+    torch.testing.assert_close(got, _reference(x, info, ref), rtol=2e-4, atol=2e-4)
+    assert sess.step is prepared and not sess.plans
+
+
+def test_per_model_tables_are_bounded():
+    table: dict = {}
+    for i in range(10):
+        top._per_model(table, (i,), lambda: object(), 4)
+        assert len(table) <= 4
+    assert top._per_model(None, (0,), lambda: 7, 4) == 7
+
+
+def test_direct_launch_passes_pointers_scalars_then_constexprs(monkeypatch):
+    """The direct path (normally GPU only) with a fake kernel: the first launch of a specialisation
+    goes through the JIT and is kept; the next one with the same key calls the compiled kernel's
+    launcher with (grid, stream, function, metadata, no hooks, *pointers, *scalars, *constexprs); a
+    pointer of another alignment is a new specialisation (JIT again)."""
+    from autodeploy_mla.custom_ops.triton_mla import launch as L
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(L, "_on_cuda", lambda ptrs: True)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda dev: 1234, raising=False)
+
+    class Param:
+        def __init__(self, name, const):
+            self.name, self.is_constexpr, self.default = name, const, __import__("inspect").Parameter.empty
+
+    runs: list[tuple] = []
+
+    class Compiled:
+        function, packed_metadata = "fn", "meta"
+
+        def run(self, *a):
+            runs.append(a)
+
+    jit: list[tuple] = []
+
+    class Fake:
+        params = [Param("X", False), Param("Y", False), Param("n", False), Param("s", False), Param("B", True),
+                  Param("C", True)]
+
+        def __getitem__(self, grid):
+            def launch(*a, **k):
+                jit.append((grid, a, k))
+                return Compiled()
+            return launch
+
+    bk = L.BoundKernel(Fake(), {"C": 3, "B": 2, "num_warps": 4})
+    assert bk.direct
+    x, y = torch.zeros(32), torch.zeros(32)
+    bk.launch((5, 2), (x, y), (7, 0.5))
+    assert len(jit) == 1 and not runs
+    bk.launch((5, 2), (x, y), (7, 0.5))
+    assert len(jit) == 1 and runs == [(5, 2, 1, 1234, "fn", "meta", None, None, None, x, y, 7, 0.5, 2, 3)]
+    bk.launch((6,), (x[1:], y), (7, 0.5))  # 4-byte offset: another specialisation
+    assert len(jit) == 2 and bk.direct_launches == 1 and bk.jit_launches == 2
+
+
 def test_piecewise_runner_calls_the_op_directly_and_tokens_equal_hf():
     cfg = copy.deepcopy(TINY_CONFIGS["deepseek_v3"])
     cfg["num_hidden_layers"] = 2

@@ -144,7 +144,8 @@ class TritonMLASession(BackendSession):
         #: this step's launch plans by node kind and role (cleared by prepare)
         self.plans: dict[tuple[Any, ...], Any] = {}
         #: what every op call of this model runs with (the dicts above and below are shared with it)
-        self.call = _Call(policy, self.warmed, self.launches, self.plans, descriptors={}, views={})
+        self.call = _Call(policy, self.warmed, self.launches, self.plans, descriptors={}, views={},
+                          memo_limit=2 * len(spec.dims) + 8)
 
     def prepare(self, meta: Any, step: Any) -> None:
         """Read the step's host metadata once for all layers (ops check the batch counts still match)."""
@@ -204,6 +205,8 @@ class _Call:
     descriptors: Optional[dict[tuple[Any, ...], Any]] = field(default=None)
     #: the session's (W_kn, W_v) views per kv_b_proj weight
     views: Optional[dict[tuple[Any, ...], Any]] = field(default=None)
+    #: entries the two per-model tables above may hold before they are cleared
+    memo_limit: int = 64
 
     def empty(self, *shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         if self.policy.poison_buffers:
@@ -409,15 +412,25 @@ def _launch_absorbed(call: _Call, q_abs, q_pe, mla_cache, page_table, cu_seqlen,
     return splits
 
 
+def _per_model(table: Optional[dict[tuple[Any, ...], Any]], key: tuple[Any, ...], make: Any, limit: int) -> Any:
+    """`make()` remembered in a session table for the model's life. The entries hold references to
+    the model's tensors (caches, weights): a table is cleared when it outgrows `limit` (about two
+    entries per layer), so replaced tensors are never kept alive for long."""
+    if table is None:
+        return make()
+    got = table.get(key)
+    if got is None:
+        if len(table) >= limit:
+            table.clear()
+        got = table[key] = make()
+    return got
+
+
 def _cache_descriptors(call: _Call, mla_cache: torch.Tensor, cfg, block_c: int, dr: int):
     """The heads-on-N TMA descriptors of one layer's cache, built once per cache (they hold no step data)."""
     key = (mla_cache.data_ptr(), tuple(mla_cache.shape), mla_cache.dtype, cfg.block_n, block_c, dr)
-    got = None if call.descriptors is None else call.descriptors.get(key)
-    if got is None:
-        got = _heads_on_n_descriptors(mla_cache.view(-1, mla_cache.shape[-1]), cfg, mla_cache.shape[1], block_c, dr)
-        if call.descriptors is not None:
-            call.descriptors[key] = got
-    return got
+    return _per_model(call.descriptors, key, lambda: _heads_on_n_descriptors(
+        mla_cache.view(-1, mla_cache.shape[-1]), cfg, mla_cache.shape[1], block_c, dr), call.memo_limit)
 
 
 def _prefill_expanded(call: _Call, q_nope, q_pe, mla_cache, kv_b_proj_weight, page_table, cu_seqlen, input_pos,
@@ -496,14 +509,17 @@ def _absorb_config(call: _Call, dims: MLADims, dtype: torch.dtype, cache_dtype: 
 
 def _current_call(meta: Mapping[str, torch.Tensor]) -> tuple[_Call, StepShape]:
     """The call context and the step's host shape. With a session whose `prepare` saw this step
-    (its batch counts match the host metadata), both come from the session and the step's plans are
-    shared by all layers; otherwise they are made for this call alone."""
+    (its batch counts and, with prefill sequences, their cached prefix match the host metadata), both
+    come from the session and the step's plans are shared by all layers; otherwise they are made for
+    this call alone. The contract is FlashInfer's: the runner prepares every step before the graph;
+    the checks keep a call made without it from running on another step's sizes."""
     bi = meta["batch_info_host"].tolist()
     ms = meta["max_seq_info_host"].tolist()
     sess = active_session("triton")
     if isinstance(sess, TritonMLASession):
         step = sess.step
-        if step is not None and step.key == (bi[0], bi[1], bi[2], ms[0], ms[1]):
+        if step is not None and step.key == (bi[0], bi[1], bi[2], ms[0], ms[1]) and \
+                (step.n_pre == 0 or int(meta["input_pos_host"][: step.n_pre].numpy().sum()) == step.prefix):
             return sess.call, step
         call = replace(sess.call, plans=None)
     else:
@@ -514,13 +530,8 @@ def _current_call(meta: Mapping[str, torch.Tensor]) -> tuple[_Call, StepShape]:
 
 def _absorb_weights(call: _Call, dims: MLADims, kv_b_proj_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(W_kn, W_v) views of a layer's kv_b_proj weight, made once per weight when there is a session."""
-    if call.views is None:
-        return dims.split_kv_b(kv_b_proj_weight)
     key = (kv_b_proj_weight.data_ptr(), kv_b_proj_weight.shape, kv_b_proj_weight.dtype, dims)
-    got = call.views.get(key)
-    if got is None:
-        got = call.views[key] = dims.split_kv_b(kv_b_proj_weight)
-    return got
+    return _per_model(call.views, key, lambda: dims.split_kv_b(kv_b_proj_weight), call.memo_limit)
 
 
 def _triton_mla_with_cache(x: MLAInputs, meta: Mapping[str, torch.Tensor], mla_cache: torch.Tensor,
