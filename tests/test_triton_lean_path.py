@@ -212,6 +212,27 @@ def test_piecewise_runner_calls_the_op_directly_and_tokens_equal_hf():
     assert stats["step_plans"] >= 1 and stats["bound_kernels"] >= 3
 
 
+def test_every_contract_backend_offers_its_implementation_as_direct_call():
+    """Backends whose op is defined through op_contract hand the runtime the very function the
+    dispatcher calls: same name, and (torch reference on CPU) the same output and cache write."""
+    from autodeploy_mla.custom_ops import all_backends
+
+    named = {b.name: b for b in all_backends().values() if b.direct_call is not None}
+    assert {"torch", "triton", "flashinfer_mla", "flashinfer_trtllm_mla", "flashinfer_mla_sparse"} <= set(named)
+    for b in named.values():
+        assert b.direct_call.__name__ == b.cached_op.default.name().split("::")[-1]
+    gen = torch.Generator().manual_seed(5)
+    info = SequenceInfo(4, 32, 64, PAGE, torch.device("cpu"))
+    alloc = PageAllocator(40, PAGE, info.max_pages_per_seq)
+    _step(info, alloc, [(0, 5, 0), (1, 3, 0)], gen)
+    x = _inputs(info.num_tokens, gen)
+    be = named["torch"]
+    caches = [torch.zeros(40, PAGE, DIMS.latent_dim) for _ in range(2)]
+    via_op = _call(be, x, info, caches[0])
+    direct = be.direct_call(*x, *[info.get(m) for m in be.metadata], caches[1], None)
+    assert torch.equal(via_op, direct) and torch.equal(caches[0], caches[1])
+
+
 def test_specialisation_key_separates_what_triton_specialises():
     t = torch.zeros(64, dtype=torch.float16)
     assert _spec(t) != _spec(t[1:])  # 16-byte alignment

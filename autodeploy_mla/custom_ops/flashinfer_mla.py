@@ -75,7 +75,7 @@ from .flashinfer_common import (
 )
 from .flashinfer_metadata import MLACsr, StepCounts, fa_plan_work_bound, fa_plan_work_count, mla_csr
 from .mla_dims import MLADims, resolve_scale
-from .op_contract import MLAInputs, append_to_paged_cache, check_cached_inputs, define_cached_op
+from .op_contract import MLAInputs, append_to_paged_cache, check_cached_inputs, define_cached_op_and_kernel
 from .prefill_cost import SM90_FACTS, PrefillCostFacts, path_costs
 from .step_context import require_session
 
@@ -360,7 +360,7 @@ def _flashinfer_mla_with_cache(x: MLAInputs, meta: Mapping[str, torch.Tensor], m
     return out
 
 
-flashinfer_mla_with_cache = define_cached_op(OP, METADATA, _flashinfer_mla_with_cache)
+flashinfer_mla_with_cache, _direct = define_cached_op_and_kernel(OP, METADATA, _flashinfer_mla_with_cache)
 
 
 # ------------------------------------------------------------------ descriptor
@@ -368,6 +368,7 @@ flashinfer_mla_with_cache = define_cached_op(OP, METADATA, _flashinfer_mla_with_
 class FlashInferMLABackend(MLABackend):
     name = "flashinfer_mla"
     cached_op = flashinfer_mla_with_cache
+    direct_call = staticmethod(_direct)
     metadata = METADATA
     source = "FlashInfer BatchMLAPagedAttentionWrapper (fa3 on SM90, fa2 on SM80+); facts: custom_ops/capabilities.py"
     is_dynamic = True

@@ -52,7 +52,7 @@ from .flashinfer_common import FlashInferUnavailable, PlanKey, import_flashinfer
 from .flashinfer_metadata import StepCounts, fa_plan_work_bound, fa_plan_work_count
 from .flashinfer_mla import FLOAT_WORKSPACE_BYTES, absorbed_attention
 from .mla_dims import MLADims, MLAShapeError
-from .op_contract import MLAInputs, append_to_paged_cache, check_cached_inputs, define_cached_op
+from .op_contract import MLAInputs, append_to_paged_cache, check_cached_inputs, define_cached_op_and_kernel
 from .sparse_mla import INDEXER_METADATA
 from .step_context import require_session
 from .torch_backend import torch_mla_sparse_with_cache
@@ -314,7 +314,7 @@ def _flashinfer_mla_sparse(x: MLAInputs, meta: Mapping[str, torch.Tensor], mla_c
     return out
 
 
-flashinfer_mla_sparse_with_cache = define_cached_op(OP, SPARSE_METADATA, _flashinfer_mla_sparse)
+flashinfer_mla_sparse_with_cache, _direct = define_cached_op_and_kernel(OP, SPARSE_METADATA, _flashinfer_mla_sparse)
 
 
 # ------------------------------------------------------------------ descriptor
@@ -322,6 +322,7 @@ flashinfer_mla_sparse_with_cache = define_cached_op(OP, SPARSE_METADATA, _flashi
 class FlashInferSparseMLABackend(MLABackend):
     name = BACKEND
     cached_op = flashinfer_mla_sparse_with_cache
+    direct_call = staticmethod(_direct)
     metadata = INDEXER_METADATA
     source = ("FlashInfer BatchMLAPagedAttentionWrapper over one-token pages (FlashInfer 0.7.x); selection: the "
               "Triton indexer op; facts: custom_ops/capabilities.py")

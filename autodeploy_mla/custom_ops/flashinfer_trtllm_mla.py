@@ -50,7 +50,7 @@ from .flashinfer_common import (
 )
 from .flashinfer_metadata import StepCounts, fill_trtllm_block_table, trtllm_block_table_width
 from .mla_dims import MLADims, resolve_scale
-from .op_contract import MLAInputs, append_to_paged_cache, check_cached_inputs, define_cached_op
+from .op_contract import MLAInputs, append_to_paged_cache, check_cached_inputs, define_cached_op_and_kernel
 from .step_context import require_session
 
 OP = "flashinfer_trtllm_mla_with_cache"
@@ -195,13 +195,14 @@ def _trtllm_mla_with_cache(x: MLAInputs, meta: Mapping[str, torch.Tensor], mla_c
     return out
 
 
-flashinfer_trtllm_mla_with_cache = define_cached_op(OP, METADATA, _trtllm_mla_with_cache)
+flashinfer_trtllm_mla_with_cache, _direct = define_cached_op_and_kernel(OP, METADATA, _trtllm_mla_with_cache)
 
 
 @register_backend
 class FlashInferTrtllmMLABackend(MLABackend):
     name = "flashinfer_trtllm_mla"
     cached_op = flashinfer_trtllm_mla_with_cache
+    direct_call = staticmethod(_direct)
     metadata = METADATA
     source = ("FlashInfer trtllm_batch_decode_with_kv_cache_mla (SM100/103, decode only; prefill via fallback op); "
               "UNTESTED on hardware; facts: custom_ops/capabilities.py")

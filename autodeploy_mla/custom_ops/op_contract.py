@@ -106,12 +106,17 @@ def cached_kernel(name: str, metadata: tuple[str, ...], impl: CachedImpl) -> Cal
     return kernel
 
 
-def define_cached_op(name: str, metadata: tuple[str, ...], impl: CachedImpl,
-                     kernel: Optional[Callable[..., torch.Tensor]] = None) -> Any:
-    """Register `torch.ops.autodeploy.<name>` with the shared signature; returns the op packet.
-    `kernel`: the `cached_kernel` of `impl` when the caller keeps it for direct calls."""
+def define_cached_op(name: str, metadata: tuple[str, ...], impl: CachedImpl) -> Any:
+    """Register `torch.ops.autodeploy.<name>` with the shared signature; returns the op packet."""
+    return define_cached_op_and_kernel(name, metadata, impl)[0]
+
+
+def define_cached_op_and_kernel(name: str, metadata: tuple[str, ...],
+                                impl: CachedImpl) -> tuple[Any, Callable[..., torch.Tensor]]:
+    """`define_cached_op`, also returning the implementation it registered (`cached_kernel`), which
+    a backend offers as its `direct_call` for runtimes that call eager ops without the dispatcher."""
     cache_at = len(MLA_INPUTS) + len(metadata)
-    kernel = kernel or cached_kernel(name, metadata, impl)
+    kernel = cached_kernel(name, metadata, impl)
 
     def fake(*args: Any, **kwargs: Any) -> torch.Tensor:
         x = tuple.__new__(MLAInputs, args[:5])
@@ -121,4 +126,4 @@ def define_cached_op(name: str, metadata: tuple[str, ...], impl: CachedImpl,
     op = torch.library.custom_op(f"autodeploy::{name}", kernel, mutates_args=(CACHE_ARG,),
                                  schema=cached_op_schema(metadata))
     op.register_fake(fake)
-    return getattr(torch.ops.autodeploy, name)
+    return getattr(torch.ops.autodeploy, name), kernel

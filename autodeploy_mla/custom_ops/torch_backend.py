@@ -18,7 +18,7 @@ import torch
 from .backend_registry import CheckResult, MLABackend, Target, register_backend
 from .cache_format import CacheScales, cache_dtype_name, dequantize_rows, is_fp8
 from .mla_dims import MLADims, resolve_scale
-from .op_contract import MLAInputs, append_to_paged_cache, check_cached_inputs, define_cached_op
+from .op_contract import MLAInputs, append_to_paged_cache, check_cached_inputs, define_cached_op, define_cached_op_and_kernel
 from .sparse_mla import DSA_INDEXER_WITH_CACHE, allowed_by_topk
 
 OP = "torch_mla_with_cache"
@@ -88,7 +88,7 @@ def _torch_mla_with_cache(x: MLAInputs, meta: Mapping[str, torch.Tensor], mla_ca
     return out
 
 
-torch_mla_with_cache = define_cached_op(OP, METADATA, _torch_mla_with_cache)
+torch_mla_with_cache, _direct = define_cached_op_and_kernel(OP, METADATA, _torch_mla_with_cache)
 #: Sparse MLA (DSA): the same op restricted to each token's `topk_indices` ([1, T, K] int32 positions
 #: within its sequence, -1 = none; from torch_dsa_indexer_with_cache or an earlier layer's).
 SPARSE_OP = "torch_mla_sparse_with_cache"
@@ -99,6 +99,7 @@ torch_mla_sparse_with_cache = define_cached_op(SPARSE_OP, (*METADATA, "topk_indi
 class TorchMLABackend(MLABackend):
     name = "torch"
     cached_op = torch_mla_with_cache
+    direct_call = staticmethod(_direct)
     metadata = METADATA
     source = "autodeploy_mla reference implementation (vectorised torch)"
     decode_graph_safe = False  # sizes are read from host metadata at call time

@@ -31,7 +31,7 @@ import torch
 from ..backend_registry import BackendSession, CheckResult, MLABackend, SessionSpec, Target, parse_version, register_backend
 from ..cache_format import FP8_DTYPE, FP8_MAX, UNIT_SCALES, CacheScales, cache_dtype_name, is_fp8
 from ..mla_dims import MLADims, MLAShapeError, resolve_scale
-from ..op_contract import MLAInputs, cached_kernel, check_cached_inputs, define_cached_op
+from ..op_contract import MLAInputs, check_cached_inputs, define_cached_op_and_kernel
 from ..step_context import active_session
 from . import tuning
 from .sparse import DSA_INDEXER_WITH_CACHE as SPARSE_INDEXER_WITH_CACHE
@@ -621,9 +621,8 @@ def _triton_mla_with_cache(x: MLAInputs, meta: Mapping[str, torch.Tensor], mla_c
     return out
 
 
-#: the op's implementation, called directly by the piecewise runner for eager attention pieces
-triton_mla_with_cache_direct = cached_kernel(OP, METADATA, _triton_mla_with_cache)
-triton_mla_with_cache = define_cached_op(OP, METADATA, _triton_mla_with_cache, triton_mla_with_cache_direct)
+#: the op, and its implementation that the piecewise runner calls directly for eager attention pieces
+triton_mla_with_cache, triton_mla_with_cache_direct = define_cached_op_and_kernel(OP, METADATA, _triton_mla_with_cache)
 
 
 # ----------------------------------------------------------------------------- descriptor
