@@ -456,12 +456,14 @@ def table(rows: list[dict[str, Any]], labels: list[str]) -> list[str]:
 def write_markdown(path: Path, rows, labels, meta, runs) -> list[str]:
     m = meta["machine"]
     lines = [
-        "# Eager host cost of one cached MLA op call: old (0f20270) vs new (working tree)", "",
+        "# Eager host cost of one cached MLA op call: " + " vs ".join(
+            f"{lb} (`{Path(meta['roots'][lb]).name}`)" for lb in labels), "",
         f"Command: `{meta['command']}`  ",
         f"Date: {meta['date']}  ",
         (f"Device: {m['device']}; CPU: {m['cpu']}; torch {m['torch']}, triton {m['triton']}, "
          f"flashinfer {m['flashinfer']}, Python {m['python']}  "),
-        "Roots: " + ", ".join(f"{lb} = `{meta['roots'][lb]}`" for lb in labels) + f"; working tree {meta['git']}  ",
+        "Roots: " + ", ".join(f"{lb} = `{meta['roots'][lb]}`" for lb in labels) + f"; working tree {meta['git']}; "
+        f"new root called via {meta.get('new_via', 'op')}  ",
         f"dtype {meta['dtype']}, dims N={DIMS['num_heads']} Dn={DIMS['qk_nope_head_dim']} "
         f"Dr={DIMS['qk_rope_head_dim']} Dv={DIMS['v_head_dim']} R={DIMS['kv_lora_rank']}, page size {PAGE_SIZE}; "
         f"{meta['calls']} timed calls after {meta['warmup']} warm-up calls, {meta['calls_per_step']} calls per "
