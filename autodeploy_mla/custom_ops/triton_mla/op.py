@@ -28,7 +28,8 @@ from typing import Any, Literal, Optional
 
 import torch
 
-from ..backend_registry import BackendSession, CheckResult, MLABackend, SessionSpec, Target, parse_version, register_backend
+from ..backend_registry import (BackendSession, CheckResult, MLABackend, SessionSpec, StepDescriptor, StepMetadata, Target,
+                                parse_version, register_backend)
 from ..cache_format import FP8_DTYPE, FP8_MAX, UNIT_SCALES, CacheScales, cache_dtype_name, is_fp8
 from ..mla_dims import MLADims, MLAShapeError, resolve_scale
 from ..op_contract import MLAInputs, check_cached_inputs, define_cached_op_and_kernel
@@ -147,7 +148,7 @@ class TritonMLASession(BackendSession):
         self.call = _Call(policy, self.warmed, self.launches, self.plans, descriptors={}, views={},
                           memo_limit=2 * len(spec.dims) + 8)
 
-    def prepare(self, meta: Any, step: Any) -> None:
+    def prepare(self, meta: StepMetadata, step: StepDescriptor) -> None:
         """Read the step's host metadata once for all layers (ops check the batch counts still match)."""
         self.step = StepShape.from_host(meta.get("batch_info_host"), meta.get("max_seq_info_host"),
                                         meta.get("cu_seqlen_host"), meta.get("input_pos_host"))
