@@ -37,6 +37,14 @@ def _session(device: str = "cpu", dtype=torch.float32) -> top.TritonMLASession:
     return get_backend("triton").setup(spec)
 
 
+def _fresh(num_pages: int):
+    """A Triton session, a step's metadata and allocator, and a cache for the op and one for the
+    torch reference, on the CPU."""
+    info = SequenceInfo(4, 32, 64, PAGE, torch.device("cpu"))
+    return (get_backend("triton"), _session(), info, PageAllocator(num_pages, PAGE, info.max_pages_per_seq),
+            torch.zeros(num_pages, PAGE, DIMS.latent_dim), torch.zeros(num_pages, PAGE, DIMS.latent_dim))
+
+
 def _step(info: SequenceInfo, alloc: PageAllocator, seqs: list[tuple[int, int, int]], gen: torch.Generator):
     alloc.ensure_many({sid: n + c for sid, n, c in seqs})
     info.prepare_step([StepSequence(sid, [1] * n, c) for sid, n, c in seqs], alloc.pages_of)
@@ -92,12 +100,7 @@ def test_session_not_trusted_for_a_step_it_did_not_prepare():
     """A session prepared for another step (other batch counts) is not used for this call: the op
     reads the host metadata itself and keeps nothing in the session's step plans."""
     gen = torch.Generator().manual_seed(1)
-    be = get_backend("triton")
-    sess = _session()
-    info = SequenceInfo(4, 32, 64, PAGE, torch.device("cpu"))
-    alloc = PageAllocator(40, PAGE, info.max_pages_per_seq)
-    cache, ref = torch.zeros(40, PAGE, DIMS.latent_dim), torch.zeros(40, PAGE, DIMS.latent_dim)
-
+    be, sess, info, alloc, cache, ref = _fresh(40)
     _step(info, alloc, [(0, 5, 0)], gen)
     sess.prepare(info, StepDescriptor(5, 5, 1, False))
     _step(info, alloc, [(0, 1, 5), (1, 4, 0)], gen)  # no prepare for this step
@@ -112,11 +115,7 @@ def test_session_not_trusted_when_only_the_prefix_differs():
     """Same batch counts and max lengths as the prepared step, another cached prefix (which sizes
     the expanded prefill's history buffer): the op must not use the prepared step's sizes."""
     gen = torch.Generator().manual_seed(2)
-    be = get_backend("triton")
-    sess = _session()
-    info = SequenceInfo(4, 32, 64, PAGE, torch.device("cpu"))
-    alloc = PageAllocator(60, PAGE, info.max_pages_per_seq)
-    cache, ref = torch.zeros(60, PAGE, DIMS.latent_dim), torch.zeros(60, PAGE, DIMS.latent_dim)
+    be, sess, info, alloc, cache, ref = _fresh(60)
     _step(info, alloc, [(0, 4, 10), (1, 4, 20)], gen)
     sess.prepare(info, StepDescriptor(8, 8, 2, False))
     prepared = sess.step

@@ -9,7 +9,8 @@ and calls its launcher directly afterwards.
 
 The specialisation key is computed here, and it is at least as fine as Triton's own: per tensor its
 dtype and whether its address is 16-byte aligned, per int whether it is 1, a multiple of 16 and
-fits 32 bits, per tensor descriptor its block shape, dtype and alignment, per other value its type
+fits 32 bits, per tensor descriptor its block shape and dtype (the op builds descriptors only
+on 16-byte aligned buffers), per other value its type
 (and the value for bools and None). Two calls with equal keys therefore run the same compiled
 kernel Triton would have picked; a finer key only costs an extra JIT launch, never a wrong kernel.
 

@@ -15,9 +15,10 @@ Plan of one call (host decisions read only `*_host` metadata; nothing syncs the 
    (bmm), `absorbed_attn_kernel` (+ `split_reduce_kernel` when split-K), out = latent·W_v (bmm).
 
 The op reads its model's `TritonMLASession` from the step context when there is one: its policy
-(forced prefill path or split count for benchmarks, NaN-poisoned buffers for tests) and its record
-of which kernel variants are already loaded. Called outside a model step it runs with the default
-policy.
+(forced prefill path or split count for benchmarks, NaN-poisoned buffers for tests), the step's
+host shape and launch plans made once per step for all layers, and the compiled kernels it launches
+directly (launch.py). Called outside a model step it runs with the default policy, plans for that
+call alone and launches through Triton's JIT launcher (docs/triton_backend.md, "The lean eager path").
 """
 
 from __future__ import annotations
@@ -181,6 +182,7 @@ class StepShape:
     @classmethod
     def from_host(cls, batch_info_host: torch.Tensor, max_seq_info_host: torch.Tensor,
                   cu_seqlen_host: torch.Tensor, input_pos_host: torch.Tensor) -> "StepShape":
+        """From the `_host` mirrors (CPU tensors: reading them never syncs the device)."""
         n_pre, n_pre_tok, n_dec = (int(v) for v in batch_info_host.tolist()[:3])
         max_q, max_kv = (int(v) for v in max_seq_info_host.tolist()[:2])
         prefix = pairs = 0
@@ -272,19 +274,16 @@ def quantize_queries(q_abs: torch.Tensor, q_pe: torch.Tensor) -> tuple[torch.Ten
     return q8, qpe8, qs
 
 
-def _heads_on_n_descriptors(flat: torch.Tensor, cfg, page_size: int, block_c: int, dr: int):
-    """(latent, rope) tensor descriptors of whole one-page KV tiles, or (None, None) where the config
-    or the device cannot use them (SM90+, tiles inside one page, 16-byte aligned rows)."""
-    if not (cfg.tma and flat.device.type == "cuda" and page_size % cfg.block_n == 0):
-        return None, None
-    if torch.cuda.get_device_capability(flat.device) < (9, 0):
-        return None, None
+def _heads_on_n_descriptors(flat: torch.Tensor, block_n: int, block_c: int, dr: int):
+    """(latent, rope) tensor descriptors of whole one-page KV tiles of one layer's cache, or
+    (None, None) where its rows are not 16-byte aligned. The config and the device were checked by
+    the launch plan (`_AbsorbedLaunch.tma_ok`: TMA asked for, SM90+, tiles inside one page)."""
     if (flat.stride(0) * flat.element_size()) % 16 or flat.data_ptr() % 16:
         return None, None
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    return (TensorDescriptor.from_tensor(flat, [cfg.block_n, block_c]),
-            TensorDescriptor.from_tensor(flat, [cfg.block_n, pow2(dr)]) if dr else None)
+    return (TensorDescriptor.from_tensor(flat, [block_n, block_c]),
+            TensorDescriptor.from_tensor(flat, [block_n, pow2(dr)]) if dr else None)
 
 
 def _reduce_meta(r: int) -> dict[str, Any]:
@@ -431,35 +430,64 @@ def _cache_descriptors(call: _Call, mla_cache: torch.Tensor, cfg, block_c: int, 
     """The heads-on-N TMA descriptors of one layer's cache, built once per cache (they hold no step data)."""
     key = (mla_cache.data_ptr(), tuple(mla_cache.shape), mla_cache.dtype, cfg.block_n, block_c, dr)
     return _per_model(call.descriptors, key, lambda: _heads_on_n_descriptors(
-        mla_cache.view(-1, mla_cache.shape[-1]), cfg, mla_cache.shape[1], block_c, dr), call.memo_limit)
+        mla_cache.view(-1, mla_cache.shape[-1]), cfg.block_n, block_c, dr), call.memo_limit)
+
+
+@dataclass(frozen=True)
+class _ExpandLaunch:
+    """The expanded prefill of a step, planned once for every layer of the same kind: tiles and the
+    bound gather / attention kernels (TMA and pointer variants: TMA needs the step's fresh K/V
+    buffers 16-byte aligned, which each call checks)."""
+
+    block_m: int
+    block_n: int
+    dn1: int
+    dn2: int
+    tma: bool
+    gather: BoundKernel
+    expand_tma: BoundKernel
+    expand_ptr: BoundKernel
+
+
+def _plan_expanded(call: _Call, dims: MLADims, dtype: torch.dtype, mla_cache: torch.Tensor, scaled: bool, n_pre: int,
+                   max_q: int, dev: torch.device) -> _ExpandLaunch:
+    n, dn, dv, r, dr = (dims.num_heads, dims.qk_nope_head_dim, dims.v_head_dim, dims.kv_lora_rank,
+                        dims.qk_rope_head_dim)
+    cfg = expand_config(dims, dtype, triton.cdiv(max_q, 128) * n * n_pre, tuning.num_sms(dev))
+    dn1, dn2 = nope_chunks(dn, cfg.split_nope)
+    w = r + dr
+    gather = call.bound(K.gather_kv_kernel, dict(W=w, R=r, PAGE_SIZE=mla_cache.shape[1], BLOCK_T=GATHER_BLOCK_T,
+                                                 BLOCK_W=min(256, pow2(w)), SCALED=scaled, num_warps=4))
+    meta = dict(DN=dn, DV=dv, DR=dr, R=r, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                BLOCK_DN=dn1, BLOCK_DN2=dn2, BLOCK_DV=pow2(dv), BLOCK_DR=pow2(dr),
+                DOT_PREC=dot_precision(dtype), HEAVY_FIRST=cfg.heavy_first,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    tma = cfg.tma and not (dev.type == "cuda" and torch.cuda.get_device_capability(dev) < (9, 0))
+    return _ExpandLaunch(cfg.block_m, cfg.block_n, dn1, dn2, tma, gather,
+                         call.bound(K.expanded_prefill_kernel, {**meta, "USE_TMA": True}),
+                         call.bound(K.expanded_prefill_kernel, {**meta, "USE_TMA": False}))
+
+
+GATHER_BLOCK_T = 32
 
 
 def _prefill_expanded(call: _Call, q_nope, q_pe, mla_cache, kv_b_proj_weight, page_table, cu_seqlen, input_pos,
                       seq_len, out, *, n_pre, max_q, max_kv, total_kv, dims, qk_scale, scales: CacheScales = UNIT_SCALES):
-    n, dn, dv, r, dr = (dims.num_heads, dims.qk_nope_head_dim, dims.v_head_dim, dims.kv_lora_rank,
-                        dims.qk_rope_head_dim)
+    n, dv, r, dr = dims.num_heads, dims.v_head_dim, dims.kv_lora_rank, dims.qk_rope_head_dim
     dev = q_nope.device
-    w = r + dr
+    scaled = _scaled(mla_cache, scales)
+    plan = call.plan(("expand", dims, q_nope.dtype, mla_cache.dtype, mla_cache.shape[1], scaled, n_pre, max_q),
+                     lambda: _plan_expanded(call, dims, q_nope.dtype, mla_cache, scaled, n_pre, max_q, dev))
     kv_cu = call.plan(("kv_cu", n_pre, dev), lambda: _kv_offsets(seq_len, n_pre, dev))  # once per step
-    lat = call.empty(total_kv, w, dtype=q_nope.dtype, device=dev)  # an FP8 cache is dequantised here
-    block_t = 32
-    gather = call.bound(K.gather_kv_kernel, dict(W=w, R=r, PAGE_SIZE=mla_cache.shape[1], BLOCK_T=block_t,
-                                                 BLOCK_W=min(256, pow2(w)), SCALED=_scaled(mla_cache, scales),
-                                                 num_warps=4))
-    gather.launch((triton.cdiv(max_kv, block_t), n_pre), (mla_cache, page_table, seq_len, kv_cu, lat),
-                  (scales.latent, scales.rope, mla_cache.stride(1), page_table.stride(0), lat.stride(0)))
+    lat = call.empty(total_kv, r + dr, dtype=q_nope.dtype, device=dev)  # an FP8 cache is dequantised here
+    plan.gather.launch((triton.cdiv(max_kv, GATHER_BLOCK_T), n_pre), (mla_cache, page_table, seq_len, kv_cu, lat),
+                       (scales.latent, scales.rope, mla_cache.stride(1), page_table.stride(0), lat.stride(0)))
     kv = torch.matmul(lat[:, :r], kv_b_proj_weight.t())  # [total_kv, N*(Dn+Dv)]: K_nope | V per head
-    cfg = expand_config(dims, q_nope.dtype, triton.cdiv(max_q, 128) * n * n_pre, tuning.num_sms(dev))
-    bm, bn = cfg.block_m, cfg.block_n
-    num_qb = triton.cdiv(max_q, bm)
-    dn1, dn2 = nope_chunks(dn, cfg.split_nope)
-    descs = _kv_descriptors(kv, lat, bn, dn1, dn2, pow2(dv), pow2(dr) if dr else 0) if cfg.tma else None
-    expand = call.bound(K.expanded_prefill_kernel, dict(
-        DN=dn, DV=dv, DR=dr, R=r, BLOCK_M=bm, BLOCK_N=bn,
-        BLOCK_DN=dn1, BLOCK_DN2=dn2, BLOCK_DV=pow2(dv), BLOCK_DR=pow2(dr),
-        DOT_PREC=dot_precision(q_nope.dtype), HEAVY_FIRST=cfg.heavy_first, USE_TMA=descs is not None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages))
-    expand.launch((num_qb, n, n_pre), (q_nope, q_pe, kv, lat, cu_seqlen, input_pos, kv_cu, out, *(descs or (None,) * 4)),
+    descs = _kv_descriptors(kv, lat, plan.block_n, plan.dn1, plan.dn2, pow2(dv), pow2(dr) if dr else 0) \
+        if plan.tma else None
+    expand = plan.expand_ptr if descs is None else plan.expand_tma
+    expand.launch((triton.cdiv(max_q, plan.block_m), n, n_pre),
+                  (q_nope, q_pe, kv, lat, cu_seqlen, input_pos, kv_cu, out, *(descs or (None,) * 4)),
                   (qk_scale, q_nope.stride(1), q_nope.stride(2), q_pe.stride(1), q_pe.stride(2),
                    kv.stride(0), lat.stride(0), out.stride(1), out.stride(2)))
 
@@ -474,11 +502,10 @@ def _kv_offsets(seq_len: torch.Tensor, n_pre: int, dev: torch.device) -> torch.T
 
 def _kv_descriptors(kv: torch.Tensor, lat: torch.Tensor, bn: int, dn1: int, dn2: int, dv: int, dr: int):
     """Tensor descriptors of the expanded K_nope (one or two chunks), V and k_pe tiles, or None where
-    TMA cannot take the buffers (rows must be 16-byte aligned; SM90+ or the interpreter)."""
+    TMA cannot take the buffers (rows must be 16-byte aligned). The device (SM90+ or the interpreter)
+    was checked by the launch plan."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    if kv.device.type == "cuda" and torch.cuda.get_device_capability(kv.device) < (9, 0):
-        return None
     if any((t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16 for t in (kv, lat)):
         return None
     return (TensorDescriptor.from_tensor(kv, [bn, dn1]), TensorDescriptor.from_tensor(kv, [bn, dn2]) if dn2 else None,
@@ -514,7 +541,7 @@ def _current_call(meta: Mapping[str, torch.Tensor]) -> tuple[_Call, StepShape]:
     come from the session and the step's plans are shared by all layers; otherwise they are made for
     this call alone. The contract is FlashInfer's: the runner prepares every step before the graph;
     the checks keep a call made without it from running on another step's sizes."""
-    bi = meta["batch_info_host"].tolist()
+    bi = meta["batch_info_host"].tolist()  # host mirrors (CPU tensors): no device sync
     ms = meta["max_seq_info_host"].tolist()
     sess = active_session("triton")
     if isinstance(sess, TritonMLASession):
