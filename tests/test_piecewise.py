@@ -111,7 +111,7 @@ def test_pieces_alternate_static_dynamic(layers, om4):
     # the report api.py shows: one entry per piece, nothing captured on CPU
     rep = om.report()["pieces"]
     assert [(e["index"], e["kind"]) for e in rep] == [(p.index, p.kind) for p in split.pieces]
-    assert all(e["captured"] == {"piecewise": [], "decode_graph": []} for e in rep)
+    assert all(e["captured"] == {"piecewise": [], "decode_graph": [], "mixed_graph": []} for e in rep)
     # the torch reference op reads host sizes: no whole-graph decode graph with it
     assert not split.decode_graph_safe and "torch" in split.decode_graph_reason
 
@@ -164,6 +164,7 @@ def test_every_registered_cached_op_is_a_split_point(name):
     assert kinds(split) == [STATIC, DYNAMIC, STATIC]
     assert split.pieces[1].ops == [str(op)] and split.pieces[1].backends == [name]
     assert split.decode_graph_safe == be.decode_graph_safe
+    assert split.mixed_graph_safe == be.mixed_graph_safe
 
 
 def test_split_points_are_found_by_identity_not_name():
@@ -326,15 +327,17 @@ GPU_SCHEDULE = SCHEDULE + [
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_gpu_cuda_graph_replay_matches_eager(backend):
+@pytest.mark.parametrize("backend,mixed", [("torch", "auto"), ("triton", "off"), ("triton", "auto")])
+def test_gpu_cuda_graph_replay_matches_eager(backend, mixed):
+    """Replays (second pass) run graphs captured on other batches of the same token count: for the
+    mixed graphs (triton, mixed auto) that is prefill / chunked / mixed steps of other compositions."""
     if backend == "triton" and not _triton_ok():
         pytest.skip("triton backend not registered or its check() refuses these dims")
     om = optimize(None, {
         "model": {"hf_config": _hf(3), "device": "cuda", "dtype": "bfloat16"},
         "runtime": GPU_RUNTIME,
         "transforms": {"insert_cached_mla_attention": {"backend": backend},
-                       "piecewise": {"enabled": True, "buckets": [1, 2, 4, 8, 16]}},
+                       "piecewise": {"enabled": True, "buckets": [1, 2, 4, 8, 16], "mixed_graph": mixed}},
     })
     runner = om.runner.piecewise
     assert isinstance(runner, PiecewiseRunner) and runner.use_graphs
@@ -345,14 +348,19 @@ def test_gpu_cuda_graph_replay_matches_eager(backend):
             assert torch.isfinite(a).all()
             assert _rel(a, b) < 2e-2, (rep, k, _rel(a, b))
     st = runner.summary()
-    assert st["stats"].get("piecewise", 0) > 0 and not st["failures"], st
-    assert st["captured"]["piecewise"], st
+    assert not st["failures"], st
     if backend == "triton" and runner.split.decode_graph_safe:
         assert st["stats"].get("decode_graph", 0) > 0 and st["captured"]["decode_graph"], st
     if backend == "torch":
-        assert not st["captured"]["decode_graph"]
-    pieces = om.report()["pieces"]
-    assert any(e["captured"]["piecewise"] for e in pieces if e["kind"] == STATIC)
+        assert not st["captured"]["decode_graph"] and not st["captured"]["mixed_graph"]
+    if backend == "triton" and mixed == "auto":
+        # every non-decode step is padded to a bucket <= 16 and replays a mixed graph
+        assert st["stats"].get("mixed_graph", 0) > 0 and st["stats"].get("piecewise", 0) == 0, st
+        assert st["captured"]["mixed_graph"], st
+    else:
+        assert st["stats"].get("piecewise", 0) > 0 and st["captured"]["piecewise"], st
+        pieces = om.report()["pieces"]
+        assert any(e["captured"]["piecewise"] for e in pieces if e["kind"] == STATIC)
 
 
 @pytest.mark.gpu
@@ -360,7 +368,7 @@ def test_gpu_unseen_bucket_runs_eagerly():
     om = optimize(None, {
         "model": {"hf_config": _hf(2), "device": "cuda", "dtype": "bfloat16"},
         "runtime": GPU_RUNTIME,
-        "transforms": {"piecewise": {"enabled": True, "buckets": [2, 4], "decode_graph": "off"}},
+        "transforms": {"piecewise": {"enabled": True, "buckets": [2, 4], "decode_graph": "off", "mixed_graph": "off"}},
     })
     sched = [[(0, 7, 0)], [(0, 1, 7), (1, 3, 0)], [(0, 1, 8), (1, 1, 3)], [(0, 5, 9), (1, 6, 4)]]
     ref = run_steps(om, None, sched, seed=2)
@@ -385,7 +393,7 @@ def test_gpu_inductor_compiled_pieces_replay_correctly():
     for k, (a, b) in enumerate(zip(got, ref)):
         assert _rel(a, b) < 2e-2, (k, _rel(a, b))
     st = om.runner.piecewise.summary()
-    assert st["captured"]["piecewise"] or st["captured"]["decode_graph"], st
+    assert st["captured"]["piecewise"] or st["captured"]["decode_graph"] or st["captured"]["mixed_graph"], st
     assert not st["failures"], st
 
 
@@ -406,7 +414,7 @@ def test_gpu_capture_failure_falls_back_to_eager_and_generation_is_unchanged():
     om = optimize(None, {
         "model": {"hf_config": _hf(3), "device": "cuda", "dtype": "bfloat16"},
         "runtime": GPU_RUNTIME,
-        "transforms": {"piecewise": {"enabled": True}},
+        "transforms": {"piecewise": {"enabled": True, "mixed_graph": "off"}},  # the steps must run piecewise
     })
     runner = om.runner.piecewise
     runner.static_pieces[1].fn = _Syncs(runner.static_pieces[1].fn)  # e.g. a host-syncing MoE fallback

@@ -158,13 +158,18 @@ class StepDescriptor:
     """What the model runner decided about one step before running it (vLLM's batch descriptor).
 
     `cuda_graph`: the step may be replayed from (or captured into) a whole-graph CUDA graph, so a
-    backend must run it from fixed buffers (FlashInfer's CUDA-graph wrappers)."""
+    backend must run it from fixed buffers (FlashInfer's CUDA-graph wrappers).
+    `static_bounds`: that graph is the mixed-step graph of its token count, captured on one batch
+    and replayed for any other batch of as many tokens (prefill, decode, or both): every launch must
+    be sized from static bounds (token count, buffer capacities), never from the step's host counts.
+    Only runs graphs whose dynamic ops are all `mixed_graph_safe`."""
 
     num_tokens: int  # real tokens
     num_padded_tokens: int  # tokens the graph runs
     num_seqs: int
     decode_only: bool
     cuda_graph: bool = False
+    static_bounds: bool = False
 
 
 class StepMetadata(Protocol):
@@ -228,6 +233,9 @@ class MLABackend:
     #: serves sparse MLA (DSA) layers only: dense resolution never picks it
     sparse_only: ClassVar[bool] = False
     decode_graph_safe: ClassVar[bool] = False  # may run inside a whole-graph decode CUDA graph
+    #: `cached_op` may run inside a whole-graph CUDA graph of any step (StepDescriptor.static_bounds);
+    #: covers the dense cached op only, never `dynamic_ops`
+    mixed_graph_safe: ClassVar[bool] = False
     #: the cached op's implementation with the op's signature, for runtimes that call an eager op
     #: without the dispatcher (the lean path; None: always through the dispatcher)
     direct_call: ClassVar[Optional[Any]] = None

@@ -75,6 +75,8 @@ class RunnerOptions:
     cuda_graphs: bool = True
     buckets: tuple[int, ...] = ()
     decode_graph: bool = True
+    #: whole-graph CUDA graphs of any step up to this many tokens (0: off); see PiecewiseRunner
+    mixed_graph_max_tokens: int = 0
 
 
 @dataclass(frozen=True)

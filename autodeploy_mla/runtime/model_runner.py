@@ -39,13 +39,18 @@ from .sequence_info import SequenceInfo, StepSequence
 PagesOf = Callable[[int], Sequence[int]]
 
 
-def step_descriptor(info: SequenceInfo, graph_buckets: Sequence[int] = ()) -> StepDescriptor:
+def step_descriptor(info: SequenceInfo, graph_buckets: Sequence[int] = (), mixed_graph_max_tokens: int = 0
+                    ) -> StepDescriptor:
     """Describe the step `info` holds. A CUDA-graph step is a decode-only step padded (with dummy
-    sequences) to one of `graph_buckets`: it may be replayed from a whole-graph decode graph."""
+    sequences) to one of `graph_buckets`: it may be replayed from a whole-graph decode graph; or,
+    with mixed graphs on, any other step padded to a bucket <= mixed_graph_max_tokens: it may be
+    replayed from that bucket's mixed graph (`static_bounds`)."""
     num_seqs = info.num_prefill_seqs + info.num_decode_seqs
     decode_only = info.num_prefill_seqs == 0 and info.num_decode_seqs > 0
-    graph = decode_only and num_seqs == info.num_padded_tokens and info.num_padded_tokens in graph_buckets
-    return StepDescriptor(info.num_tokens, info.num_padded_tokens, num_seqs, decode_only, graph)
+    t = info.num_padded_tokens
+    graph = decode_only and num_seqs == t and t in graph_buckets
+    static = not graph and t in graph_buckets and t <= mixed_graph_max_tokens and num_seqs > 0
+    return StepDescriptor(info.num_tokens, t, num_seqs, decode_only, graph or static, static)
 
 
 def rows_from_rank0(rows: torch.Tensor) -> torch.Tensor:
@@ -115,7 +120,8 @@ class ModelRunner:
             assert opts is not None
             self.piecewise = PiecewiseRunner(compiled.split, self.device, rt.max_num_tokens, compile=opts.compile,
                                              cuda_graphs=opts.cuda_graphs, buckets=opts.buckets,
-                                             decode_graph=opts.decode_graph)
+                                             decode_graph=opts.decode_graph,
+                                             mixed_graph_max_tokens=opts.mixed_graph_max_tokens)
         self._bind()
         self.warmup_report: Optional[dict[str, Any]] = None
         self.sampler = BatchSampler(rt.max_batch_size, self.device)
@@ -193,7 +199,8 @@ class ModelRunner:
                                            logits_for)
         if self.seq_info.num_device_tokens:
             self._fill_device_tokens()
-        step = step_descriptor(self.seq_info, self.capture_buckets)
+        step = step_descriptor(self.seq_info, self.capture_buckets,
+                               self.piecewise.mixed_graph_max_tokens if self.piecewise is not None else 0)
         for sess in self.sessions.values():
             sess.prepare(self.seq_info, step)
         return order, step

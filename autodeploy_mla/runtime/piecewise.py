@@ -8,10 +8,14 @@ Per step (`runner(step, input_ids, position_ids, *metadata, *caches)` with T = i
 and `step` the model runner's StepDescriptor):
 1. a decode-only step padded to a bucket with dummy decode sequences (T == step.num_seqs), CUDA
    graphs on, and every dynamic op decode_graph_safe: replay one whole-graph CUDA graph for T;
-2. else T is a bucket: each static piece replays its CUDA graph for T; dynamic pieces run eagerly,
+2. else a step the model runner marked `static_bounds` (T a bucket <= mixed_graph_max_tokens, every
+   dynamic op mixed_graph_safe): replay the whole-graph *mixed* CUDA graph of T, captured on one
+   batch of T tokens and valid for any other (its ops size launches from static bounds only), so
+   prefill and mixed steps pay no per-layer host work;
+3. else T is a bucket: each static piece replays its CUDA graph for T; dynamic pieces run eagerly,
    reading the static output buffers of the piece before them; their fresh outputs are copied into
    the static input buffers of the piece after them;
-3. else (unseen size, or no CUDA): every piece runs eagerly (compiled if configured). Correct for
+4. else (unseen size, or no CUDA): every piece runs eagerly (compiled if configured). Correct for
    any size; only slower.
 Graphs are captured lazily, the first time a bucket is met, on that step's real inputs (warm-up run,
 capture, replay: static pieces are pure and cache appends idempotent, so running them twice is
@@ -47,6 +51,10 @@ STATIC, DYNAMIC = "static", "dynamic"
 #: benchmarks/e2e_profile.py); the graphs of the larger buckets cost capture time and pool memory
 #: for their activations only.
 AUTO_BUCKET_LIMIT = 2048
+#: Default largest token bucket replayed as a whole-graph mixed graph (when every dynamic op is
+#: mixed_graph_safe). Above it, steps run piecewise with eager attention: their attention runs
+#: absorbed on static bounds inside a mixed graph, while eager steps pick expansion for long prefill.
+MIXED_GRAPH_MAX_TOKENS = 256
 
 
 # ----------------------------------------------------------------------------- the split graph
@@ -72,9 +80,9 @@ class Piece:
             "backends": list(self.backends),
             "layers": list(self.layers),
             "inputs": len(self.arg_sources),
-            # Filled by the runner as it captures: token buckets (piecewise) and decode batch sizes
-            # (whole-graph decode graphs, which contain every piece).
-            "captured": {"piecewise": [], "decode_graph": []},
+            # Filled by the runner as it captures: token buckets (piecewise), decode batch sizes and
+            # mixed-step token counts (whole-graph graphs, which contain every piece).
+            "captured": {"piecewise": [], "decode_graph": [], "mixed_graph": []},
         }
 
 
@@ -85,6 +93,8 @@ class SplitGraph:
     pieces: list[Piece]
     decode_graph_safe: bool
     decode_graph_reason: str
+    mixed_graph_safe: bool = False
+    mixed_graph_reason: str = "not checked"
 
     @property
     def num_static(self) -> int:
@@ -182,6 +192,7 @@ class PiecewiseRunner:
         cuda_graphs: bool = True,
         buckets: Sequence[int] = (),
         decode_graph: bool = True,
+        mixed_graph_max_tokens: int = 0,
     ) -> None:
         self.split = split
         self.device = torch.device(device)
@@ -194,11 +205,15 @@ class PiecewiseRunner:
         self.buckets: list[int] = sorted({b for b in buckets if 1 <= b <= max_num_tokens})
         self._bucket_set = frozenset(self.buckets) if self.use_graphs else frozenset()
         self.decode_graph = bool(decode_graph and split.decode_graph_safe and self.use_graphs)
+        #: steps up to this many tokens (buckets only) replay whole-graph mixed graphs (0: off)
+        self.mixed_graph_max_tokens = int(mixed_graph_max_tokens) \
+            if (split.mixed_graph_safe and self.use_graphs and mixed_graph_max_tokens > 0) else 0
         self.stats: Counter[str] = Counter()
         self.failures: dict[str, str] = {}
         self._bucket: Optional[int] = None
         self._static_outputs: dict[int, set[tuple]] = {}
         self._decode_graphs: dict[int, Any] = {}
+        self._mixed_graphs: dict[int, Any] = {}
         self._capturer = GraphCapturer(self.device) if self.use_graphs else None
 
         top = split.module
@@ -247,10 +262,16 @@ class PiecewiseRunner:
         if t not in self._bucket_set:
             self.stats["eager"] += 1
             return self.eager_module(*args)
-        if self.decode_graph and step.decode_only and step.num_seqs == t and step.num_padded_tokens == t:
-            out = self._run_decode_graph(t, args)
+        if self.decode_graph and step.decode_only and step.num_seqs == t and step.num_padded_tokens == t \
+                and not step.static_bounds:
+            out = self._run_whole_graph(self._decode_graphs, "decode_graph", f"decode graph (batch {t})", t, args)
             if out is not None:
                 self.stats["decode_graph"] += 1
+                return out
+        if step.static_bounds and t <= self.mixed_graph_max_tokens:
+            out = self._run_whole_graph(self._mixed_graphs, "mixed_graph", f"mixed graph ({t} tokens)", t, args)
+            if out is not None:
+                self.stats["mixed_graph"] += 1
                 return out
         self._bucket = t
         try:
@@ -261,23 +282,24 @@ class PiecewiseRunner:
         return out
 
     # ------------------------------------------------------------------ capture
-    def _run_decode_graph(self, t: int, args: tuple) -> Optional[Any]:
-        cap = self._decode_graphs.get(t)
+    def _run_whole_graph(self, graphs: dict[int, Any], kind: str, label: str, t: int, args: tuple) -> Optional[Any]:
+        """Replay (capturing it the first time) the whole-graph graph of `kind` for T = t; None when
+        it cannot run (its capture failed, or the arguments are not the captured buffers)."""
+        cap = graphs.get(t)
         if cap is None:
-            if t in self._decode_graphs:
+            if t in graphs:
                 return None  # capture failed before
-            label = f"decode graph (batch {t})"
             try:
                 cap = self._capturer.capture(self.eager_module, args, [BORROW] * len(args), label)
             except CaptureError as exc:
                 self.failures[label] = str(exc)
-                self._decode_graphs[t] = None
+                graphs[t] = None
                 return None
-            self._decode_graphs[t] = cap
+            graphs[t] = cap
             for entry in self.report:
-                entry["captured"]["decode_graph"].append(t)
+                entry["captured"][kind].append(t)
         if not cap.bind(args):
-            self.stats["decode_graph_bind_miss"] += 1
+            self.stats[f"{kind}_bind_miss"] += 1
             return None
         return cap.replay()
 
@@ -299,6 +321,7 @@ class PiecewiseRunner:
         return {
             "piecewise": sorted({t for sp in self.static_pieces for t, c in sp.graphs.items() if c is not None}),
             "decode_graph": sorted(t for t, c in self._decode_graphs.items() if c is not None),
+            "mixed_graph": sorted(t for t, c in self._mixed_graphs.items() if c is not None),
         }
 
     def summary(self) -> dict[str, Any]:
@@ -309,6 +332,8 @@ class PiecewiseRunner:
             "buckets": self.buckets,
             "decode_graph": self.decode_graph,
             "decode_graph_reason": self.split.decode_graph_reason,
+            "mixed_graph_max_tokens": self.mixed_graph_max_tokens,
+            "mixed_graph_reason": self.split.mixed_graph_reason,
             "captured": self.captured(),
             "stats": dict(self.stats),
             "failures": dict(self.failures),

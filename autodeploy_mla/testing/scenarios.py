@@ -86,6 +86,7 @@ def run_scenario(
     max_batch_size: int | None = None,
     policy: Any = None,
     graph_buckets: Collection[int] = (),
+    mixed_graph_max_tokens: int = 0,
     target: Optional[Target] = None,
     cache_dtype: Optional[torch.dtype] = None,
     cache_scales: CacheScales = UNIT_SCALES,
@@ -94,7 +95,9 @@ def run_scenario(
 
     Sequence lengths are the sums over the schedule. `pad_to` maps step index -> padded token count.
     `policy`: the backend's policy for its session. `graph_buckets`: decode-only steps padded to one
-    of these sizes are described to the session as CUDA-graph steps (as the model runner does).
+    of these sizes are described to the session as CUDA-graph steps (as the model runner does);
+    with `mixed_graph_max_tokens`, so are other steps padded to a bucket up to that size, as
+    static-bounds (mixed graph) steps. `extra["padded_rows"]`: each step's outputs of its padded tokens.
     `target`: default `Target.detect(device, page_size)`. `cache_dtype` (default `dtype`) and
     `cache_scales`: the paged cache's format. With a quantised cache the reference sees the latent
     and rope key rounded exactly as the cache stores them (so it checks the kernels, not the format);
@@ -127,11 +130,12 @@ def run_scenario(
 
     done = {sid: 0 for sid in lengths}
     outs = {sid: [] for sid in lengths}
+    padded_rows: list[torch.Tensor] = []
     for k, step in enumerate(schedule):
         alloc.ensure_many({sid: done[sid] + n for sid, n in step.items()})
         seqs = [StepSequence(sid, [0] * n, done[sid]) for sid, n in step.items()]
         order = info.prepare_step(seqs, alloc.pages_of, pad_to=(pad_to or {}).get(k))
-        session.prepare(info, step_descriptor(info, graph_buckets))
+        session.prepare(info, step_descriptor(info, graph_buckets, mixed_graph_max_tokens))
         t_pad = info.num_padded_tokens
 
         def flat(attr: str) -> torch.Tensor:
@@ -146,6 +150,7 @@ def run_scenario(
         args += [info.get(m) for m in be.metadata]
         with using_sessions({be.name: session}):
             out = be.cached_op(*args, cache, scale, cache_scales.latent, cache_scales.rope)
+        padded_rows.append(out[0, info.num_tokens:])
         off = 0
         for sid in order:
             outs[sid].append(out[0, off : off + step[sid]])
@@ -171,6 +176,7 @@ def run_scenario(
     quantized = cache_dtype != dtype
     res = ScenarioResult({sid: torch.cat(o) for sid, o in outs.items()}, reference(quantized), cache, len(schedule),
                          session)
+    res.extra["padded_rows"] = padded_rows
     if quantized:
         res.extra["unquantized"] = reference(False)
     return res

@@ -32,7 +32,8 @@ from torch.fx.passes.split_module import split_module
 
 from ..custom_ops.backend_registry import MLABackend, all_backends, cached_ops
 from ..runtime.artifacts import RunnerOptions
-from ..runtime.piecewise import AUTO_BUCKET_LIMIT, DYNAMIC, STATIC, Piece, SplitGraph, resolve_buckets
+from ..runtime.piecewise import (AUTO_BUCKET_LIMIT, DYNAMIC, MIXED_GRAPH_MAX_TOKENS, STATIC, Piece, SplitGraph,
+                                 resolve_buckets)
 from .context import BuildContext
 from .fx_utils import module_tensor
 from .registry import PassOptions, PassResult, Stage, register_pass
@@ -55,6 +56,14 @@ class PiecewiseOptions(PassOptions):
     )
     decode_graph: Literal["auto", "off"] = Field(
         "auto", description="one whole-graph CUDA graph per decode batch bucket when every op is decode_graph_safe"
+    )
+    mixed_graph: Literal["auto", "off"] = Field(
+        "auto", description="one whole-graph CUDA graph per token bucket <= mixed_graph_max_tokens for prefill and "
+        "mixed steps when every dynamic op is mixed_graph_safe (their attention then runs on static bounds)"
+    )
+    mixed_graph_max_tokens: int = Field(
+        MIXED_GRAPH_MAX_TOKENS, ge=1,
+        description="largest bucket replayed as a mixed whole-graph graph; bigger steps run piecewise",
     )
 
     @field_validator("buckets")
@@ -205,6 +214,7 @@ def split_graph(gm: torch.fx.GraphModule) -> SplitGraph:
 
     pieces: list[Piece] = []
     unsafe: dict[str, list[str]] = {}
+    mixed_unsafe: dict[str, list[str]] = {}
     for call in top.graph.nodes:
         if call.op != "call_module":
             continue
@@ -222,12 +232,24 @@ def split_graph(gm: torch.fx.GraphModule) -> SplitGraph:
                     piece.layers.append(str(layer))
                     if not be.decode_graph_safe:
                         unsafe.setdefault(be.name, []).append(str(layer))
+                    # the flag covers the backend's dense cached op; its other dynamic ops (sparse
+                    # attention, DSA indexer) size launches from host counts
+                    if not (be.mixed_graph_safe and n.target in (be.cached_op, getattr(be.cached_op, "default", None))):
+                        what = be.name if not be.mixed_graph_safe else f"{be.name}: {n.target}"
+                        mixed_unsafe.setdefault(what, []).append(str(layer))
         pieces.append(piece)
     if unsafe:
         reason = "; ".join(f"backend {b!r} is not decode_graph_safe (layers {', '.join(ls)})" for b, ls in unsafe.items())
     else:
         reason = "every dynamic op is decode_graph_safe"
-    return SplitGraph(gm, top, pieces, not unsafe, reason)
+    if mixed_unsafe:
+        mixed_reason = "; ".join(f"{b!r} is not mixed_graph_safe (layers {', '.join(ls[:4])}"
+                                 f"{', ...' if len(ls) > 4 else ''})" for b, ls in mixed_unsafe.items())
+    elif not any(p.kind == DYNAMIC for p in pieces):
+        mixed_reason, mixed_unsafe = "no dynamic op", {"": []}
+    else:
+        mixed_reason = "every dynamic op is mixed_graph_safe"
+    return SplitGraph(gm, top, pieces, not unsafe, reason, not mixed_unsafe, mixed_reason)
 
 
 # ----------------------------------------------------------------------------- the pass
@@ -255,15 +277,20 @@ def piecewise(ctx: BuildContext, opts: PiecewiseOptions) -> PassResult:
     buckets = resolve_buckets(opts.buckets, rt.max_num_tokens, rt.max_batch_size)
     ctx.artifacts.split = split
     compile_backend, compile_why = resolve_compile(opts.compile, ctx.device)
-    ctx.artifacts.runner = RunnerOptions(compile_backend, opts.cuda_graphs, tuple(buckets), opts.decode_graph == "auto")
+    mixed_max = opts.mixed_graph_max_tokens if opts.mixed_graph == "auto" else 0
+    ctx.artifacts.runner = RunnerOptions(compile_backend, opts.cuda_graphs, tuple(buckets), opts.decode_graph == "auto",
+                                         mixed_max)
 
     graphs = opts.cuda_graphs and ctx.device.type == "cuda"
     decode = opts.decode_graph == "auto" and split.decode_graph_safe and graphs
+    mixed = [b for b in buckets if b <= mixed_max] if (split.mixed_graph_safe and graphs) else []
     summary = (
         f"{len(split.pieces)} pieces ({split.num_static} static, {split.num_dynamic} dynamic); "
         f"compile={compile_backend} ({compile_why}); cuda graphs "
         + (f"on, buckets {buckets}" if graphs else "off")
         + (f"; decode whole-graph: {'on' if decode else 'off'} ({split.decode_graph_reason})" if graphs else "")
+        + (f"; mixed whole-graph: {'buckets ' + str(mixed) if mixed else 'off'} ({split.mixed_graph_reason})"
+           if graphs else "")
     )
     return PassResult(summary, {
         "pieces": [p.to_dict() for p in split.pieces],
@@ -273,4 +300,6 @@ def piecewise(ctx: BuildContext, opts: PiecewiseOptions) -> PassResult:
         "compile_reason": compile_why,
         "decode_graph": decode,
         "decode_graph_reason": split.decode_graph_reason,
+        "mixed_graph_buckets": mixed,
+        "mixed_graph_reason": split.mixed_graph_reason,
     })

@@ -121,22 +121,48 @@ def append_kernel(
 
 
 @triton.jit
+def _work_item(CU_SEQLEN, item, B_CAP: tl.constexpr, B_PAD: tl.constexpr, BLOCK_Q: tl.constexpr):
+    """(sequence, first query) of work item `item` when the items are every sequence's query blocks in
+    order, read from the device's cu_seqlen (capacity B_CAP sequences; unused ones have no tokens).
+    Items past the last give a sequence index >= B_CAP. A graph captured with a grid over the
+    items' upper bound therefore replays correctly for any split of its tokens into sequences."""
+    offs = tl.arange(0, B_PAD)
+    m = offs < B_CAP
+    lo = tl.load(CU_SEQLEN + offs, mask=m, other=0)
+    hi = tl.load(CU_SEQLEN + offs + 1, mask=m, other=0)
+    nqb = (hi - lo + BLOCK_Q - 1) // BLOCK_Q
+    cum = tl.cumsum(nqb, 0)
+    b = tl.sum((cum <= item).to(tl.int32), 0)
+    first = tl.sum(tl.where(offs == b, cum - nqb, 0), 0)
+    return b, (item - first) * BLOCK_Q
+
+
+@triton.jit
 def _absorbed_work(CU_SEQLEN, INPUT_POS, SEQ_LEN, PART_LSE, seq_base, tok_base, chunk_size, stride_pl_t, stride_pl_h,
                    N: tl.constexpr, NUM_HB: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_Q: tl.constexpr,
-                   SPLIT: tl.constexpr):
+                   SPLIT: tl.constexpr, B_CAP: tl.constexpr, B_PAD: tl.constexpr):
     """What one program of the absorbed kernels owns. Grid: axis 0 = (query block, head block) with
     head blocks fastest, so the programs that read the same KV tiles run side by side and share them
-    through L2; axis 1 = sequence; axis 2 = split. Lanes (rows or columns) are BLOCK_Q query tokens x
+    through L2; axis 1 = sequence; axis 2 = split. With B_CAP > 0 (a step captured with static
+    bounds) axis 0 = (work item, head block) over all sequences (`_work_item`), axis 1 has one
+    program, and seq_base / tok_base are 0. Lanes (rows or columns) are BLOCK_Q query tokens x
     BLOCK_H heads; lane i of query q sees kv positions < input_pos + q + 1 (`limit`).
     Returns (active, b, pid_s, head, tok, ok, limit, kv_lo, kv_hi, pos0, q0): inactive = a query block
-    past the sequence, or (SPLIT) an empty chunk, whose lse = -inf it has already stored."""
+    past the sequence (or past the last item), or (SPLIT) an empty chunk, whose lse = -inf it has
+    already stored."""
     pid_qh = tl.program_id(0)
-    b = seq_base + tl.program_id(1)
     pid_s = tl.program_id(2)
     hb = pid_qh % NUM_HB
+    if B_CAP > 0:
+        b, q0 = _work_item(CU_SEQLEN, pid_qh // NUM_HB, B_CAP, B_PAD, BLOCK_Q)
+        valid = b < B_CAP
+        b = tl.minimum(b, B_CAP - 1)
+    else:
+        b = seq_base + tl.program_id(1)
+        q0 = (pid_qh // NUM_HB) * BLOCK_Q
+        valid = True
     q_start = tl.load(CU_SEQLEN + b)
     q_len = tl.load(CU_SEQLEN + b + 1) - q_start
-    q0 = (pid_qh // NUM_HB) * BLOCK_Q
     pos0 = tl.load(INPUT_POS + b)
     seq_len = tl.load(SEQ_LEN + b)
     LANES: tl.constexpr = BLOCK_Q * BLOCK_H
@@ -149,7 +175,7 @@ def _absorbed_work(CU_SEQLEN, INPUT_POS, SEQ_LEN, PART_LSE, seq_base, tok_base, 
     kv_limit = tl.minimum(seq_len, pos0 + tl.minimum(q_len, q0 + BLOCK_Q))
     kv_lo = pid_s * chunk_size
     kv_hi = tl.minimum(kv_lo + chunk_size, kv_limit)
-    active = q0 < q_len
+    active = valid & (q0 < q_len)
     if SPLIT:
         if active & (kv_lo >= kv_limit):  # static split count, shorter sequence: lse = -inf
             tl.store(PART_LSE + (tok - tok_base) * stride_pl_t + head * stride_pl_h + pid_s,
@@ -171,7 +197,7 @@ def absorbed_attn_kernel(
     NUM_HB: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DR: tl.constexpr,
     SPLIT: tl.constexpr, DOT_PREC: tl.constexpr, SCALED: tl.constexpr, FP8_DOT: tl.constexpr,
-    EXACT_CAST: tl.constexpr,
+    EXACT_CAST: tl.constexpr, B_CAP: tl.constexpr = 0, B_PAD: tl.constexpr = 1,
 ):
     # SCALED: the cache holds x / scale (FP8): scores take latent_scale / rope_scale per part and the
     # attended latent latent_scale. Tiles are converted to the query dtype as they are loaded.
@@ -180,7 +206,7 @@ def absorbed_attn_kernel(
     # to 2^-17 of the row max stay representable) and the accumulator is divided by it at the end.
     active, b, pid_s, head, tok, row_ok, row_limit, kv_lo, kv_hi, pos0, q0 = _absorbed_work(
         CU_SEQLEN, INPUT_POS, SEQ_LEN, PART_LSE, seq_base, tok_base, chunk_size, stride_pl_t, stride_pl_h,
-        N, NUM_HB, BLOCK_H, BLOCK_Q, SPLIT)
+        N, NUM_HB, BLOCK_H, BLOCK_Q, SPLIT, B_CAP, B_PAD)
     if not active:
         return
     ROWS: tl.constexpr = BLOCK_Q * BLOCK_H
@@ -299,7 +325,7 @@ def absorbed_attn_heads_on_n_kernel(
     NUM_HB: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_DR: tl.constexpr,
     SPLIT: tl.constexpr, DOT_PREC: tl.constexpr, SCALED: tl.constexpr, USE_TMA: tl.constexpr,
-    F16: tl.constexpr,
+    F16: tl.constexpr, B_CAP: tl.constexpr = 0, B_PAD: tl.constexpr = 1,
 ):
     # Grid and outputs as absorbed_attn_kernel; columns (BLOCK_Q tokens x BLOCK_H heads) replace rows.
     # The latent is two column chunks [0, C) and [C, 2C), C = BLOCK_C = pow2(R) / 2: a TMA box is at
@@ -310,7 +336,7 @@ def absorbed_attn_heads_on_n_kernel(
     # F16: the cache is e4m3 and the MMAs run in fp16 (queries saturated to the fp16 range).
     active, b, pid_s, head, tok, col_ok, col_limit, kv_lo, kv_hi, pos0, q0 = _absorbed_work(
         CU_SEQLEN, INPUT_POS, SEQ_LEN, PART_LSE, seq_base, tok_base, chunk_size, stride_pl_t, stride_pl_h,
-        N, NUM_HB, BLOCK_H, BLOCK_Q, SPLIT)
+        N, NUM_HB, BLOCK_H, BLOCK_Q, SPLIT, B_CAP, B_PAD)
     if not active:
         return
     COLS: tl.constexpr = BLOCK_Q * BLOCK_H
@@ -400,21 +426,27 @@ def absorbed_attn_heads_on_n_kernel(
 
 @triton.jit(do_not_specialize=["tok_base", "abs_base", "num_splits"])
 def split_reduce_kernel(
-    PART_ACC, PART_LSE, LATENT,
+    PART_ACC, PART_LSE, LATENT, CU_SEQLEN,
     tok_base, abs_base, num_splits,
     stride_pa_t, stride_pa_h, stride_pa_s, stride_pl_t, stride_pl_h,
     stride_lat_h, stride_lat_t,
-    R: tl.constexpr, BLOCK_R: tl.constexpr,
+    R: tl.constexpr, BLOCK_R: tl.constexpr, B_CAP: tl.constexpr = 0,
 ):
+    # B_CAP > 0 (static bounds): rows past the step's last token (cu_seqlen[B_CAP]) had no program
+    # and their partials are garbage: they get a zero latent.
     rel = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs_r = tl.arange(0, BLOCK_R)
     rmask = offs_r < R
+    live = True
+    if B_CAP > 0:
+        live = tok_base + rel < tl.load(CU_SEQLEN + B_CAP)
     m = float("-inf")
     l = 0.0
     acc = tl.zeros([BLOCK_R], tl.float32)
     for s in range(0, num_splits):
         lse = tl.load(PART_LSE + rel * stride_pl_t + h * stride_pl_h + s)
+        lse = tl.where(live, lse, float("-inf"))
         # Partials of empty chunks were never written: do not read them (0 * NaN = NaN).
         r_lim = tl.where(lse > float("-inf"), R, 0)
         x = tl.load(PART_ACC + rel * stride_pa_t + h * stride_pa_h + s * stride_pa_s + offs_r,

@@ -152,7 +152,8 @@ class TritonMLASession(BackendSession):
     def prepare(self, meta: StepMetadata, step: StepDescriptor) -> None:
         """Read the step's host metadata once for all layers (ops check the batch counts still match)."""
         self.step = StepShape.from_host(meta.get("batch_info_host"), meta.get("max_seq_info_host"),
-                                        meta.get("cu_seqlen_host"), meta.get("input_pos_host"))
+                                        meta.get("cu_seqlen_host"), meta.get("input_pos_host"),
+                                        static=step.static_bounds)
         self.plans.clear()
 
     def stats(self) -> dict[str, Any]:
@@ -170,6 +171,9 @@ class StepShape:
     max_kv: int
     prefix: int  # cached tokens under the prefill sequences
     pairs: int  # causal (query, key) pairs of the prefill part
+    #: the step runs in a whole-graph CUDA graph captured for any batch of its token count
+    #: (StepDescriptor.static_bounds): launches are sized from static bounds only (`_attend_static`)
+    static: bool = False
 
     @property
     def num_tok(self) -> int:
@@ -181,7 +185,7 @@ class StepShape:
 
     @classmethod
     def from_host(cls, batch_info_host: torch.Tensor, max_seq_info_host: torch.Tensor,
-                  cu_seqlen_host: torch.Tensor, input_pos_host: torch.Tensor) -> "StepShape":
+                  cu_seqlen_host: torch.Tensor, input_pos_host: torch.Tensor, static: bool = False) -> "StepShape":
         """From the `_host` mirrors (CPU tensors: reading them never syncs the device)."""
         n_pre, n_pre_tok, n_dec = (int(v) for v in batch_info_host.tolist()[:3])
         max_q, max_kv = (int(v) for v in max_seq_info_host.tolist()[:2])
@@ -191,7 +195,7 @@ class StepShape:
             q = cu[1:] - cu[:-1]
             p = input_pos_host[:n_pre].numpy().astype("int64")
             prefix, pairs = int(p.sum()), int((q * p + q * (q + 1) // 2).sum())
-        return cls(n_pre, n_pre_tok, n_dec, max_q, max_kv, prefix, pairs)
+        return cls(n_pre, n_pre_tok, n_dec, max_q, max_kv, prefix, pairs, static)
 
 
 @dataclass
@@ -306,10 +310,18 @@ class _AbsorbedLaunch:
 
 
 def _plan_absorbed(call: _Call, cfg, dims: MLADims, q_dtype: torch.dtype, mla_cache: torch.Tensor, scaled: bool,
-                   fp8_dot: bool, n_seqs: int, max_q: int, kv_bound: int, dev: torch.device) -> _AbsorbedLaunch:
+                   fp8_dot: bool, n_seqs: int, max_q: int, kv_bound: int, dev: torch.device,
+                   work_list: int = 0, max_splits: int = 0) -> _AbsorbedLaunch:
+    """work_list > 0 (static bounds): one program per (work item, head block) over all sequences,
+    items found in the kernel from the device cu_seqlen (`kernels._work_item`), `work_list` = the
+    sequence capacity and `max_q` = the token count (at most ceil(T / BLOCK_Q) + sequences items,
+    and at most T). max_splits > 0 caps the split count."""
     n, r, dr = dims.num_heads, dims.kv_lora_rank, dims.qk_rope_head_dim
     num_hb = triton.cdiv(n, cfg.block_h)
-    num_qb = triton.cdiv(max_q, cfg.block_q)
+    if work_list:
+        num_qb, n_seqs = min(max_q, triton.cdiv(max_q, cfg.block_q) + work_list), 1
+    else:
+        num_qb = triton.cdiv(max_q, cfg.block_q)
     progs = n_seqs * num_hb * num_qb
     page_size = mla_cache.shape[1]
     if cfg.heads_on_n:
@@ -320,11 +332,15 @@ def _plan_absorbed(call: _Call, cfg, dims: MLADims, q_dtype: torch.dtype, mla_ca
                                          partial)
     else:
         splits, chunk = split_plan(progs, kv_bound, cfg.block_n, call.policy.decode_splits, dev)
+    if max_splits and splits > max_splits:
+        splits, chunk = split_plan(progs, kv_bound, cfg.block_n, max_splits, dev)
     meta = dict(
         N=n, R=r, DR=dr, PAGE_SIZE=page_size, NUM_HB=num_hb, BLOCK_H=cfg.block_h, BLOCK_Q=cfg.block_q,
         BLOCK_N=cfg.block_n, BLOCK_DR=pow2(dr), DOT_PREC=dot_precision(q_dtype), SCALED=scaled,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    if work_list:
+        meta.update(B_CAP=work_list, B_PAD=pow2(work_list))
     block_c = 0
     tma_ok = False
     if cfg.heads_on_n:
@@ -343,24 +359,26 @@ def _plan_absorbed(call: _Call, cfg, dims: MLADims, q_dtype: torch.dtype, mla_ca
         attn = call.bound(kernel, {**meta, "SPLIT": split, "USE_TMA": tma_ok})
     else:
         attn = call.bound(kernel, {**meta, "SPLIT": split})
-    reduce = call.bound(K.split_reduce_kernel, _reduce_meta(r)) if split else None
+    reduce = call.bound(K.split_reduce_kernel, {**_reduce_meta(r), "B_CAP": work_list}) if split else None
     return _AbsorbedLaunch(attn, reduce, (num_hb * num_qb, n_seqs, splits), splits, chunk, cfg.heads_on_n, block_c,
                            tma_ok)
 
 
 def _launch_absorbed(call: _Call, q_abs, q_pe, mla_cache, page_table, cu_seqlen, input_pos, seq_len, latent,
                      *, seq_base, n_seqs, tok_base, n_tok, abs_base, max_q, kv_bound, cfg, dims, qk_scale,
-                     scales: CacheScales = UNIT_SCALES, q_scale: Optional[torch.Tensor] = None) -> int:
+                     scales: CacheScales = UNIT_SCALES, q_scale: Optional[torch.Tensor] = None,
+                     work_list: int = 0, max_splits: int = 0) -> int:
     """`q_scale` given: q_abs / q_pe are e4m3 (quantize_queries) and the kernel runs e4m3 MMAs.
-    `cfg.heads_on_n`: absorbed_attn_heads_on_n_kernel (never with q_scale). Returns the split count."""
+    `cfg.heads_on_n`: absorbed_attn_heads_on_n_kernel (never with q_scale). `work_list`,
+    `max_splits`: see _plan_absorbed (static bounds). Returns the split count."""
     n, r, dr = dims.num_heads, dims.kv_lora_rank, dims.qk_rope_head_dim
     dev = q_abs.device
     scaled = _scaled(mla_cache, scales) or q_scale is not None
     fp8_dot = q_scale is not None
     key = ("absorbed", cfg, dims, q_abs.dtype, mla_cache.dtype, mla_cache.shape[1], scaled, fp8_dot, n_seqs, max_q,
-           kv_bound)
+           kv_bound, work_list, max_splits)
     plan = call.plan(key, lambda: _plan_absorbed(call, cfg, dims, q_abs.dtype, mla_cache, scaled, fp8_dot, n_seqs,
-                                                  max_q, kv_bound, dev))
+                                                  max_q, kv_bound, dev, work_list, max_splits))
     splits, chunk = plan.splits, plan.chunk
     flat_stride = mla_cache.stride(1)
     if plan.heads_on_n:
@@ -382,13 +400,14 @@ def _launch_absorbed(call: _Call, q_abs, q_pe, mla_cache, page_table, cu_seqlen,
                    q_abs.stride(0), q_abs.stride(1), q_pe.stride(1), q_pe.stride(2),
                    flat_stride, page_table.stride(0), latent.stride(0), latent.stride(1), *pa, *pl)
         red = (tok_base, abs_base, splits, *pa, *pl, latent.stride(0), latent.stride(1))
-        return ptrs, scalars, (part_acc, part_lse, latent), red
+        return ptrs, scalars, (part_acc, part_lse, latent, cu_seqlen), red
 
     if dev.type == "cuda" and not _capturing_on(dev):
         # Load both variants (SPLIT or not) now, in eager mode: a decode step captured into a CUDA
         # graph later plans its splits from the static capacity and may need the other variant,
         # and loading a kernel module while a stream is capturing is not allowed.
-        wkey = (cfg, dims, q_abs.dtype, mla_cache.dtype, scaled, fp8_dot, dev, mla_cache.shape[1], extra[0] is None)
+        wkey = (cfg, dims, q_abs.dtype, mla_cache.dtype, scaled, fp8_dot, dev, mla_cache.shape[1], extra[0] is None,
+                work_list)
         if call.warmed is None or wkey not in call.warmed:
             dummy_acc = torch.empty(1, n, 2, r, dtype=torch.float32, device=dev)
             dummy_lse = torch.empty(1, n, 2, dtype=torch.float32, device=dev)
@@ -396,7 +415,7 @@ def _launch_absorbed(call: _Call, q_abs, q_pe, mla_cache, page_table, cu_seqlen,
                 ptrs, scalars, rptrs, red = args(pa_, pl_)
                 call.bound(attn.fn, {**attn.constexprs, "SPLIT": sp}).warmup(ptrs, scalars)
                 if sp:
-                    call.bound(K.split_reduce_kernel, _reduce_meta(r)).warmup(rptrs, red)
+                    call.bound(K.split_reduce_kernel, {**_reduce_meta(r), "B_CAP": work_list}).warmup(rptrs, red)
             if call.warmed is not None:
                 call.warmed.add(wkey)
 
@@ -405,6 +424,8 @@ def _launch_absorbed(call: _Call, q_abs, q_pe, mla_cache, page_table, cu_seqlen,
         part_lse = call.empty(n_tok, n, splits, dtype=torch.float32, device=dev)
     else:
         part_acc = part_lse = latent  # unused
+        if work_list:  # static bounds: no program writes the rows of the padded tokens; the merge would
+            latent.zero_()
     ptrs, scalars, rptrs, red = args(part_acc, part_lse)
     attn.launch(plan.grid, ptrs, scalars)
     if plan.reduce is not None:
@@ -587,6 +608,8 @@ def _triton_mla_with_cache(x: MLAInputs, meta: Mapping[str, torch.Tensor], mla_c
     page_table, cu_seqlen, input_pos = meta["page_table"], meta["cu_seqlen"], meta["input_pos"]
     seq_len_with_cache = meta["seq_len_with_cache"]
 
+    if step.static:
+        return _attend_static(call, x, meta, mla_cache, dims, resolve_scale(dims, scale) * LOG2E, scales)
     n, dv = dims.num_heads, dims.v_head_dim
     t_all = q_nope.shape[1]
     dev = q_nope.device
@@ -649,6 +672,47 @@ def _triton_mla_with_cache(x: MLAInputs, meta: Mapping[str, torch.Tensor], mla_c
     return out
 
 
+#: Cap on the fp32 split partials of one static-bounds call ([T, N, splits, R]): a captured graph
+#: keeps them in its memory pool.
+STATIC_PARTIAL_BYTES = 64 << 20
+
+
+def _attend_static(call: _Call, x: MLAInputs, meta: Mapping[str, torch.Tensor], mla_cache: torch.Tensor,
+                   dims: MLADims, qk_scale: float, scales: CacheScales) -> torch.Tensor:
+    """The op for a step captured once per token count and replayed for any batch of that size
+    (mixed prefill + decode steps): no launch reads a host count. Every one of the T tokens is
+    appended (padded tokens go to the scratch page) and attended on the absorbed path (no expansion:
+    its history buffer is sized by the cached prefix) by one launch whose programs find their
+    (sequence, query block) in the device cu_seqlen (kernels._work_item) over the sequence
+    capacity; the split count comes from the cache capacity (page-table width), as in decode
+    graphs. Padded tokens get a zero output. Returns [1, T, N, Dv]."""
+    q_nope, q_pe, compressed_kv, kpe, kv_b_proj_weight = x
+    page_table, cu_seqlen = meta["page_table"], meta["cu_seqlen"]
+    n, r, dv = dims.num_heads, dims.kv_lora_rank, dims.v_head_dim
+    t_all = q_nope.shape[1]
+    b_cap = cu_seqlen.shape[0] - 1
+    dev = q_nope.device
+    out = call.empty(1, t_all, n, dv, dtype=q_nope.dtype, device=dev)
+    _launch_append(compressed_kv, kpe, mla_cache, meta["cache_loc"], t_all, dims, scales, call)
+    w_kn, w_v = _absorb_weights(call, dims, kv_b_proj_weight)
+    q_abs = torch.bmm(q_nope[0].transpose(0, 1), w_kn)  # [N, T, R]
+    latent = call.empty(*q_abs.shape, dtype=q_abs.dtype, device=dev)
+    q_in, qpe_in, q_scale = q_abs, q_pe, None
+    if is_fp8(mla_cache.dtype) and call.policy.fp8_dot:
+        q_in, qpe_in, q_scale = quantize_queries(q_abs, q_pe)
+    cfg = call.plan(("absorb_cfg", dims, q_nope.dtype, mla_cache.dtype, t_all),
+                    lambda: _absorb_config(call, dims, q_nope.dtype, mla_cache.dtype, t_all))
+    max_splits = max(1, STATIC_PARTIAL_BYTES // (t_all * n * r * 4))
+    _launch_absorbed(
+        call, q_in, qpe_in, mla_cache, page_table, cu_seqlen, meta["input_pos"], meta["seq_len_with_cache"], latent,
+        seq_base=0, n_seqs=b_cap, tok_base=0, n_tok=t_all, abs_base=0, max_q=t_all,
+        kv_bound=page_table.shape[1] * mla_cache.shape[1], cfg=cfg, dims=dims, qk_scale=qk_scale, scales=scales,
+        q_scale=q_scale, work_list=b_cap, max_splits=max_splits,
+    )
+    torch.bmm(latent, w_v.transpose(1, 2), out=out[0].transpose(0, 1))
+    return out
+
+
 #: the op, and its implementation that the piecewise runner calls directly for eager attention pieces
 triton_mla_with_cache, triton_mla_with_cache_direct = define_cached_op_and_kernel(OP, METADATA, _triton_mla_with_cache)
 
@@ -665,6 +729,8 @@ class TritonMLABackend(MLABackend):
     # the static page-table width under capture; kernels read lengths from device metadata.
     # Verified by tests/test_triton_mla.py::test_cuda_graph_decode_replays_as_sequences_grow (GPU).
     decode_graph_safe = True
+    #: static-bounds steps run `_attend_static` (one work-list launch over the sequence capacity)
+    mixed_graph_safe = True
     #: sparse MLA (DSA) ops: split points too; graph safe like the dense op (static sizes under capture)
     dynamic_ops = (triton_mla_sparse_with_cache, SPARSE_INDEXER_WITH_CACHE)
 

@@ -1,0 +1,136 @@
+"""Prefill and mixed steps in whole-graph CUDA graphs: the Triton op on static bounds (issue 14, item 1).
+
+A mixed graph is captured on one batch of T tokens and replayed for any other batch of T tokens, so
+under `StepDescriptor.static_bounds` no launch of the op may depend on the step's host counts.
+CPU (CI, interpreted Triton): outputs equal the float64 reference over prefill, chunked prefill,
+mixed, multi-token and decode steps for both kernel layouts, with and without split-K, padded
+tokens get a zero output even from NaN-poisoned buffers, and two different batches of the same token
+count make exactly the same launches (grid, scalars, constexprs); the runner's step descriptor and
+the split graph's mixed_graph_safe flag. GPU (marked): test_piecewise.py replays mixed graphs
+across batches against the eager graph.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autodeploy_mla.custom_ops import get_backend
+from autodeploy_mla.custom_ops.backend_registry import Target, all_backends, make_session_spec
+from autodeploy_mla.custom_ops.mla_dims import MLADims
+from autodeploy_mla.custom_ops.step_context import using_sessions
+from autodeploy_mla.custom_ops.triton_mla import op as top
+from autodeploy_mla.custom_ops.triton_mla.launch import BoundKernel
+from autodeploy_mla.custom_ops.triton_mla.op import TritonPolicy
+from autodeploy_mla.runtime.model_runner import step_descriptor
+from autodeploy_mla.runtime.page_allocator import PageAllocator
+from autodeploy_mla.runtime.sequence_info import SequenceInfo, StepSequence
+from autodeploy_mla.testing.scenarios import run_scenario
+
+pytestmark = pytest.mark.skipif("triton" not in all_backends(), reason="triton backend not registered")
+
+#: prefill, a chunk over a cached prefix next to decode, multi-token rows, ragged prefill + decode
+SCHEDULE = [{0: 6}, {0: 1, 1: 7}, {0: 1, 1: 1, 2: 5}, {2: 4, 0: 1, 1: 1}, {0: 3, 1: 1, 2: 1, 3: 9}]
+PAD = {0: 8, 1: 16, 2: 8, 3: 8, 4: 16}  # every step padded to a bucket: every step is static
+
+
+@pytest.mark.parametrize("dims", [
+    MLADims(3, 8, 4, 8, 16),  # R < 32: heads on M only, N not a power of two
+    MLADims(5, 8, 0, 16, 32),  # Dr = 0, heads on N possible
+    MLADims(4, 16, 8, 16, 32),
+], ids=["n3_r16", "n5_r32_dr0", "n4_r32"])
+@pytest.mark.parametrize("policy", [
+    TritonPolicy(poison_buffers=True),
+    TritonPolicy(poison_buffers=True, decode_splits=3),
+    TritonPolicy(poison_buffers=True, decode_layout="heads_on_m"),
+], ids=["auto", "split3", "heads_on_m"])
+def test_static_bounds_steps_match_reference(dims, policy, monkeypatch):
+    launched = []
+    orig = top._launch_absorbed
+
+    def spy(*a, **k):
+        launched.append(k.get("work_list", 0))
+        return orig(*a, **k)
+
+    monkeypatch.setattr(top, "_launch_absorbed", spy)
+    res = run_scenario("triton", dims, SCHEDULE, pad_to=PAD, graph_buckets={8, 16}, mixed_graph_max_tokens=16,
+                       policy=policy, max_batch_size=6)
+    assert res.max_rel_error() < 1e-5
+    assert launched == [6] * len(SCHEDULE)  # one work-list launch per step over the 6-sequence capacity
+    for rows in res.extra["padded_rows"]:
+        assert torch.equal(rows, torch.zeros_like(rows))  # finite and zero despite NaN-poisoned buffers
+
+
+def test_other_batches_of_the_same_token_count_make_identical_launches(monkeypatch):
+    """What a captured graph freezes (grid, scalar arguments, constexprs, buffers) must not depend on
+    how the step's tokens split into sequences: a graph captured on one batch replays them all."""
+    dims = MLADims(4, 16, 8, 16, 32)
+    record: list[tuple] = []
+    orig = BoundKernel.launch
+
+    def spy(self, grid, ptrs, scalars):
+        record.append((self.fn, tuple(grid), tuple(scalars), tuple(sorted(self.constexprs.items())),
+                       tuple(p.shape if isinstance(p, torch.Tensor) else p for p in ptrs)))
+        return orig(self, grid, ptrs, scalars)
+
+    monkeypatch.setattr(BoundKernel, "launch", spy)
+    be = get_backend("triton")
+    sess = be.setup(make_session_spec([dims], torch.float32, "cpu", Target.detect("cpu", 4), 6, 16, 8))
+    info = SequenceInfo(6, 16, 32, 4, torch.device("cpu"))
+    alloc = PageAllocator(60, 4, info.max_pages_per_seq)
+    cache = torch.zeros(60, 4, dims.latent_dim)
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(dims.num_heads * (dims.qk_nope_head_dim + dims.v_head_dim), dims.kv_lora_rank, generator=gen) / 4
+    launches = []
+    for batch in ([(0, 12, 0)], [(1, 3, 0), (2, 1, 0), (3, 7, 0)], [(1, 1, 3), (2, 5, 1), (3, 1, 7), (4, 2, 0)]):
+        alloc.ensure_many({sid: n + c for sid, n, c in batch})
+        info.prepare_step([StepSequence(sid, [1] * n, c) for sid, n, c in batch], alloc.pages_of, pad_to=16)
+        step = step_descriptor(info, (16,), 16)
+        assert step.static_bounds and step.cuda_graph
+        sess.prepare(info, step)
+        x = [torch.randn(1, 16, dims.num_heads, dims.qk_nope_head_dim, generator=gen),
+             torch.randn(1, 16, dims.num_heads, dims.qk_rope_head_dim, generator=gen),
+             torch.randn(1, 16, dims.kv_lora_rank, generator=gen),
+             torch.randn(1, 16, 1, dims.qk_rope_head_dim, generator=gen), w]
+        record.clear()
+        with using_sessions({"triton": sess}):
+            be.cached_op.default(*x, *[info.get(m) for m in be.metadata], cache, None)
+        launches.append(list(record))
+    assert launches[0] and launches[0] == launches[1] == launches[2]
+
+
+def test_step_descriptor_marks_static_bounds_only_for_mixed_buckets():
+    info = SequenceInfo(4, 32, 64, 4, torch.device("cpu"))
+    alloc = PageAllocator(40, 4, info.max_pages_per_seq)
+
+    def desc(seqs, pad, buckets=(4, 8, 16), mixed_max=8):
+        alloc.ensure_many({sid: n + c for sid, n, c in seqs})
+        info.prepare_step([StepSequence(sid, [1] * n, c) for sid, n, c in seqs], alloc.pages_of, pad_to=pad)
+        return step_descriptor(info, buckets, mixed_max)
+
+    d = desc([(0, 1, 3), (1, 1, 5)], 4)  # decode-only, padded with dummy sequences: the decode graph
+    assert d.cuda_graph and not d.static_bounds
+    d = desc([(0, 5, 0), (1, 1, 5)], 8)  # mixed, bucket 8 <= 8
+    assert d.cuda_graph and d.static_bounds
+    assert not desc([(0, 9, 0)], 16).static_bounds  # bucket 16 > mixed_graph_max_tokens
+    assert not desc([(0, 5, 0)], 8, mixed_max=0).cuda_graph  # mixed graphs off
+    assert not desc([(0, 5, 0)], None).cuda_graph  # unpadded, not a bucket
+
+
+def test_split_graph_reports_mixed_graph_safety():
+    from autodeploy_mla.transforms.piecewise import split_graph
+
+    def graph_with(op):
+        g = torch.fx.Graph()
+        xs = [g.placeholder(f"a{i}") for i in range(len(op._schema.arguments))]
+        out = g.call_function(op, (g.call_function(torch.ops.aten.add.Tensor, (xs[0], 1.0)), *xs[1:]))
+        g.output((g.call_function(torch.ops.aten.mul.Tensor, (out, 2.0)),))
+        return torch.fx.GraphModule(torch.nn.Module(), g)
+
+    tri = split_graph(graph_with(get_backend("triton").cached_op.default))
+    assert tri.mixed_graph_safe and "mixed_graph_safe" in tri.mixed_graph_reason
+    ref = split_graph(graph_with(get_backend("torch").cached_op.default))
+    assert not ref.mixed_graph_safe and "'torch'" in ref.mixed_graph_reason
+    sparse = get_backend("triton").dynamic_ops[0]  # sparse attention sizes launches from host counts
+    sp = split_graph(graph_with(getattr(sparse, "default", sparse)))
+    assert not sp.mixed_graph_safe and "triton" in sp.mixed_graph_reason
