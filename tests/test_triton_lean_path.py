@@ -264,7 +264,7 @@ def test_bound_kernel_stays_on_the_jit_path_in_the_interpreter():
     acc = torch.randn(1, n, s, r)
     lse = torch.randn(1, n, s)
     out = torch.empty(n, 1, r)
-    bk.launch((1, n), (acc, lse, out), (0, 0, s, *acc.stride()[:3], *lse.stride()[:2], out.stride(0), out.stride(1)))
+    bk.launch((1, n), (acc, lse, out, torch.zeros(1, dtype=torch.int32)), (0, 0, s, *acc.stride()[:3], *lse.stride()[:2], out.stride(0), out.stride(1)))
     w = torch.softmax(lse * 0.6931471805599453, dim=-1)  # base-2 lse
     torch.testing.assert_close(out[:, 0], (w[0, :, :, None] * acc[0]).sum(1), rtol=1e-5, atol=1e-5)
     assert bk.jit_launches == 1 and bk.direct_launches == 0

@@ -30,8 +30,9 @@ from autodeploy_mla.testing.scenarios import run_scenario
 pytestmark = pytest.mark.skipif("triton" not in all_backends(), reason="triton backend not registered")
 
 #: prefill, a chunk over a cached prefix next to decode, multi-token rows, ragged prefill + decode
-SCHEDULE = [{0: 6}, {0: 1, 1: 7}, {0: 1, 1: 1, 2: 5}, {2: 4, 0: 1, 1: 1}, {0: 3, 1: 1, 2: 1, 3: 9}]
-PAD = {0: 8, 1: 16, 2: 8, 3: 8, 4: 16}  # every step padded to a bucket: every step is static
+SCHEDULE = [{0: 6}, {0: 1, 1: 7}, {0: 1, 1: 1, 2: 5}, {2: 4, 0: 1, 1: 1}, {0: 3, 1: 1, 2: 1, 3: 9},
+            {0: 1, 4: 20, 3: 2}]
+PAD = {0: 8, 1: 16, 2: 8, 3: 8, 4: 16, 5: 32}  # every step padded to a bucket: every step is static
 
 
 @pytest.mark.parametrize("dims", [
@@ -53,7 +54,7 @@ def test_static_bounds_steps_match_reference(dims, policy, monkeypatch):
         return orig(*a, **k)
 
     monkeypatch.setattr(top, "_launch_absorbed", spy)
-    res = run_scenario("triton", dims, SCHEDULE, pad_to=PAD, graph_buckets={8, 16}, mixed_graph_max_tokens=16,
+    res = run_scenario("triton", dims, SCHEDULE, pad_to=PAD, graph_buckets={8, 16, 32}, mixed_graph_max_tokens=32,
                        policy=policy, max_batch_size=6)
     assert res.max_rel_error() < 1e-5
     assert launched == [6] * len(SCHEDULE)  # one work-list launch per step over the 6-sequence capacity
@@ -134,3 +135,68 @@ def test_split_graph_reports_mixed_graph_safety():
     sparse = get_backend("triton").dynamic_ops[0]  # sparse attention sizes launches from host counts
     sp = split_graph(graph_with(getattr(sparse, "default", sparse)))
     assert not sp.mixed_graph_safe and "triton" in sp.mixed_graph_reason
+
+
+def test_long_prefix_chunks_are_declined_and_short_steps_kept():
+    """Static bounds absorb the prefill part: a chunk on a long prefix (absorbing costs far more
+    than expanding) is declined and runs piecewise; fresh prefills and decode-like chunks are kept."""
+    dims = MLADims(16, 128, 64, 128, 512)  # DeepSeek-V2-Lite
+    sess = get_backend("triton").setup(make_session_spec([dims], torch.bfloat16, "cpu", Target.detect("cpu", 64),
+                                                         32, 256, 80))
+    info = SequenceInfo(32, 256, 5120, 64, torch.device("cpu"))
+    alloc = PageAllocator(800, 64, info.max_pages_per_seq)
+
+    def ok(seqs):
+        for sid in alloc.owners():
+            alloc.free(sid)
+        alloc.ensure_many({sid: n + c for sid, n, c in seqs})
+        info.prepare_step([StepSequence(sid, [1] * n, c) for sid, n, c in seqs], alloc.pages_of)
+        return sess.static_bounds_ok(info)
+
+    assert ok([(0, 60, 0)] + [(i, 1, 1024) for i in range(1, 5)])
+    assert ok([(0, 120, 1024)] + [(i, 1, 1024) for i in range(1, 9)])
+    assert ok([(0, 256, 0)])
+    assert ok([(i, 4, 1024) for i in range(16)])
+    assert sess.stats()["static_bounds_declined"] == 0
+    assert not ok([(0, 240, 4096)] + [(i, 1, 2048) for i in range(1, 17)])  # H200: 0.91-0.94x as a graph
+    assert sess.stats()["static_bounds_declined"] == 1
+
+
+def test_model_steps_on_static_bounds_generate_hf_greedy_tokens(monkeypatch):
+    """The whole model through the runner with every prefill / mixed step marked static_bounds (as
+    CUDA-graph buckets would; on CPU the graph runs eagerly, the op on static bounds): greedy tokens
+    equal HF eager; a declined step (threshold forced below 0) runs as an ordinary step."""
+    from autodeploy_mla.api import optimize
+    from autodeploy_mla.runtime.piecewise import PiecewiseRunner
+    from autodeploy_mla.testing import hf_greedy_generate
+    from autodeploy_mla.testing.tiny_configs import TINY_CONFIGS
+
+    cfg = dict(TINY_CONFIGS["deepseek_v3"], num_hidden_layers=2)
+    om = optimize(None, {
+        "model": {"hf_config": cfg, "device": "cpu", "dtype": "float32"},
+        "runtime": {"max_batch_size": 4, "max_seq_len": 64, "max_num_tokens": 16, "page_size": 4},
+        "transforms": {"piecewise": {"enabled": True, "on_cpu": True},
+                       "insert_cached_mla_attention": {"backend": "triton"}},
+    })
+    pw = om.runner.piecewise
+    assert pw.split.mixed_graph_safe
+    monkeypatch.setattr(PiecewiseRunner, "capture_buckets", property(lambda self: (1, 2, 4, 8, 16)))
+    pw.mixed_graph_max_tokens = 16
+    steps = []
+    orig = top._attend_static
+
+    def spy(*a, **k):
+        steps.append(a[0])
+        return orig(*a, **k)
+
+    monkeypatch.setattr(top, "_attend_static", spy)
+    prompts = [[5, 6, 7], [3, 4], [9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 12]]
+    got = om.generate(prompts, max_new_tokens=5)
+    for p, g in zip(prompts, got):
+        assert g == hf_greedy_generate(om.eager_model, p, 5)
+    assert steps  # the static path ran (prefill steps padded to buckets <= 16)
+    sess = om.runner.sessions["triton"]
+    monkeypatch.setattr(top, "STATIC_MAX_EXTRA_FLOPS", -1.0)
+    n = len(steps)
+    assert om.generate(prompts[:1], max_new_tokens=2) == [hf_greedy_generate(om.eager_model, prompts[0], 2)]
+    assert len(steps) == n and sess.stats()["static_bounds_declined"] >= 1

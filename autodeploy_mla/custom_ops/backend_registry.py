@@ -192,6 +192,12 @@ class BackendSession:
     def prepare(self, meta: StepMetadata, step: StepDescriptor) -> None:
         """Host-side work once per step (FlashInfer: plan)."""
 
+    def static_bounds_ok(self, meta: StepMetadata) -> bool:
+        """Whether this step should run on static bounds (a mixed graph), asked before `prepare` for
+        steps the runner would replay that way: a backend whose static-bounds path is much slower
+        for this step's shape than its eager path declines, and the step runs piecewise."""
+        return True
+
     def stats(self) -> dict[str, Any]:
         """Counters for reports and tests (plans, fallback steps, ...)."""
         return {}

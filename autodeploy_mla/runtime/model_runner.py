@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import torch
@@ -201,6 +201,8 @@ class ModelRunner:
             self._fill_device_tokens()
         step = step_descriptor(self.seq_info, self.capture_buckets,
                                self.piecewise.mixed_graph_max_tokens if self.piecewise is not None else 0)
+        if step.static_bounds and not all(s.static_bounds_ok(self.seq_info) for s in self.sessions.values()):
+            step = replace(step, cuda_graph=False, static_bounds=False)
         for sess in self.sessions.values():
             sess.prepare(self.seq_info, step)
         return order, step

@@ -140,12 +140,14 @@ def _work_item(CU_SEQLEN, item, B_CAP: tl.constexpr, B_PAD: tl.constexpr, BLOCK_
 @triton.jit
 def _absorbed_work(CU_SEQLEN, INPUT_POS, SEQ_LEN, PART_LSE, seq_base, tok_base, chunk_size, stride_pl_t, stride_pl_h,
                    N: tl.constexpr, NUM_HB: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_Q: tl.constexpr,
-                   SPLIT: tl.constexpr, B_CAP: tl.constexpr, B_PAD: tl.constexpr):
+                   SPLIT: tl.constexpr, B_CAP: tl.constexpr, B_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
     """What one program of the absorbed kernels owns. Grid: axis 0 = (query block, head block) with
     head blocks fastest, so the programs that read the same KV tiles run side by side and share them
     through L2; axis 1 = sequence; axis 2 = split. With B_CAP > 0 (a step captured with static
     bounds) axis 0 = (work item, head block) over all sequences (`_work_item`), axis 1 has one
-    program, and seq_base / tok_base are 0. Lanes (rows or columns) are BLOCK_Q query tokens x
+    program, and seq_base / tok_base are 0; split chunks are then cut per item from its own history
+    (its kv limit over the grid's splits, at least `chunk_size`, whole tiles), so a graph captured
+    for any history length keeps every split busy. Lanes (rows or columns) are BLOCK_Q query tokens x
     BLOCK_H heads; lane i of query q sees kv positions < input_pos + q + 1 (`limit`).
     Returns (active, b, pid_s, head, tok, ok, limit, kv_lo, kv_hi, pos0, q0): inactive = a query block
     past the sequence (or past the last item), or (SPLIT) an empty chunk, whose lse = -inf it has
@@ -173,6 +175,9 @@ def _absorbed_work(CU_SEQLEN, INPUT_POS, SEQ_LEN, PART_LSE, seq_base, tok_base, 
     tok = (q_start + q_idx).to(tl.int64)
     limit = pos0 + q_idx + 1
     kv_limit = tl.minimum(seq_len, pos0 + tl.minimum(q_len, q0 + BLOCK_Q))
+    if B_CAP > 0:
+        per = tl.maximum(tl.cdiv(kv_limit, tl.num_programs(2)), chunk_size)
+        chunk_size = tl.cdiv(per, BLOCK_N) * BLOCK_N
     kv_lo = pid_s * chunk_size
     kv_hi = tl.minimum(kv_lo + chunk_size, kv_limit)
     active = valid & (q0 < q_len)
@@ -206,7 +211,7 @@ def absorbed_attn_kernel(
     # to 2^-17 of the row max stay representable) and the accumulator is divided by it at the end.
     active, b, pid_s, head, tok, row_ok, row_limit, kv_lo, kv_hi, pos0, q0 = _absorbed_work(
         CU_SEQLEN, INPUT_POS, SEQ_LEN, PART_LSE, seq_base, tok_base, chunk_size, stride_pl_t, stride_pl_h,
-        N, NUM_HB, BLOCK_H, BLOCK_Q, SPLIT, B_CAP, B_PAD)
+        N, NUM_HB, BLOCK_H, BLOCK_Q, SPLIT, B_CAP, B_PAD, BLOCK_N)
     if not active:
         return
     ROWS: tl.constexpr = BLOCK_Q * BLOCK_H
@@ -336,7 +341,7 @@ def absorbed_attn_heads_on_n_kernel(
     # F16: the cache is e4m3 and the MMAs run in fp16 (queries saturated to the fp16 range).
     active, b, pid_s, head, tok, col_ok, col_limit, kv_lo, kv_hi, pos0, q0 = _absorbed_work(
         CU_SEQLEN, INPUT_POS, SEQ_LEN, PART_LSE, seq_base, tok_base, chunk_size, stride_pl_t, stride_pl_h,
-        N, NUM_HB, BLOCK_H, BLOCK_Q, SPLIT, B_CAP, B_PAD)
+        N, NUM_HB, BLOCK_H, BLOCK_Q, SPLIT, B_CAP, B_PAD, BLOCK_N)
     if not active:
         return
     COLS: tl.constexpr = BLOCK_Q * BLOCK_H

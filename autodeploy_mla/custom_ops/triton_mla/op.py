@@ -44,6 +44,7 @@ from .tuning import (
     MAX_KV_LORA_RANK,
     MAX_ROPE_DIM,
     MULTI_TOKEN_MAX_Q,
+    STATIC_MAX_EXTRA_FLOPS,
     absorb_prefill_config,
     choose_prefill_path,
     decode_config,
@@ -53,12 +54,14 @@ from .tuning import (
     heads_on_n_supported,
     multi_token_config,
     interpreting,
+    min_chunk,
     nope_chunks,
     num_sms,
     pow2,
     resident_programs,
     split_plan,
     split_plan_waves,
+    static_bounds_extra_flops,
     validate_dims,
 )
 
@@ -145,6 +148,8 @@ class TritonMLASession(BackendSession):
         self.step: Optional[StepShape] = None
         #: this step's launch plans by node kind and role (cleared by prepare)
         self.plans: dict[tuple[Any, ...], Any] = {}
+        #: steps whose static-bounds (mixed graph) run this session declined (static_bounds_ok)
+        self.static_declined = 0
         #: what every op call of this model runs with (the dicts above and below are shared with it)
         self.call = _Call(policy, self.warmed, self.launches, self.plans, descriptors={}, views={},
                           memo_limit=2 * len(spec.dims) + 8)
@@ -156,8 +161,24 @@ class TritonMLASession(BackendSession):
                                         static=step.static_bounds)
         self.plans.clear()
 
+    def static_bounds_ok(self, meta: StepMetadata) -> bool:
+        """Static bounds absorb the prefill part (no expansion in a graph): decline steps where that
+        costs more than tuning.STATIC_MAX_EXTRA_FLOPS per layer over expanding (long-prefix chunks),
+        unless the policy forces absorption."""
+        shape = StepShape.from_host(meta.get("batch_info_host"), meta.get("max_seq_info_host"),
+                                    meta.get("cu_seqlen_host"), meta.get("input_pos_host"))
+        if shape.n_pre == 0 or self.policy.prefill_mode == "absorb":
+            return True
+        ok = self.policy.prefill_mode == "auto" and all(
+            static_bounds_extra_flops(d, shape.n_pre_tok, shape.prefix, shape.pairs) <= STATIC_MAX_EXTRA_FLOPS
+            for d in set(self.spec.dims))
+        if not ok:
+            self.static_declined += 1
+        return ok
+
     def stats(self) -> dict[str, Any]:
-        return {"warmed_variants": len(self.warmed), "step_plans": len(self.plans), **self.launches.stats()}
+        return {"warmed_variants": len(self.warmed), "step_plans": len(self.plans),
+                "static_bounds_declined": self.static_declined, **self.launches.stats()}
 
 
 @dataclass(frozen=True)
@@ -315,7 +336,8 @@ def _plan_absorbed(call: _Call, cfg, dims: MLADims, q_dtype: torch.dtype, mla_ca
     """work_list > 0 (static bounds): one program per (work item, head block) over all sequences,
     items found in the kernel from the device cu_seqlen (`kernels._work_item`), `work_list` = the
     sequence capacity and `max_q` = the token count (at most ceil(T / BLOCK_Q) + sequences items,
-    and at most T). max_splits > 0 caps the split count."""
+    and at most T); the split count comes from `kv_bound` (the capacity) and the kernel cuts each
+    item's history into that many chunks of at least min_chunk. max_splits > 0 caps the split count."""
     n, r, dr = dims.num_heads, dims.kv_lora_rank, dims.qk_rope_head_dim
     num_hb = triton.cdiv(n, cfg.block_h)
     if work_list:
@@ -334,6 +356,8 @@ def _plan_absorbed(call: _Call, cfg, dims: MLADims, q_dtype: torch.dtype, mla_ca
         splits, chunk = split_plan(progs, kv_bound, cfg.block_n, call.policy.decode_splits, dev)
     if max_splits and splits > max_splits:
         splits, chunk = split_plan(progs, kv_bound, cfg.block_n, max_splits, dev)
+    if work_list:  # the kernel cuts each item's own history into `splits` chunks of >= this
+        chunk = -(-min_chunk(dev) // cfg.block_n) * cfg.block_n
     meta = dict(
         N=n, R=r, DR=dr, PAGE_SIZE=page_size, NUM_HB=num_hb, BLOCK_H=cfg.block_h, BLOCK_Q=cfg.block_q,
         BLOCK_N=cfg.block_n, BLOCK_DR=pow2(dr), DOT_PREC=dot_precision(q_dtype), SCALED=scaled,
@@ -700,8 +724,12 @@ def _attend_static(call: _Call, x: MLAInputs, meta: Mapping[str, torch.Tensor], 
     q_in, qpe_in, q_scale = q_abs, q_pe, None
     if is_fp8(mla_cache.dtype) and call.policy.fp8_dot:
         q_in, qpe_in, q_scale = quantize_queries(q_abs, q_pe)
-    cfg = call.plan(("absorb_cfg", dims, q_nope.dtype, mla_cache.dtype, t_all),
-                    lambda: _absorb_config(call, dims, q_nope.dtype, mla_cache.dtype, t_all))
+    # Per-sequence query counts are not known here: the heads-on-N kernel with multi-token query
+    # columns where decode runs heads-on-N (decode and spec-verify items fill few columns; prefill
+    # items take BLOCK_Q queries each), else the rows of the absorbed prefill.
+    q_cols = min(t_all, MULTI_TOKEN_MAX_Q)
+    cfg = call.plan(("absorb_cfg", dims, q_nope.dtype, mla_cache.dtype, q_cols),
+                    lambda: _absorb_config(call, dims, q_nope.dtype, mla_cache.dtype, q_cols))
     max_splits = max(1, STATIC_PARTIAL_BYTES // (t_all * n * r * 4))
     _launch_absorbed(
         call, q_in, qpe_in, mla_cache, page_table, cu_seqlen, meta["input_pos"], meta["seq_len_with_cache"], latent,

@@ -76,6 +76,22 @@ def prefill_costs(dims: MLADims, new_tokens: int, prefix_tokens: int, causal_pai
     return float(expand), float(absorb)
 
 
+#: A step runs on static bounds (a mixed graph: its prefill part absorbed, docs/triton_backend.md)
+#: only while absorbing costs at most this many FLOPs per layer more than expanding. H200, V2-Lite
+#: dims (N=16), 27 layers (docs/benchmarks/mixed_graph.md): a 240-token chunk on a 4096-token prefix
+#: (+7.7 GFLOP per layer, ~40 us) ran 0.91-0.94x of piecewise; 120 on 1024 (-1 GFLOP) and fresh
+#: prefills up to 256 (<= +1 GFLOP) ran 0.99-1.10x.
+STATIC_MAX_EXTRA_FLOPS = 2e9
+
+
+def static_bounds_extra_flops(dims: MLADims, new_tokens: int, prefix_tokens: int, causal_pairs: int) -> float:
+    """FLOPs per layer that absorbing a step's prefill part costs over expanding it (may be < 0)."""
+    if not expansion_supported(dims):
+        return 0.0
+    expand, absorb = prefill_costs(dims, new_tokens, prefix_tokens, causal_pairs)
+    return 2.0 * dims.num_heads * (absorb - expand)
+
+
 def choose_prefill_path(dims: MLADims, new_tokens: int, prefix_tokens: int, causal_pairs: int) -> str:
     """'expand' or 'absorb' for the prefill part of a step: expand iff
         FLOPs_expand < ABSORB_SLOWDOWN * FLOPs_absorb        (prefill_costs).
