@@ -200,3 +200,31 @@ def test_model_steps_on_static_bounds_generate_hf_greedy_tokens(monkeypatch):
     n = len(steps)
     assert om.generate(prompts[:1], max_new_tokens=2) == [hf_greedy_generate(om.eager_model, prompts[0], 2)]
     assert len(steps) == n and sess.stats()["static_bounds_declined"] >= 1
+
+
+GPU_DIMS = {
+    "deepseek_v3_n128": MLADims(128, 128, 64, 128, 512),
+    "deepseek_v3_tp8_n16": MLADims(16, 128, 64, 128, 512),
+    "mistral_small_4": MLADims(32, 64, 64, 128, 256),
+    "glm_4_7_flash": MLADims(20, 192, 64, 256, 512),
+    "minicpm3": MLADims(40, 64, 32, 64, 256),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dims_name", sorted(GPU_DIMS))
+@pytest.mark.parametrize("layout", ["auto", "heads_on_m"])
+def test_gpu_static_bounds_steps_on_real_dims(dims_name, layout):
+    """bf16, 64-token pages, every step on static bounds (fresh prefills crossing pages, a chunk on
+    a cached prefix next to decodes, spec-verify rows): the float64 reference within bf16 error."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    sch = [{0: 200, 1: 40, 2: 1}, {0: 1, 1: 1, 2: 120, 3: 60}, {0: 1, 1: 1, 2: 4, 3: 9, 4: 1}, {4: 100}]
+    pad = {0: 256, 1: 256, 2: 16, 3: 128}
+    res = run_scenario("triton", GPU_DIMS[dims_name], sch, pad_to=pad, graph_buckets={16, 128, 256},
+                       mixed_graph_max_tokens=256, max_batch_size=8, page_size=64, dtype=torch.bfloat16,
+                       device="cuda", seed=5,
+                       policy=TritonPolicy(poison_buffers=True, decode_layout=layout))
+    assert 0 < res.max_rel_error() < 1e-2, res.max_rel_error()
+    for rows in res.extra["padded_rows"]:
+        assert torch.equal(rows, torch.zeros_like(rows))
