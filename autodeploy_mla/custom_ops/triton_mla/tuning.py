@@ -77,19 +77,21 @@ def prefill_costs(dims: MLADims, new_tokens: int, prefix_tokens: int, causal_pai
 
 
 #: A step runs on static bounds (a mixed graph: its prefill part absorbed, docs/triton_backend.md)
-#: only while absorbing costs at most this many FLOPs per layer more than expanding. H200, V2-Lite
-#: dims (N=16), 27 layers (docs/benchmarks/mixed_graph.md): a 240-token chunk on a 4096-token prefix
-#: (+7.7 GFLOP per layer, ~40 us) ran 0.91-0.94x of piecewise; 120 on 1024 (-1 GFLOP) and fresh
-#: prefills up to 256 (<= +1 GFLOP) ran 0.99-1.10x.
-STATIC_MAX_EXTRA_FLOPS = 2e9
+#: only while absorbing costs at most this much more per layer than expanding, in expansion FLOPs
+#: (absorbed FLOPs weighted by ABSORB_SLOWDOWN; `static_bounds_extra_flops`). H200, 27-layer V2-Lite
+#: and 47-layer GLM-4.7-Flash (docs/benchmarks/mixed_graph.md): a 240-token chunk on a 4096-token
+#: prefix (+80 / +78 G) ran 0.91-0.94x / 0.87x of piecewise; 120 on 1024 (+9.0 / +7.1 G) 1.18x /
+#: 1.03x; fresh prefills up to 256 (<= +8.3 G) 0.96-1.00x.
+STATIC_MAX_EXTRA_FLOPS = 20e9
 
 
 def static_bounds_extra_flops(dims: MLADims, new_tokens: int, prefix_tokens: int, causal_pairs: int) -> float:
-    """FLOPs per layer that absorbing a step's prefill part costs over expanding it (may be < 0)."""
+    """What absorbing a step's prefill part costs per layer over expanding it, in expansion FLOPs
+    (the absorbed kernel's FLOPs count ABSORB_SLOWDOWN times, as in choose_prefill_path); may be < 0."""
     if not expansion_supported(dims):
         return 0.0
     expand, absorb = prefill_costs(dims, new_tokens, prefix_tokens, causal_pairs)
-    return 2.0 * dims.num_heads * (absorb - expand)
+    return 2.0 * dims.num_heads * (ABSORB_SLOWDOWN * absorb - expand)
 
 
 def choose_prefill_path(dims: MLADims, new_tokens: int, prefix_tokens: int, causal_pairs: int) -> str:
