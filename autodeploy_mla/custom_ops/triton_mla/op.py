@@ -448,7 +448,7 @@ def _launch_absorbed(call: _Call, q_abs, q_pe, mla_cache, page_table, cu_seqlen,
         part_lse = call.empty(n_tok, n, splits, dtype=torch.float32, device=dev)
     else:
         part_acc = part_lse = latent  # unused
-        if work_list:  # static bounds: no program writes the rows of the padded tokens; the merge would
+        if work_list:  # static bounds, one split: no program writes the padded tokens' rows (a merge would)
             latent.zero_()
     ptrs, scalars, rptrs, red = args(part_acc, part_lse)
     attn.launch(plan.grid, ptrs, scalars)
