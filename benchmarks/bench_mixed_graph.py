@@ -42,6 +42,11 @@ SCENARIOS: dict[str, list[tuple[int, int]]] = {
     "mixed_16dec_c2k+chunk240@4k": [(240, 4096)] + [(1, 2048)] * 16,
     "prefill_256": [(256, 0)],
     "spec_verify_16x4_c1k": [(4, 1024)] * 16,
+    # decode-only steps run the whole-graph decode graph in both modes (a control, and the decode
+    # graphs' split chunks: the cache capacity here is 8192 tokens per sequence)
+    "decode_8_c1k": [(1, 1024)] * 8,
+    "decode_32_c1k": [(1, 1024)] * 32,
+    "decode_32_ragged": [(1, 256 + 240 * i) for i in range(32)],
 }
 
 

@@ -145,9 +145,10 @@ def _absorbed_work(CU_SEQLEN, INPUT_POS, SEQ_LEN, PART_LSE, seq_base, tok_base, 
     head blocks fastest, so the programs that read the same KV tiles run side by side and share them
     through L2; axis 1 = sequence; axis 2 = split. With B_CAP > 0 (a step captured with static
     bounds) axis 0 = (work item, head block) over all sequences (`_work_item`), axis 1 has one
-    program, and seq_base / tok_base are 0; split chunks are then cut per item from its own history
-    (its kv limit over the grid's splits, at least `chunk_size`, whole tiles), so a graph captured
-    for any history length keeps every split busy. Lanes (rows or columns) are BLOCK_Q query tokens x
+    program, and seq_base / tok_base are 0. Split chunks are cut per program from its own history:
+    its kv limit over the grid's splits, at least `chunk_size`, whole tiles (so a graph whose split
+    count comes from the cache capacity keeps every split busy at any length, and a ragged batch
+    splits every sequence evenly). Lanes (rows or columns) are BLOCK_Q query tokens x
     BLOCK_H heads; lane i of query q sees kv positions < input_pos + q + 1 (`limit`).
     Returns (active, b, pid_s, head, tok, ok, limit, kv_lo, kv_hi, pos0, q0): inactive = a query block
     past the sequence (or past the last item), or (SPLIT) an empty chunk, whose lse = -inf it has
@@ -175,9 +176,8 @@ def _absorbed_work(CU_SEQLEN, INPUT_POS, SEQ_LEN, PART_LSE, seq_base, tok_base, 
     tok = (q_start + q_idx).to(tl.int64)
     limit = pos0 + q_idx + 1
     kv_limit = tl.minimum(seq_len, pos0 + tl.minimum(q_len, q0 + BLOCK_Q))
-    if B_CAP > 0:
-        per = tl.maximum(tl.cdiv(kv_limit, tl.num_programs(2)), chunk_size)
-        chunk_size = tl.cdiv(per, BLOCK_N) * BLOCK_N
+    per = tl.maximum(tl.cdiv(kv_limit, tl.num_programs(2)), chunk_size)
+    chunk_size = tl.cdiv(per, BLOCK_N) * BLOCK_N
     kv_lo = pid_s * chunk_size
     kv_hi = tl.minimum(kv_lo + chunk_size, kv_limit)
     active = valid & (q0 < q_len)

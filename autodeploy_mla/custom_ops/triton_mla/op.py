@@ -336,8 +336,9 @@ def _plan_absorbed(call: _Call, cfg, dims: MLADims, q_dtype: torch.dtype, mla_ca
     """work_list > 0 (static bounds): one program per (work item, head block) over all sequences,
     items found in the kernel from the device cu_seqlen (`kernels._work_item`), `work_list` = the
     sequence capacity and `max_q` = the token count (at most ceil(T / BLOCK_Q) + sequences items,
-    and at most T); the split count comes from `kv_bound` (the capacity) and the kernel cuts each
-    item's history into that many chunks of at least min_chunk. max_splits > 0 caps the split count."""
+    and at most T). The split count comes from `kv_bound` (under capture: the capacity); the kernel
+    cuts each program's history into that many chunks of at least min_chunk (`_absorbed_work`).
+    max_splits > 0 caps the split count."""
     n, r, dr = dims.num_heads, dims.kv_lora_rank, dims.qk_rope_head_dim
     num_hb = triton.cdiv(n, cfg.block_h)
     if work_list:
@@ -356,8 +357,9 @@ def _plan_absorbed(call: _Call, cfg, dims: MLADims, q_dtype: torch.dtype, mla_ca
         splits, chunk = split_plan(progs, kv_bound, cfg.block_n, call.policy.decode_splits, dev)
     if max_splits and splits > max_splits:
         splits, chunk = split_plan(progs, kv_bound, cfg.block_n, max_splits, dev)
-    if work_list:  # the kernel cuts each item's own history into `splits` chunks of >= this
-        chunk = -(-min_chunk(dev) // cfg.block_n) * cfg.block_n
+    # The kernel cuts each program's own history into `splits` chunks of at least this (whole tiles):
+    # the plan fixes only the split count.
+    chunk = min(chunk, -(-min_chunk(dev) // cfg.block_n) * cfg.block_n)
     meta = dict(
         N=n, R=r, DR=dr, PAGE_SIZE=page_size, NUM_HB=num_hb, BLOCK_H=cfg.block_h, BLOCK_Q=cfg.block_q,
         BLOCK_N=cfg.block_n, BLOCK_DR=pow2(dr), DOT_PREC=dot_precision(q_dtype), SCALED=scaled,
