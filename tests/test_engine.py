@@ -113,6 +113,9 @@ def test_gpu_overlapped_engine_with_cuda_graphs(backend):
         "transforms": {"insert_cached_mla_attention": {"backend": backend}},
     })
     om.warmup()
+    cap = om.runner.piecewise.captured()
+    if backend == "triton":  # mixed graphs per bucket, and their pieces for steps run piecewise
+        assert cap["mixed_graph"] and set(cap["mixed_graph"]) <= set(cap["piecewise"]), cap
     prompts = [list(range(i + 1, 3 * i + 5)) for i in range(7)]
     news = [3, 9, 1, 6, 12, 2, 8]
     for params in ([SamplingParams(max_new_tokens=n, ignore_eos=True) for n in news],

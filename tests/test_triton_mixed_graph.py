@@ -62,6 +62,24 @@ def test_static_bounds_steps_match_reference(dims, policy, monkeypatch):
         assert torch.equal(rows, torch.zeros_like(rows))  # finite and zero despite NaN-poisoned buffers
 
 
+@pytest.mark.parametrize("fp8_dot", [False, True])
+def test_static_bounds_with_an_fp8_cache(fp8_dot):
+    """e4m3 cache with per-layer scales on static bounds: the oracle on the same e4m3 values (tiles
+    converted to the query dtype: fp32 rounding; e4m3 products: within the format's error)."""
+    from autodeploy_mla.custom_ops.cache_format import FP8_DTYPE, CacheScales
+
+    res = run_scenario("triton", MLADims(4, 16, 8, 16, 32), SCHEDULE, pad_to=PAD, graph_buckets={8, 16, 32},
+                       mixed_graph_max_tokens=32, max_batch_size=6, cache_dtype=FP8_DTYPE,
+                       cache_scales=CacheScales(0.37, 2.5), seed=3,
+                       policy=TritonPolicy(poison_buffers=True, fp8_dot=fp8_dot))
+    if fp8_dot:
+        assert 1e-4 < res.max_rel_error() < 5e-2, res.max_rel_error()
+    else:
+        assert res.max_rel_error() < 1e-5, res.max_rel_error()
+    for rows in res.extra["padded_rows"]:
+        assert torch.equal(rows, torch.zeros_like(rows))
+
+
 def test_other_batches_of_the_same_token_count_make_identical_launches(monkeypatch):
     """What a captured graph freezes (grid, scalar arguments, constexprs, buffers) must not depend on
     how the step's tokens split into sequences: a graph captured on one batch replays them all."""

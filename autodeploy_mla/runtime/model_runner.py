@@ -309,7 +309,7 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ warm-up
     def warmup(self) -> dict[str, Any]:
-        """Capture every CUDA-graph bucket now (decode graphs and piecewise pieces), on dummy
+        """Capture every CUDA-graph bucket now (decode graphs, mixed graphs and piecewise pieces), on dummy
         sequences that borrow cache pages and return them, so that no later step pays for a capture;
         on CUDA also one eager step of max_num_tokens (fresh prefill and continuation) when that is
         past the top bucket. Idempotent; returns what was done."""
@@ -319,12 +319,24 @@ class ModelRunner:
         done, skipped = [], {}
         buckets = self.capture_buckets
         info = self.seq_info
+        mixed_max = self.piecewise.mixed_graph_max_tokens if self.piecewise is not None else 0
         for b in buckets:
             shapes = [("decode", b)] if b <= info.max_batch_size else []
             shapes.append(("prefill", b))
+            # A mixed-graph bucket also captures its pieces: steps a session declines (long-prefix
+            # chunks) run piecewise, and must not pay a capture when they first come.
+            if b <= mixed_max:
+                shapes.append(("piecewise", b))
             for kind, n in shapes:
                 try:
-                    self._warm_step(kind, n)
+                    if kind == "piecewise":
+                        self.piecewise.mixed_graph_max_tokens = 0
+                        try:
+                            self._warm_step("prefill", n)
+                        finally:
+                            self.piecewise.mixed_graph_max_tokens = mixed_max
+                    else:
+                        self._warm_step(kind, n)
                     done.append(f"{kind}:{n}")
                 except (CapacityError, OutOfPagesError) as exc:
                     skipped[f"{kind}:{n}"] = str(exc)
