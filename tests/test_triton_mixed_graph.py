@@ -25,7 +25,7 @@ from autodeploy_mla.custom_ops.triton_mla.op import TritonPolicy
 from autodeploy_mla.runtime.model_runner import step_descriptor
 from autodeploy_mla.runtime.page_allocator import PageAllocator
 from autodeploy_mla.runtime.sequence_info import SequenceInfo, StepSequence
-from autodeploy_mla.testing.scenarios import run_scenario
+from autodeploy_mla.testing.scenarios import REAL_MLA_DIMS, run_scenario
 
 pytestmark = pytest.mark.skipif("triton" not in all_backends(), reason="triton backend not registered")
 
@@ -220,17 +220,8 @@ def test_model_steps_on_static_bounds_generate_hf_greedy_tokens(monkeypatch):
     assert len(steps) == n and sess.stats()["static_bounds_declined"] >= 1
 
 
-GPU_DIMS = {
-    "deepseek_v3_n128": MLADims(128, 128, 64, 128, 512),
-    "deepseek_v3_tp8_n16": MLADims(16, 128, 64, 128, 512),
-    "mistral_small_4": MLADims(32, 64, 64, 128, 256),
-    "glm_4_7_flash": MLADims(20, 192, 64, 256, 512),
-    "minicpm3": MLADims(40, 64, 32, 64, 256),
-}
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("dims_name", sorted(GPU_DIMS))
+@pytest.mark.parametrize("dims_name", sorted(REAL_MLA_DIMS))
 @pytest.mark.parametrize("layout", ["auto", "heads_on_m"])
 def test_gpu_static_bounds_steps_on_real_dims(dims_name, layout):
     """bf16, 64-token pages, every step on static bounds (fresh prefills crossing pages, a chunk on
@@ -239,7 +230,7 @@ def test_gpu_static_bounds_steps_on_real_dims(dims_name, layout):
         pytest.skip("needs a CUDA GPU")
     sch = [{0: 200, 1: 40, 2: 1}, {0: 1, 1: 1, 2: 120, 3: 60}, {0: 1, 1: 1, 2: 4, 3: 9, 4: 1}, {4: 100}]
     pad = {0: 256, 1: 256, 2: 16, 3: 128}
-    res = run_scenario("triton", GPU_DIMS[dims_name], sch, pad_to=pad, graph_buckets={16, 128, 256},
+    res = run_scenario("triton", REAL_MLA_DIMS[dims_name], sch, pad_to=pad, graph_buckets={16, 128, 256},
                        mixed_graph_max_tokens=256, max_batch_size=8, page_size=64, dtype=torch.bfloat16,
                        device="cuda", seed=5,
                        policy=TritonPolicy(poison_buffers=True, decode_layout=layout))

@@ -26,6 +26,7 @@ from autodeploy_mla.custom_ops.triton_mla import op as top  # noqa: E402
 from autodeploy_mla.custom_ops.triton_mla import tuning  # noqa: E402
 from autodeploy_mla.runtime import PageAllocator, SequenceInfo, StepSequence  # noqa: E402
 from autodeploy_mla.testing import STANDARD_SCHEDULES, run_scenario  # noqa: E402
+from autodeploy_mla.testing.scenarios import REAL_MLA_DIMS  # noqa: E402
 
 OP = torch.ops.autodeploy.triton_mla_with_cache
 
@@ -423,13 +424,7 @@ def test_imports_without_triton():
 
 # ============================================================================= GPU
 # Real model dims (DESIGN §3): N, Dn, Dr, Dv, R.
-GPU_DIMS = {
-    "deepseek_v3_n128": MLADims(128, 128, 64, 128, 512),
-    "deepseek_v3_tp8_n16": MLADims(16, 128, 64, 128, 512),
-    "mistral_small_4": MLADims(32, 64, 64, 128, 256),
-    "glm_4_7_flash": MLADims(20, 192, 64, 256, 512),
-    "minicpm3": MLADims(40, 64, 32, 64, 256),
-}
+GPU_DIMS = REAL_MLA_DIMS
 # Fresh prefills crossing 64-token pages, a chunk on a cached prefix, mixed prefill+decode, decodes.
 GPU_SCHEDULE = (
     [{0: 300, 1: 77, 2: 1}, {0: 1, 1: 1, 2: 129, 3: 700}, {0: 1, 1: 1, 2: 1, 3: 40}]

@@ -182,6 +182,16 @@ def run_scenario(
     return res
 
 
+# The MLA dims of the published models (DeepSeek-V3 at TP1 and TP8, Mistral-Small-4, GLM-4.7-Flash,
+# MiniCPM3), for kernel tests on the GPU.
+REAL_MLA_DIMS: dict[str, MLADims] = {
+    "deepseek_v3_n128": MLADims(128, 128, 64, 128, 512),
+    "deepseek_v3_tp8_n16": MLADims(16, 128, 64, 128, 512),
+    "mistral_small_4": MLADims(32, 64, 64, 128, 256),
+    "glm_4_7_flash": MLADims(20, 192, 64, 256, 512),
+    "minicpm3": MLADims(40, 64, 32, 64, 256),
+}
+
 # Schedules every backend is tested on: name -> list of steps.
 STANDARD_SCHEDULES: dict[str, list[dict[int, int]]] = {
     "single_prefill": [{0: 7}],

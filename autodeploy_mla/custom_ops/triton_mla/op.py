@@ -14,6 +14,10 @@ Plan of one call (host decisions read only `*_host` metadata; nothing syncs the 
 3. Absorbed tokens (decode tokens, plus prefill tokens on the "absorb" path): q_abs = q_nope·W_kn
    (bmm), `absorbed_attn_kernel` (+ `split_reduce_kernel` when split-K), out = latent·W_v (bmm).
 
+A step on static bounds (a mixed CUDA graph, replayed for any batch of its token count) runs
+`_attend_static` instead: every token appended and absorbed in one launch sized by the token count
+and the sequence capacity only.
+
 The op reads its model's `TritonMLASession` from the step context when there is one: its policy
 (forced prefill path or split count for benchmarks, NaN-poisoned buffers for tests), the step's
 host shape and launch plans made once per step for all layers, and the compiled kernels it launches
