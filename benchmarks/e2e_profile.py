@@ -69,6 +69,26 @@ def gaps(prof, steps: int) -> dict[str, float]:
     return out
 
 
+def gap_sites(prof, steps: int, min_us: float = 20.0, top: int = 12) -> list[dict[str, Any]]:
+    """Where the device waits: idle gaps of at least `min_us`, summed per (kernel before, kernel after)
+    pair of names, largest first: a host-bound stretch shows up as the same boundary in every layer."""
+    evs = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                  if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA and e.time_range.end > 0))
+    sites: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0])
+    if evs:
+        end, prev = evs[0][1], evs[0][2]
+        for s, e, name in evs[1:]:
+            g = s - end
+            if g >= min_us:
+                site = sites[(prev[:70], name[:70])]
+                site[0] += g
+                site[1] += 1
+            if e >= end:
+                end, prev = e, name
+    return [{"before": b, "after": a, "ms": v[0] / 1e3 / steps, "count": v[1] / steps}
+            for (b, a), v in sorted(sites.items(), key=lambda kv: -kv[1][0])[:top]]
+
+
 def launch_floor(kernels: int = 1000, reps: int = 20) -> dict[str, float]:
     """Device time per kernel of a CUDA graph of `kernels` tiny dependent kernels (a 1-element add):
     the least a graph node costs on this GPU, whatever the kernel does."""
@@ -136,7 +156,8 @@ def profile_decode(om, batch: int, context: int, steps: int = 5, warm: int = 3) 
     finally:
         for sid in list(om.runner.allocator.owners()):
             om.runner.allocator.free(sid)
-    return {**summarize(device_events(prof), steps, wall), "gaps_ms": gaps(prof, steps)}
+    return {**summarize(device_events(prof), steps, wall), "gaps_ms": gaps(prof, steps),
+            "gap_sites": gap_sites(prof, steps)}
 
 
 def profile_prefill(om, tokens: int, steps: int = 2) -> dict[str, Any]:
@@ -163,7 +184,8 @@ def profile_prefill(om, tokens: int, steps: int = 2) -> dict[str, Any]:
             one()
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) * 1e3 / steps
-    return {**summarize(device_events(prof), steps, wall), "gaps_ms": gaps(prof, steps)}
+    return {**summarize(device_events(prof), steps, wall), "gaps_ms": gaps(prof, steps),
+            "gap_sites": gap_sites(prof, steps)}
 
 
 def print_case(title: str, r: dict[str, Any]) -> None:
@@ -178,6 +200,8 @@ def print_case(title: str, r: dict[str, Any]) -> None:
     print("| top kernel | class | ms/step | per step |\n|---|---|---:|---:|")
     for t in r["top"][:15]:
         print(f"| `{t['name'][:90]}` | {t['class']} | {t['ms']:.3f} | {t['count']:.0f} |")
+    for g in r.get("gap_sites", []):
+        print(f"gap {g['ms']:.3f} ms/step x{g['count']:.0f}: after `{g['before']}` before `{g['after']}`")
 
 
 def render(path: Path) -> None:
@@ -204,6 +228,11 @@ def render(path: Path) -> None:
                       for k, v in r["classes"].items()]
             lines += ["", "| top kernel | class | ms/step | per step |", "|---|---|---:|---:|"]
             lines += [f"| `{t['name'][:90]}` | {t['class']} | {t['ms']:.3f} | {t['count']:.0f} |" for t in r["top"][:10]]
+            if r.get("gap_sites"):
+                lines += ["", "| idle gaps >= 20 us: after kernel | before kernel | ms/step | per step |",
+                          "|---|---|---:|---:|"]
+                lines += [f"| `{g['before'][:60]}` | `{g['after'][:60]}` | {g['ms']:.3f} | {g['count']:.0f} |"
+                          for g in r["gap_sites"][:8]]
     lines += ["", "![plot](" + path.with_suffix(".png").name + ")"]
     path.with_suffix(".md").write_text("\n".join(lines) + "\n")
     plot(data, path.with_suffix(".png"))

@@ -330,7 +330,7 @@ def absorbed_attn_heads_on_n_kernel(
     NUM_HB: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_DR: tl.constexpr,
     SPLIT: tl.constexpr, DOT_PREC: tl.constexpr, SCALED: tl.constexpr, USE_TMA: tl.constexpr,
-    F16: tl.constexpr, B_CAP: tl.constexpr = 0, B_PAD: tl.constexpr = 1,
+    F16: tl.constexpr, B_CAP: tl.constexpr = 0, B_PAD: tl.constexpr = 1, WS: tl.constexpr = False,
 ):
     # Grid and outputs as absorbed_attn_kernel; columns (BLOCK_Q tokens x BLOCK_H heads) replace rows.
     # The latent is two column chunks [0, C) and [C, 2C), C = BLOCK_C = pow2(R) / 2: a TMA box is at
@@ -342,8 +342,12 @@ def absorbed_attn_heads_on_n_kernel(
     active, b, pid_s, head, tok, col_ok, col_limit, kv_lo, kv_hi, pos0, q0 = _absorbed_work(
         CU_SEQLEN, INPUT_POS, SEQ_LEN, PART_LSE, seq_base, tok_base, chunk_size, stride_pl_t, stride_pl_h,
         N, NUM_HB, BLOCK_H, BLOCK_Q, SPLIT, B_CAP, B_PAD, BLOCK_N)
-    if not active:
-        return
+    if WS:  # autoWS cannot take the early return's branch: an inactive program runs empty loops, stores nothing
+        kv_hi = tl.where(active, kv_hi, kv_lo)
+        col_ok = col_ok & active
+    else:
+        if not active:
+            return
     COLS: tl.constexpr = BLOCK_Q * BLOCK_H
 
     offs_r = tl.arange(0, BLOCK_C)
@@ -371,7 +375,7 @@ def absorbed_attn_heads_on_n_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     pt_row = PAGE_TABLE + b.to(tl.int64) * stride_pt_b
     n_full = tl.maximum((tl.minimum(kv_hi, pos0 + q0 + 1) - kv_lo) // BLOCK_N, 0)
-    for t in range(0, n_full):
+    for t in tl.range(0, n_full, warp_specialize=WS):  # WS: producer/consumer warps (SM90 autoWS)
         start = kv_lo + t * BLOCK_N
         if PAGE_SIZE % BLOCK_N == 0:
             row0 = tl.load(pt_row + start // PAGE_SIZE).to(tl.int64) * PAGE_SIZE + start % PAGE_SIZE

@@ -380,7 +380,8 @@ def _plan_absorbed(call: _Call, cfg, dims: MLADims, q_dtype: torch.dtype, mla_ca
         block_c = max(16, pow2(r) // 2)
         tma_ok = (cfg.tma and dev.type == "cuda" and page_size % cfg.block_n == 0
                   and torch.cuda.get_device_capability(dev) >= (9, 0))
-        meta.update(BLOCK_C=block_c, F16=is_fp8(mla_cache.dtype) and q_dtype == torch.bfloat16)
+        meta.update(BLOCK_C=block_c, F16=is_fp8(mla_cache.dtype) and q_dtype == torch.bfloat16,
+                    WS=cfg.warp_spec and dev.type == "cuda" and not interpreting())
     else:
         kernel = K.absorbed_attn_kernel
         meta.update(BLOCK_R=pow2(r), FP8_DOT=fp8_dot, EXACT_CAST=interpreting())

@@ -119,6 +119,7 @@ class AbsorbedConfig:
     num_stages: int
     heads_on_n: bool = False  # absorbed_attn_heads_on_n_kernel (decode) instead of absorbed_attn_kernel
     tma: bool = False  # whole one-page KV tiles by tensor descriptor (heads_on_n; the launcher checks SM90+)
+    warp_spec: bool = False  # heads_on_n: the whole-tile loop warp-specialised (Triton's SM90 autoWS)
 
 
 def pow2(x: int, lo: int = 16) -> int:
