@@ -245,6 +245,20 @@ def test_config_errors():
     assert resolve_buckets("auto", 8192, 64)[-3:] == [512, 1024, 2048]  # capped at AUTO_BUCKET_LIMIT
 
 
+def test_yaml_off_switches_graph_modes_off(tmp_path):
+    """YAML 1.1 reads a bare `off` as false: `mixed_graph: off` in a config file or an override must
+    still mean "off" (and `on` the default "auto")."""
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text("transforms:\n  piecewise: {mixed_graph: off, decode_graph: on}\n")
+    for cfg, pipe in (build_config("deepseek_v2", cfg_file),
+                      build_config("deepseek_v2", overrides=["transforms.piecewise.mixed_graph=off",
+                                                             "transforms.piecewise.decode_graph=on"])):
+        opts = pipe.options("piecewise")
+        assert (opts.mixed_graph, opts.decode_graph) == ("off", "auto")
+    with pytest.raises(ValueError, match="mixed_graph"):
+        build_config(None, {"transforms": {"piecewise": {"mixed_graph": "never"}}})
+
+
 def test_steps_pad_to_buckets():
     info = SequenceInfo(max_batch_size=6, max_num_tokens=16, max_seq_len=32, page_size=4)
     pages = {i: [1 + 2 * i, 2 + 2 * i] for i in range(8)}

@@ -66,6 +66,14 @@ class PiecewiseOptions(PassOptions):
         description="largest bucket replayed as a mixed whole-graph graph; bigger steps run piecewise",
     )
 
+    @field_validator("decode_graph", "mixed_graph", mode="before")
+    @classmethod
+    def _yaml_switch(cls, v: object) -> object:
+        """YAML reads a bare `off` / `no` as false and `on` / `yes` as true: take them as "off" / "auto"."""
+        if isinstance(v, bool):
+            return "auto" if v else "off"
+        return v
+
     @field_validator("buckets")
     @classmethod
     def _buckets(cls, v: Union[str, list[int]]) -> Union[str, list[int]]:
