@@ -19,3 +19,39 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_collection_finish(session):
+    """A test module may define `start_background_runs(items)`, called here with its selected tests:
+    multi-process runs those tests need start now, at low priority, and overlap the (mostly
+    single-threaded) tests collected before them (test_tensor_parallel.py)."""
+    if session.config.option.collectonly:
+        return
+    by_module: dict = {}
+    for item in session.items:
+        module = getattr(item, "module", None)
+        if module is not None and hasattr(module, "start_background_runs"):
+            by_module.setdefault(module, []).append(item)
+    for module, items in by_module.items():
+        module.start_background_runs(items)
+
+
+_OPTIMIZED: dict = {}
+
+
+@pytest.fixture(scope="session")
+def optimized_family():
+    """`optimized_family(family, overrides)`: `optimize(family, overrides=overrides)`, built once per
+    test session. Several files build the same tiny family with the same overrides (the pipeline,
+    fuse_gemms, fuse_moe and tensor-parallel tests), and export is most of a build's time on CPU.
+    For tests that only read the model (generate, prefill_logits, report, graph, weights): a test
+    that changes a model's config, runner or weights builds its own."""
+    from autodeploy_mla import optimize
+
+    def get(family: str, overrides):
+        key = (family, tuple(overrides))
+        if key not in _OPTIMIZED:
+            _OPTIMIZED[key] = optimize(family, overrides=list(overrides))
+        return _OPTIMIZED[key]
+
+    return get

@@ -224,9 +224,12 @@ RUNTIME = ["runtime.max_num_tokens=8", "runtime.page_size=4", "runtime.max_seq_l
            "model.device=cpu", "model.dtype=float32", "insert_cached_mla_attention.backend=torch"]
 
 
+def _build_overrides() -> list[str]:
+    return [o if not o.startswith("insert") else "transforms." + o for o in RUNTIME]
+
+
 def _build(family, *extra):
-    over = [o if not o.startswith("insert") else "transforms." + o for o in RUNTIME]
-    return optimize(family, overrides=over + list(extra))
+    return optimize(family, overrides=_build_overrides() + list(extra))
 
 
 def test_config_keys_validate_and_reach_the_graph():
@@ -259,13 +262,17 @@ FAMILIES = ["deepseek_v3", "deepseek_v2", "glm_4_7_flash", "mistral_small_4", "m
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_fp8_cache_model_close_to_full_precision(family):
+def test_fp8_cache_model_close_to_full_precision(family, optimized_family):
     """fp32 model, fp32 vs e4m3 cache: logits close, teacher-forced greedy picks mostly identical;
     the cache takes a quarter of the fp32 bytes per token. (Bounds: these random tiny models have
     positions where even an all-bf16 run moves the logits by ~18% — deepseek_v3, prompt of 31 —
     so the worst position is bounded loosely and the mean tightly.)"""
-    full = _build(family)
+    # The fp32-cache model is the build the pipeline/fuse_gemms tests share (conftest): backend auto,
+    # which on the CPU is the torch backend this file pins; checked, so both sides run the same op.
+    full = optimized_family(family, [o for o in _build_overrides() if not o.startswith("transforms.insert")])
+    assert {lay["backend"] for lay in full.report()["layers"]} == {"torch"}
     fp8 = _build(family, "runtime.kv_cache_dtype=fp8_e4m3")
+    assert {lay["backend"] for lay in fp8.report()["layers"]} == {"torch"}
     assert fp8.runner.caches.total_bytes * 4 == full.runner.caches.total_bytes
     g = torch.Generator().manual_seed(4)
     vocab = full.vocab_size

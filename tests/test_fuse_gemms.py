@@ -26,8 +26,8 @@ LINEAR = torch.ops.aten.linear.default
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
-def family(request):
-    return request.param, optimize(request.param, overrides=RUNTIME)
+def family(request, optimized_family):
+    return request.param, optimized_family(request.param, RUNTIME)  # optimize(), shared (conftest)
 
 
 def _prompts(vocab: int) -> list[list[int]]:

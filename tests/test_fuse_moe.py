@@ -122,14 +122,21 @@ def test_launch_config_grows_with_rows_per_expert():
 
 # ----------------------------------------------------------------------------- the pass
 @pytest.fixture(scope="module", params=MOE_FAMILIES)
-def fused_family(request):
-    om = optimize(request.param, overrides=[*RUNTIME, "transforms.fuse_moe.backend=triton"])
+def fused_family(request, optimized_family):
+    # optimize(family, overrides=...), shared (conftest) with test_tensor_parallel's glm_moe job
+    om = optimized_family(request.param, [*RUNTIME, "transforms.fuse_moe.backend=triton"])
     return request.param, om
 
 
-def _prompts(vocab: int):
+def _prompts(vocab: int, lens=(3, 11, 17, 1, 9)):
     g = torch.Generator().manual_seed(1)
-    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (3, 11, 17, 1, 9)]
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lens]
+
+
+# The Triton experts run in the interpreter on CPU, at a cost per model step: prompts that still
+# prefill in chunks of 8 over several pages (11, 9) beside a 1-token one that decodes while they
+# prefill (mixed steps), and 4 decode steps.
+INTERPRETED_LENS, INTERPRETED_NEW = (11, 1, 9), 4
 
 
 def test_fused_families_match_hf(fused_family):
@@ -140,10 +147,10 @@ def test_fused_families_match_hf(fused_family):
     targets = {n.target for n in om.gm.graph.nodes if n.op == "call_function"}
     assert torch.ops.autodeploy.triton_moe_experts.default in targets
     assert not targets & (grouped_mm_ops() | {torch.ops.aten.sort.default, torch.ops.aten.index_put_.default})
-    prompts = _prompts(om.eager_model.config.vocab_size)
-    outs = om.generate(prompts, max_new_tokens=6)
-    assert outs == [hf_greedy_generate(om.eager_model, p, 6) for p in prompts], family
-    p = prompts[2]
+    prompts = _prompts(om.eager_model.config.vocab_size, INTERPRETED_LENS)
+    outs = om.generate(prompts, max_new_tokens=INTERPRETED_NEW)
+    assert outs == [hf_greedy_generate(om.eager_model, p, INTERPRETED_NEW) for p in prompts], family
+    p = prompts[0]  # two prefill chunks
     with torch.no_grad():
         ref = om.eager_model(torch.tensor([p])).logits[0].float()
     assert (om.prefill_logits(p) - ref).abs().max().item() < 1e-4, family
@@ -157,8 +164,8 @@ def test_reference_backend_matches_hf():
     assert torch.ops.autodeploy.torch_moe_experts.default in targets
 
 
-def test_auto_on_cpu_keeps_the_model_experts_and_says_why():
-    om = optimize("glm_4_7_flash", overrides=RUNTIME)
+def test_auto_on_cpu_keeps_the_model_experts_and_says_why(optimized_family):
+    om = optimized_family("glm_4_7_flash", RUNTIME)  # optimize(), shared (conftest)
     rec = next(r for r in om.history if r.name == "fuse_moe")
     (entry,) = rec.details["layers"]
     assert entry["backend"] is None and "CUDA only" in entry["reason"]

@@ -3,7 +3,6 @@
 import pytest
 import torch
 
-from autodeploy_mla import optimize
 from autodeploy_mla.testing import hf_greedy_generate
 
 FAMILIES = ["deepseek_v3", "deepseek_v2", "glm_4_7_flash", "mistral_small_4", "minicpm3"]
@@ -15,8 +14,8 @@ NEW = 6
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
-def built(request):
-    om = optimize(request.param, overrides=RUNTIME)
+def built(request, optimized_family):
+    om = optimized_family(request.param, RUNTIME)  # optimize(family, overrides=RUNTIME), shared (conftest)
     return request.param, om
 
 

@@ -258,28 +258,8 @@ def test_sparse_cached_ops_are_piecewise_split_points():
     assert om.generate(prompts, max_new_tokens=6) == [hf_greedy_generate(model, p, 6) for p in prompts]
 
 
-def test_sparse_tensor_parallel_two_ranks_equal_hf():
-    """Tensor parallel over heads (2 ranks, gloo, CPU fp32) as for dense MLA: each rank holds 2 of
-    the 4 heads of q_b/kv_b/o_proj, the indexer (and its cache) is replicated; greedy tokens equal
-    HF eager's on both ranks, for prompts longer than index_topk; also built from a skeleton."""
-    from autodeploy_mla.distributed import spawn
-    from autodeploy_mla.testing.probe import ProbeJob, probe_rank
-
-    prompts = [list(range(3, 19)), [5, 9, 200, 17], list(range(40, 61))]
-    jobs = [ProbeJob(fam, fam, RUNTIME, prompts, 6) for fam in TINY_DSA]
-    # `model.init: hashed`: each rank exports a weightless skeleton (the pre-export check is skipped
-    # and says so) and generates only its slices; tokens must equal one process's hashed model
-    hashed = [*RUNTIME, "model.init=hashed"]
-    jobs.append(ProbeJob("v32_hashed", "deepseek_v32", hashed, prompts, 6))
-    ranks = spawn(probe_rank, 2, jobs, all_results=True)
-    single = optimize("deepseek_v32", overrides=hashed)
-    assert ranks[0]["v32_hashed"]["tokens"] == ranks[1]["v32_hashed"]["tokens"] == single.generate(prompts, max_new_tokens=6)
-    for fam in TINY_DSA:
-        model = build_tiny_model(TINY_DSA[fam])
-        ref = [hf_greedy_generate(model, p, 6) for p in prompts]
-        r0, r1 = ranks[0][fam], ranks[1][fam]
-        assert r0["tokens"] == r1["tokens"] == ref, fam
-        assert all(lay["dims"]["num_heads"] == 2 for lay in r0["layers"]), fam
+# Tensor parallel (2 ranks over gloo): test_sparse_tensor_parallel_two_ranks_equal_hf is in
+# test_tensor_parallel.py, where it shares the suite's one spawned 2-rank run.
 
 
 @pytest.mark.parametrize("static,splits", [(False, None), (True, None), (False, 4)])

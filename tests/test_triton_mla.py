@@ -54,8 +54,16 @@ EXTRA_SCHEDULES = {
 }
 
 
+# Schedules with decode tokens run in test_decode_layouts_match_oracle, on every CPU_DIMS with each
+# of the two decode kernels forced; the default layout picks one of those two per dims (the choice is
+# tested in test_decode_config_picks_the_measured_layout / test_multi_token_kernel_choice), so running
+# them here too repeated one of those cases. Every schedule runs in one test or the other.
+DECODE_SCHEDULES = ["mixed", "long_decode", "long_chunks", "prefill_then_decode"]
+PREFILL_ONLY = [s for s in [*STANDARD_SCHEDULES, *EXTRA_SCHEDULES] if s not in DECODE_SCHEDULES]
+
+
 @pytest.mark.parametrize("dims_name", list(CPU_DIMS))
-@pytest.mark.parametrize("schedule", list(STANDARD_SCHEDULES) + list(EXTRA_SCHEDULES))
+@pytest.mark.parametrize("schedule", PREFILL_ONLY)
 def test_matches_oracle(dims_name, schedule):
     sch = {**STANDARD_SCHEDULES, **EXTRA_SCHEDULES}[schedule]
     res = scenario(CPU_DIMS[dims_name], sch, page_size=4, seed=len(schedule) + len(dims_name))
@@ -216,7 +224,7 @@ def test_multi_token_kernel_choice():
 # ----------------------------------------------------------------------------- heads on N (decode)
 @pytest.mark.parametrize("layout", ["heads_on_m", "heads_on_n"])
 @pytest.mark.parametrize("dims_name", list(CPU_DIMS))
-@pytest.mark.parametrize("schedule", ["mixed", "long_decode", "long_chunks", "prefill_then_decode"])
+@pytest.mark.parametrize("schedule", DECODE_SCHEDULES)
 def test_decode_layouts_match_oracle(dims_name, schedule, layout):
     """Both decode kernels forced for every decode token (the default picks per dims): R 32/48/64
     (48: heads-on-N's second latent chunk half past R), Dr 0/8/16, head counts under one column
