@@ -36,9 +36,6 @@ def pytest_collection_finish(session):
         module.start_background_runs(items)
 
 
-_OPTIMIZED: dict = {}
-
-
 @pytest.fixture(scope="session")
 def optimized_family():
     """`optimized_family(family, overrides)`: `optimize(family, overrides=overrides)`, built once per
@@ -48,10 +45,12 @@ def optimized_family():
     that changes a model's config, runner or weights builds its own."""
     from autodeploy_mla import optimize
 
+    built: dict = {}  # (family, overrides) -> model; lives as long as the session fixture
+
     def get(family: str, overrides):
         key = (family, tuple(overrides))
-        if key not in _OPTIMIZED:
-            _OPTIMIZED[key] = optimize(family, overrides=list(overrides))
-        return _OPTIMIZED[key]
+        if key not in built:
+            built[key] = optimize(family, overrides=list(overrides))
+        return built[key]
 
     return get
