@@ -176,11 +176,16 @@ def test_checkpoint_missing_a_weight_is_refused(v2_ckpt, tmp_path):
 
 
 # ----------------------------------------------------------------------------- config and CLI
-def test_layer_override_that_matches_nothing(om):
+def test_layer_override_that_matches_nothing():
     with pytest.raises(ValueError, match=r"'model\.layer\.\*' match no MLA layer.*0: model\.layers\.0\.self_attn"):
         optimize("default", overrides=[*SMALL, "transforms.insert_cached_mla_attention.layers={'model.layer.*': torch}"])
+    # an index past the layers: the same check (per_layer), without a second build
+    from autodeploy_mla.transforms.insert_cached_attention import per_layer
+
+    names = ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    assert per_layer(names, {"1": "triton"}, "auto", "k") == ["auto", "triton"]
     with pytest.raises(ValueError, match="'7' match no MLA layer"):
-        optimize("default", overrides=[*SMALL, "transforms.insert_cached_mla_attention.layers={'7': torch}"])
+        per_layer(names, {"7": "torch"}, "auto", "insert_cached_mla_attention.layers")
 
 
 def test_unknown_device_class_under_preference(no_build):

@@ -292,21 +292,27 @@ class FuseMoEOptions(PassOptions):
     backend: MoEBackendName = Field("auto", description="triton | torch (reference) | auto")
 
 
+def triton_unavailable(dev: Any) -> Optional[str]:
+    """Why Triton kernels cannot run on the build's device (`Target.device`), or None when they can.
+    Shared by the fusion passes that have Triton kernels (fuse_moe, fuse_routing)."""
+    if not HAS_TRITON:
+        return f"triton not installed ({TRITON_IMPORT_ERROR})"
+    if dev.type == "cpu" and not interpreting():
+        return "Triton kernels need a CUDA GPU (on CPU only through TRITON_INTERPRET=1)"
+    if dev.type not in ("cpu", "cuda"):
+        return f"device type {dev.type!r} unsupported"
+    return None
+
+
 def _backend_for(ctx: BuildContext, dtype: Optional[torch.dtype], requested: str) -> tuple[Optional[str], str]:
     """(backend or None to keep the model's subgraph, reason)."""
     if requested == "torch":
         return "torch", "configured: torch reference (dense over experts; for tests)"
     dev = ctx.target.device
-    why = None
-    if not HAS_TRITON:
-        why = f"triton not installed ({TRITON_IMPORT_ERROR})"
-    elif dev.type == "cpu" and not interpreting():
-        why = "Triton kernels need a CUDA GPU (on CPU only through TRITON_INTERPRET=1)"
-    elif dev.type not in ("cpu", "cuda"):
-        why = f"device type {dev.type!r} unsupported"
-    elif dev.sm is not None and dev.sm < 80 and dtype in (torch.bfloat16,):
+    why = triton_unavailable(dev)
+    if why is None and dev.sm is not None and dev.sm < 80 and dtype in (torch.bfloat16,):
         why = f"bf16 tl.dot needs SM80+, device is {dev.short()}"
-    elif dtype not in (torch.float16, torch.bfloat16, torch.float32):
+    if why is None and dtype not in (torch.float16, torch.bfloat16, torch.float32):
         why = f"dtype {dtype} unsupported"
     if requested == "auto" and dev.type == "cpu":
         return None, ("kept the model's experts: auto fuses on CUDA only (on CPU, backend: triton runs the "
@@ -352,4 +358,4 @@ def fuse_moe(ctx: BuildContext, opts: FuseMoEOptions) -> PassResult:
     return PassResult(summary, {"layers": layers})
 
 
-__all__ = ["ExpertsMatch", "FuseMoEOptions", "fuse_moe", "match_experts", "rewrite"]
+__all__ = ["ExpertsMatch", "FuseMoEOptions", "fuse_moe", "match_experts", "rewrite", "triton_unavailable"]

@@ -73,7 +73,9 @@ def parse_pipeline(transforms: Mapping[str, Any]) -> Pipeline:
                 problems.append(f"transforms.{name}{'.' + loc if loc else ''}: {msg}")
     if problems:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
-    order = sorted(known.values(), key=lambda p: p.stage)  # stable: registration order within a stage
+    # passes of one stage are independent of each other; name order makes the pipeline the same
+    # whichever module registered first
+    order = sorted(known.values(), key=lambda p: (p.stage, p.name))
     steps = tuple((info, opts_by_name.get(info.name) or info.options()) for info in order)
     enabled = {info.name for info, opts in steps if opts.enabled}
     for info, opts in steps:

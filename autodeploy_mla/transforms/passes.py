@@ -1,13 +1,14 @@
 """The built-in passes. Importing this module registers them (registry.py); the pass manager does.
 
 Each pass lives in its own module with its options and its declared stage:
-export (EXPORT) -> match_mla (PATTERN) -> shard (SHARD) -> load_weights (WEIGHTS) -> fuse_gemms, fuse_moe (FUSE) ->
+export (EXPORT) -> match_mla (PATTERN) -> shard (SHARD) -> load_weights (WEIGHTS) -> fuse_gemms, fuse_moe, fuse_routing (FUSE) ->
 insert_cached_mla_attention (CACHE) -> gather_logits (OUTPUT) -> piecewise (COMPILE).
 """
 
 from . import export  # noqa: F401
 from . import fuse_gemms  # noqa: F401
 from . import fuse_moe  # noqa: F401
+from . import fuse_routing  # noqa: F401
 from . import gather_logits  # noqa: F401
 from . import insert_cached_attention  # noqa: F401
 from . import load_weights  # noqa: F401

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 
 class Stage(IntEnum):
-    """Where a pass runs. Passes run in stage order (then in registration order within a stage)."""
+    """Where a pass runs. Passes run in stage order, then by name within a stage (they are independent)."""
 
     EXPORT = 10  # model -> graph
     PATTERN = 20  # HF attention subgraphs -> torch_mla
