@@ -50,8 +50,9 @@ SWEEP = [  # (block_m, up_n, up_k, down_n, down_k, warps, stages[, sorted_tma])
 ]
 
 
-def graph_time_ms(fn: Callable[[], Any], reps: int = 20) -> float:
-    """Median device time of one replay of `fn` captured as a CUDA graph."""
+def graph_time_ms(fn: Callable[[], Any], reps: int = 20, calls: int = 1) -> float:
+    """Median device time of one call of `fn`: `calls` calls captured as one CUDA graph (several for
+    calls of a few µs, where one replay's own cost would dominate), `reps` replays."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -60,7 +61,8 @@ def graph_time_ms(fn: Callable[[], Any], reps: int = 20) -> float:
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        fn()
+        for _ in range(calls):
+            fn()
     g.replay()
     torch.cuda.synchronize()
     ts = []
@@ -70,7 +72,7 @@ def graph_time_ms(fn: Callable[[], Any], reps: int = 20) -> float:
         g.replay()
         b.record()
         b.synchronize()
-        ts.append(a.elapsed_time(b))
+        ts.append(a.elapsed_time(b) / calls)
     ts.sort()
     return ts[len(ts) // 2]
 

@@ -31,6 +31,7 @@ from e2e_roofline import _ints, build_model  # noqa: E402
 #: (class, regex on the kernel name), first match wins.
 CLASSES = (
     ("fused_moe", r"^(count_kernel|place_kernel|gather_kernel|up_kernel|down_kernel|up_sorted_kernel|down_sorted_kernel)$"),
+    ("routing", r"^route_kernel$"),
     ("attention", r"flashinfer|BatchMLA|mla_|_mla|Mla|MLA|attn|Attention|fmha|flash|"
                   r"^(expanded_prefill_kernel|split_reduce_kernel|gather_kv_kernel|append_kernel)$"),
     ("grouped_gemm", r"grouped|Grouped|moe|Moe|MoE"),

@@ -1,7 +1,7 @@
 """Whole-model decode and prefill against the hardware floor (issue 13).
 
 For each model config (bf16, random weights) and each variant of the passes (`--variants`: `base`,
-or '+'-joined switches: `inductor` = static pieces through Inductor, `moe` = the fuse_moe pass),
+or '+'-joined switches: `inductor` = static pieces through Inductor, `moe` = the fuse_moe pass, ...),
 after `om.warmup()`:
 
 - decode, batch B x context C (every sequence adds one token; caches filled with random latents):
@@ -14,6 +14,12 @@ after `om.warmup()`:
   bf16 GEMM peak, FLOPs = 2 * T * (non-expert weights without the embedding table and lm_head +
   k routed experts per MoE layer) + the lm_head for one row + causal attention in the expanded form,
   2 * N * T(T+1)/2 * (Dn + Dr + Dv) per layer. `% of peak` = floor / measured.
+- queued columns: decode steps queued as the engine queues them with overlap (`--decode-stream`:
+  step i+1 launched before step i's ids are collected, its tokens taken on the device), and fresh
+  prefills queued back to back (`--prefill-stream`); GPU time per step from CUDA events. These are
+  the serving engine's steady state; the isolated columns also pay each step's host work with the
+  GPU idle. Variant parts: `inductor`, `moe`, `gemms` (fuse_gemms), `routing` (fuse_routing); every
+  part not named is off.
 
 Peaks are measured in the same process: copy bandwidth as 2 x bytes / time of a 4 GiB device-to-
 device copy (read + write), bf16 peak as an 8192^3 matmul; both the median of 20 runs.
@@ -200,12 +206,55 @@ def time_prefill_stream(om, tokens: int, steps: int) -> dict[str, float]:
     return {"stream_ms": per, "stream_device_ms": statistics.median(d for d in dev if d is not None)}
 
 
+def time_decode_stream(om, batch: int, context: int, steps: int, warmup: int = 3) -> dict[str, float]:
+    """Decode steps queued as the engine queues them (runtime/engine.py, overlap on): step i+1 is
+    launched before step i's ids are collected, its tokens taken on the device from step i's
+    sampled rows (`StepSequence.src_row`), so scheduling, metadata and backend prepare of step i+1
+    run while the GPU computes step i. Per step: GPU time from the end of the first step to the end of
+    the last over steps - 1 (CUDA events; any wait for the host in between counts). This is the
+    inter-token time of a batch in steady state; `time_decode` also pays each step's host work and
+    sampling sync with the GPU idle. The first `warmup` steps are not timed (first uses of the
+    device-token path)."""
+    from autodeploy_mla.runtime.sequence_info import StepSequence
+
+    runner = om.runner
+    steps += warmup
+    fill_ours(om, batch, context, steps + 8)
+    timed, runner.time_steps = runner.time_steps, True
+    launched = []
+    pos0 = context
+    try:
+        _sync(om.device)
+        prev = None
+        for i in range(steps):
+            if prev is None:
+                seqs = [StepSequence(s, [1], pos0 + i) for s in range(batch)]
+            else:
+                row = {sid: r for r, sid in enumerate(prev.order)}
+                seqs = [StepSequence(s, [0], pos0 + i, src_row=row[s]) for s in range(batch)]
+            cur = runner.launch(seqs, runner.allocator.pages_of, {})
+            if prev is not None:
+                runner.collect(prev)
+            launched.append(cur)
+            prev = cur
+        runner.collect(prev)
+    finally:
+        runner.time_steps = timed
+        for sid in list(runner.allocator.owners()):
+            runner.allocator.free(sid)
+    if launched[0].done is None:  # CPU (plumbing runs): no device events
+        return {}
+    per = launched[warmup].done.elapsed_time(launched[-1].done) / (steps - 1 - warmup)
+    return {"stream_ms": per}
+
+
 # ----------------------------------------------------------------------------- one model
 #: Pass switches a variant name is made of ("inductor+moe"); "base" (or "none") is neither.
 VARIANT_PARTS: dict[str, dict[str, dict[str, Any]]] = {
     "inductor": {"piecewise": {"compile": "inductor"}},
     "moe": {"fuse_moe": {"enabled": True}},
     "gemms": {"fuse_gemms": {"enabled": True}},
+    "routing": {"fuse_routing": {"enabled": True}},
 }
 
 
@@ -231,7 +280,7 @@ def variant_transforms(variant: str) -> dict[str, dict[str, Any]]:
         raise ValueError(f"unknown variant part(s) {unknown}; known: base, {', '.join(VARIANT_PARTS)}, "
                          f"{', '.join(POLICY_PARTS)}, {', '.join(RUNTIME_PARTS)}")
     out: dict[str, dict[str, Any]] = {"piecewise": {"compile": "none"}, "fuse_moe": {"enabled": False},
-                                      "fuse_gemms": {"enabled": False}}
+                                      "fuse_gemms": {"enabled": False}, "fuse_routing": {"enabled": False}}
     for p in parts:
         for k, v in VARIANT_PARTS[p].items():
             out.setdefault(k, {}).update(v)
@@ -290,14 +339,20 @@ def bench_model(name: str, variant: str, args: argparse.Namespace, peaks: dict[s
     for b in args.batches:
         for c in args.contexts:
             r = time_decode(om, b, c, args.steps, args.warmup)
+            if args.decode_stream > 1:
+                r.update(time_decode_stream(om, b, c, args.decode_stream))
             fl = decode_floor_bytes(w, dims, b, c, entry["cache_elem_bytes"])
             floor_ms = (fl["weight_bytes"] + fl["cache_bytes"]) / bw * 1e3
+            if "stream_ms" in r:
+                r["stream_x_floor"] = r["stream_ms"] / floor_ms
             r.update(batch=b, context=c, floor_ms=floor_ms, x_floor=r["step_ms"] / floor_ms,
                      weight_gb=fl["weight_bytes"] / 1e9, cache_gb=fl["cache_bytes"] / 1e9,
                      experts_touched=fl["experts_touched"])
             entry["decode"].append(r)
             print(f"[{name}/{variant}] decode B={b} C={c}: {r['step_ms']:.2f} ms (device {r.get('device_ms', 0):.2f}), "
-                  f"floor {floor_ms:.2f} ms, {r['x_floor']:.2f}x", flush=True)
+                  f"floor {floor_ms:.2f} ms, {r['x_floor']:.2f}x" + (f"; queued as the engine runs {r['stream_ms']:.2f} ms/step "
+                                                                  f"= {r['stream_x_floor']:.2f}x" if "stream_ms" in r else ""),
+                  flush=True)
     peak = peaks["matmul_tflops"] * 1e12
     for tkn in args.chunks:
         r = time_prefill(om, tkn, args.prefill_reps)
@@ -327,10 +382,12 @@ def passes_on(om) -> dict[str, Any]:
     pw = rec.get("piecewise")
     moe = rec.get("fuse_moe")
     gemms = rec.get("fuse_gemms")
+    routing = rec.get("fuse_routing")
     return {"piecewise_compile": pw.details.get("compile", "none") if pw is not None else "none",
             "cuda_graphs": om.device.type == "cuda",
             "fuse_moe": moe.summary if moe is not None and moe.enabled else "off",
             "fuse_gemms": gemms.summary if gemms is not None and gemms.enabled else "off",
+            "fuse_routing": routing.summary if routing is not None and routing.enabled else "off",
             "fi_prefill": _fi_prefill(om)}
 
 
@@ -361,7 +418,10 @@ def render(path: Path) -> None:
     for e in data["runs"]:
         def pick(b: int, c: int) -> str:
             r = next((r for r in e["decode"] if (r["batch"], r["context"]) == (b, c)), None)
-            return f"{r['x_floor']:.2f} ({r['step_ms']:.2f})" if r else "-"
+            if r is None:
+                return "-"
+            q = f"; queued {r['stream_x_floor']:.2f} ({r['stream_ms']:.2f})" if "stream_ms" in r else ""
+            return f"{r['x_floor']:.2f} ({r['step_ms']:.2f}){q}"
         pf = next((f"{r['pct_peak']:.1f}% ({r['step_ms']:.2f})"
                    + (f"; queued {r['stream_pct_peak']:.1f}% ({r['stream_ms']:.2f})" if "stream_ms" in r else "")
                    for r in e["prefill"] if r["tokens"] == 2048), "-")
@@ -375,11 +435,13 @@ def render(path: Path) -> None:
         lines += [f"## {e['model']} — variant: {e['variant']}", "",
                   f"{e['parameters'] / 1e9:.2f} B parameters ({e['weights_gb']:.1f} GB), dims {e['dims']}, backends "
                   f"{e['backends']}, passes {e['passes']}; build {e['build_s']:.0f} s, warm-up {e['warmup_s']:.0f} s.",
-                  "", "| decode B | context | step ms | device ms | floor ms | x floor | weights GB | cache GB |",
-                  "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "", "| decode B | context | step ms | device ms | floor ms | x floor | queued: ms/step | queued: x floor "
+                  "| weights GB | cache GB |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in e["decode"]:
+            q = f"{r['stream_ms']:.2f} | **{r['stream_x_floor']:.2f}**" if "stream_ms" in r else "- | -"
             lines.append(f"| {r['batch']} | {r['context']} | {r['step_ms']:.2f} | {r.get('device_ms', 0):.2f} | "
-                         f"{r['floor_ms']:.2f} | **{r['x_floor']:.2f}** | {r['weight_gb']:.1f} | {r['cache_gb']:.2f} |")
+                         f"{r['floor_ms']:.2f} | **{r['x_floor']:.2f}** | {q} | {r['weight_gb']:.1f} | {r['cache_gb']:.2f} |")
         lines += ["", "| prefill tokens | step ms | TFLOP | TFLOP/s | % of bf16 peak | queued: ms/step | queued: % of peak |",
                   "|---:|---:|---:|---:|---:|---:|---:|"]
         for r in e["prefill"]:
@@ -442,6 +504,8 @@ def main() -> None:
     ap.add_argument("--prefill-reps", type=int, default=5)
     ap.add_argument("--prefill-stream", type=int, default=6,
                     help="fresh prefill steps queued back to back for the steady-state column (0: skip)")
+    ap.add_argument("--decode-stream", type=int, default=12,
+                    help="decode steps queued as the engine queues them (overlap) for the steady-state column (0: skip)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--quick", action="store_true", help="tiny dims of each config (plumbing check)")
     ap.add_argument("--time-budget-s", type=float, default=1e9, help="skip models that would start after this")
