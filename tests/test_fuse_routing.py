@@ -147,6 +147,19 @@ def test_triton_kernel_equals_the_reference(case):
         torch.testing.assert_close(w1, w0, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("block_t", [2, 16])
+def test_triton_kernel_row_blocks_equal_the_reference(block_t):
+    """Several rows per program (the prefill layout), with a partial last block."""
+    g = torch.Generator().manual_seed(block_t)
+    for e, spec, has_bias in (SPECS[1], SPECS[2]):
+        logits = torch.randn(21, e, generator=g)
+        bias = torch.randn(e, generator=g) * 0.1 if has_bias else None
+        w0, i0 = _sorted(*route_reference(logits, bias, spec))
+        w1, i1 = _sorted(*triton_route(logits, bias, spec, block_t=block_t))
+        assert torch.equal(i0, i1)
+        torch.testing.assert_close(w1, w0, rtol=1e-5, atol=1e-6)
+
+
 def test_kernel_never_picks_an_expert_twice_when_the_choice_runs_out():
     """-inf fill with more experts wanted than the kept groups hold: the rest come from masked experts
     (as torch.topk does), never a repeat."""

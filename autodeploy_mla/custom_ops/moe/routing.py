@@ -153,15 +153,25 @@ torch_moe_route.register_fake(_fake("torch_moe_route"))
 
 
 # ----------------------------------------------------------------------------- Triton
+#: Up to this many tokens every row gets its own program (decode batches, small mixed steps).
+ROW_PER_PROGRAM_MAX_T = 512
+
+
 def route_block_t(t: int, e_pad: int) -> int:
-    """Token rows per program: enough rows to fill a warp group at small E, fewer at E = 256+."""
-    rows = max(1, 2048 // e_pad)
-    return max(1, min(pow2(t, lo=1), rows, 16))
+    """Token rows per program. A row's routing is a chain of dependent reductions (one per pick), so
+    one program's latency is the floor: up to ROW_PER_PROGRAM_MAX_T tokens each row gets its own program
+    and they all run at once (H200: one row of 64-256 experts is 2.0-3.9 µs, docs/benchmarks/
+    moe_routing.md, T=1; the same kernel with 8 rows in one program took 3.8-10.6 µs). Beyond that,
+    blocks of rows that fill a warp group (16 rows at E <= 128: 4.1 µs at T=2048 on V2-Lite's router)."""
+    if t <= ROW_PER_PROGRAM_MAX_T:
+        return 1
+    return max(1, min(16, 2048 // e_pad))
 
 
-def triton_route(logits: torch.Tensor, bias: Optional[torch.Tensor], spec: RoutingSpec
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The routing kernel (same contract as torch_moe_route)."""
+def triton_route(logits: torch.Tensor, bias: Optional[torch.Tensor], spec: RoutingSpec,
+                 block_t: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routing kernel (same contract as torch_moe_route); `block_t` overrides the rows per
+    program (tests, benchmarks)."""
     if not HAS_TRITON:
         raise RuntimeError("triton_moe_route needs triton; pip install 'triton>=3.4'")
     t, e = check_route_inputs("triton_moe_route", logits, bias, spec.top_k, spec.n_group, spec.topk_group,
@@ -175,7 +185,7 @@ def triton_route(logits: torch.Tensor, bias: Optional[torch.Tensor], spec: Routi
     if t == 0:
         return weights, ids
     e_pad = pow2(e, lo=2)
-    block_t = route_block_t(t, e_pad)
+    block_t = block_t or route_block_t(t, e_pad)
     logits = logits if logits.stride(1) == 1 else logits.contiguous()
     RK.route_kernel[(-(-t // block_t),)](
         logits, bias if bias is not None else logits, weights, ids, t, logits.stride(0), float(spec.scale),
