@@ -78,8 +78,8 @@ def _sorted(w, ids):
     return w.gather(1, o), ids.gather(1, o)
 
 
-def _exported(name: str, backend: str = "torch"):
-    """(block, its exported graph with the router replaced, the match)."""
+def _exported(name: str, backend: str = "torch", gate: bool = False):
+    """(block, its exported graph with the router replaced, the match); `gate`: the gate GEMM folded in."""
     from autodeploy_mla.transforms.export import _strip_wrapper_from_module_paths
 
     block = _Block(_router(name)).eval()
@@ -91,19 +91,20 @@ def _exported(name: str, backend: str = "torch"):
     assert paths == ["gate"], paths
     m = RouterMatch(gm, "gate", block.gate)
     self_check(block.gate, m.spec, m.bias is not None, m.num_experts)
-    rewrite(gm, m, backend)
+    rewrite(gm, m, backend, m.gate_operands() if gate else None)
     gm.graph.lint()
     gm.recompile()
     return block, gm, m
 
 
+@pytest.mark.parametrize("gate", [False, True], ids=["routing", "gate_folded"])
 @pytest.mark.parametrize("name", [r[0] for r in ROUTERS])
-def test_replaced_router_equals_the_module(name):
-    block, gm, m = _exported(name)
+def test_replaced_router_equals_the_module(name, gate):
+    block, gm, m = _exported(name, gate=gate)
     left = [n.target for n in gm.graph.nodes if "topk" in str(n.target) or "masked_fill" in str(n.target)
-            or "scatter" in str(n.target)]
+            or "scatter" in str(n.target) or (gate and "linear" in str(n.target))]
     assert left == [], left  # the whole soup is gone: one op instead
-    assert sum("moe_route" in str(n.target) for n in gm.graph.nodes) == 1
+    assert sum("moe_route" in str(n.target) or "moe_gate_route" in str(n.target) for n in gm.graph.nodes) == 1
     hidden = block.gate.weight.shape[1]
     for t in (1, 4, 17):  # fresh tokens, other lengths than the export's
         x = torch.randn(t, hidden)
@@ -112,6 +113,19 @@ def test_replaced_router_equals_the_module(name):
         assert ids.dtype == torch.int64 and w.dtype == w_ref.dtype
         assert torch.equal(ids, ids_ref), name  # same calls: same order, bitwise
         assert torch.equal(w, w_ref), name
+
+
+def test_gate_gemm_in_the_model_dtype_is_not_folded():
+    """Mistral-Small-4's router multiplies in the model dtype: in a bf16 model that is not the fp32
+    GEMM the folded op computes, so the pass keeps the model's GEMM (and says why)."""
+    from autodeploy_mla.transforms.export import _strip_wrapper_from_module_paths
+
+    block = _Block(_router("mistral4")).to(torch.bfloat16)
+    gm = torch.export.export(block, (torch.randn(5, block.gate.weight.shape[1], dtype=torch.bfloat16),)).module()
+    _strip_wrapper_from_module_paths(gm)
+    m = RouterMatch(gm, "gate", block.gate)
+    with pytest.raises(_NoMatch, match="computes in torch.bfloat16, not fp32"):
+        m.gate_operands()
 
 
 def test_specs_read_from_graph_and_module():
@@ -160,6 +174,23 @@ def test_triton_kernel_row_blocks_equal_the_reference(block_t):
         torch.testing.assert_close(w1, w0, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("case", [0, 2, 4, 5])
+def test_gate_folded_kernel_equals_the_reference(case):
+    """The fp32 gate GEMM inside the kernel (steps <= 512 tokens) and the cuBLAS + routing path above."""
+    from autodeploy_mla.custom_ops.moe.routing import gate_logits, triton_gate_route
+
+    e, spec, has_bias = SPECS[case]
+    g = torch.Generator().manual_seed(100 + case)
+    for t, h in ((1, 40), (9, 33)):
+        x, gw = torch.randn(t, h, generator=g), torch.randn(e, h, generator=g)
+        bias = torch.randn(e, generator=g) * 0.1 if has_bias else None
+        w0, i0 = _sorted(*route_reference(gate_logits(x, gw), bias, spec))
+        for fold_max_t in (512, 0):
+            w1, i1 = _sorted(*triton_gate_route(x, gw, bias, spec, fold_max_t=fold_max_t))
+            assert torch.equal(i0, i1), (spec, t, fold_max_t)
+            torch.testing.assert_close(w1, w0, rtol=1e-5, atol=1e-6)
+
+
 def test_kernel_never_picks_an_expert_twice_when_the_choice_runs_out():
     """-inf fill with more experts wanted than the kept groups hold: the rest come from masked experts
     (as torch.topk does), never a repeat."""
@@ -174,6 +205,10 @@ def test_ops_pass_opcheck():
     args = (torch.randn(6, 8), torch.randn(8), *spec.args())
     torch.library.opcheck(torch.ops.autodeploy.torch_moe_route.default, args)
     torch.library.opcheck(torch.ops.autodeploy.triton_moe_route.default, args,
+                          test_utils=("test_schema", "test_faketensor"))
+    gate_args = (torch.randn(6, 16), torch.randn(8, 16), torch.randn(8), *spec.args())
+    torch.library.opcheck(torch.ops.autodeploy.torch_moe_gate_route.default, gate_args)
+    torch.library.opcheck(torch.ops.autodeploy.triton_moe_gate_route.default, gate_args,
                           test_utils=("test_schema", "test_faketensor"))
 
 
@@ -222,6 +257,19 @@ def test_auto_on_cpu_uses_the_reference_and_reports_each_router(optimized_family
     assert not [n for n in om.gm.graph.nodes if "topk" in str(n.target)]
 
 
+def test_gate_gemm_option_folds_the_gate_and_keeps_hf_tokens():
+    from autodeploy_mla import optimize
+    from autodeploy_mla.testing import hf_greedy_generate
+    from tests.test_fuse_moe import RUNTIME
+
+    om = optimize("deepseek_v3", overrides=[*RUNTIME, "transforms.fuse_routing.gate_gemm=true"])
+    layers = {r.name: r for r in om.history}["fuse_routing"].details["layers"]
+    assert layers and all(e["gate"].startswith("folded in") for e in layers), layers
+    assert any("moe_gate_route" in str(n.target) for n in om.gm.graph.nodes)
+    prompts = [[5, 9, 20, 17], [3, 3, 8, 1, 90, 2, 7, 7, 7, 100, 11]]  # the second is chunked (8 tokens a step)
+    assert om.generate(prompts, max_new_tokens=4) == [hf_greedy_generate(om.eager_model, p, 4) for p in prompts]
+
+
 def test_triton_backend_refused_without_a_gpu_or_interpreter(monkeypatch):
     from autodeploy_mla import optimize
     from tests.test_fuse_moe import RUNTIME
@@ -255,6 +303,26 @@ def test_gpu_kernel_equals_the_reference(case, dtype):
             assert torch.allclose(got[~same], want[~same], rtol=5e-2, atol=1e-3), (spec, t)
         tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-3)
         torch.testing.assert_close(w1[same].float(), w0[same].float(), **tol)
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [0, 3, 4])
+def test_gpu_gate_folded_kernel_equals_the_reference(case):
+    """The gate GEMM in the kernel sums in another order than cuBLAS: ids equal except near-ties."""
+    from autodeploy_mla.custom_ops.moe.routing import gate_logits, triton_gate_route
+
+    e, spec, has_bias = SPECS[case]
+    g = torch.Generator(device="cuda").manual_seed(case)
+    for t in (1, 64, 512):
+        x = torch.randn(t, 2048, generator=g, device="cuda").to(torch.bfloat16)
+        gw = (torch.randn(e, 2048, generator=g, device="cuda") / 45).to(torch.bfloat16)
+        bias = torch.randn(e, generator=g, device="cuda") * 0.1 if has_bias else None
+        w0, i0 = _sorted(*route_reference(gate_logits(x, gw), bias, spec))
+        w1, i1 = _sorted(*triton_gate_route(x, gw, bias, spec))
+        same = (i0 == i1).all(-1)
+        assert same.float().mean() >= 0.99, (spec, t)
+        torch.testing.assert_close(w1[same], w0[same], rtol=1e-4, atol=1e-5)
 
 
 @cuda

@@ -35,15 +35,17 @@ import torch
 from pydantic import Field
 from torch.fx import GraphModule, Node
 
-from ..custom_ops.moe.routing import MAX_EXPERTS, RoutingSpec, route_reference
+from ..custom_ops.moe.routing import GATE_FOLD_MAX_T, MAX_EXPERTS, RoutingSpec, route_reference
 from ..custom_ops.triton_mla.tuning import interpreting
 from .context import BuildContext
 from .fuse_moe import triton_unavailable
-from .fx_utils import ASSERT_METADATA, aten, is_op, module_stack, shape, val
+from .fx_utils import ASSERT_METADATA, CASTS, aten, is_op, module_stack, shape, val
 from .registry import PassOptions, PassResult, Stage, register_pass
 
 RoutingBackendName = Literal["auto", "triton", "torch"]
 _OPS = {"torch": torch.ops.autodeploy.torch_moe_route.default, "triton": torch.ops.autodeploy.triton_moe_route.default}
+_GATE_OPS = {"torch": torch.ops.autodeploy.torch_moe_gate_route.default,
+             "triton": torch.ops.autodeploy.triton_moe_gate_route.default}
 _SCORES = {aten.sigmoid.default, aten.softmax.int, aten._softmax.default}
 _TOPK = {aten.topk.default}
 _MASKED_FILL = {aten.masked_fill.Scalar}
@@ -133,6 +135,25 @@ class RouterMatch:
                     raise _NoMatch(f"{n.name} ({n.target}) writes a tensor from outside the router")
         self.bias = self._bias()
         self.spec = self._spec(module, nodes)
+
+    def gate_operands(self) -> tuple[Node, Node]:
+        """(hidden states [T, H], gate weight [E, H]) of a bias-free fp32 gate GEMM whose logits feed
+        only the score function: what `gate_gemm` folds into the routing op."""
+        lin = self.logits
+        if not is_op(lin, {aten.linear.default}) or (len(lin.args) > 2 and lin.args[2] is not None):
+            raise _NoMatch("the logits are not a bias-free linear")
+        if val(lin).dtype != torch.float32:
+            raise _NoMatch(f"the gate GEMM computes in {val(lin).dtype}, not fp32")
+        if [u for u in lin.users if not is_op(u, {ASSERT_METADATA})] != [self.score_node]:
+            raise _NoMatch("the logits are used besides the score function")
+        x, w = lin.args[:2]
+        while is_op(x, CASTS):
+            x = x.args[0]
+        while is_op(w, CASTS):
+            w = w.args[0]
+        if len(shape(x)) != 2 or shape(w) != (self.num_experts, shape(x)[1]):
+            raise _NoMatch(f"gate GEMM operands {shape(x)} x {shape(w)} are not [T, H] x [E, H]")
+        return x, w
 
     def _ancestors_in_region(self, node: Node) -> set[Node]:
         out: set[Node] = set()
@@ -242,16 +263,21 @@ def self_check(module: torch.nn.Module, spec: RoutingSpec, has_bias: bool, num_e
         raise _NoMatch(f"self-check: the routing op's weights differ from the module's ({spec})")
 
 
-def rewrite(gm: GraphModule, m: RouterMatch, backend: str) -> Node:
+def rewrite(gm: GraphModule, m: RouterMatch, backend: str, gate: Optional[tuple[Node, Node]] = None) -> Node:
+    """Replace the router's routing by one op; with `gate` = RouterMatch.gate_operands(), the op also
+    computes the gate GEMM (the linear and its casts go too)."""
     g = gm.graph
     order = {n: i for i, n in enumerate(g.nodes)}
     anchor = max((m.weights_out, m.ids_out), key=order.__getitem__)
     meta_stack = m.score_node.meta.get("nn_module_stack", {})
     with g.inserting_before(anchor):
         logits = m.logits
-        if val(logits).dtype != m.score_dtype:
-            logits = g.call_function(aten.to.dtype, (logits, m.score_dtype))
-        op = g.call_function(_OPS[backend], (logits, m.bias, *m.spec.args()))
+        if gate is not None:
+            op = g.call_function(_GATE_OPS[backend], (*gate, m.bias, *m.spec.args()))
+        else:
+            if val(logits).dtype != m.score_dtype:
+                logits = g.call_function(aten.to.dtype, (logits, m.score_dtype))
+            op = g.call_function(_OPS[backend], (logits, m.bias, *m.spec.args()))
         w = g.call_function(operator.getitem, (op, 0))
         ids = g.call_function(operator.getitem, (op, 1))
         if val(m.weights_out).dtype != m.score_dtype:
@@ -270,15 +296,16 @@ def rewrite(gm: GraphModule, m: RouterMatch, backend: str) -> Node:
         n.meta.setdefault("nn_module_stack", meta_stack)
     m.weights_out.replace_all_uses_with(w, delete_user_cb=lambda u: u not in m.region)
     m.ids_out.replace_all_uses_with(ids, delete_user_cb=lambda u: u not in m.region)
+    keep = () if gate is not None else (m.logits,)  # the model's gate GEMM stays unless folded in
     for n in list(m.region):
         for u in list(n.users):
-            if is_op(u, {ASSERT_METADATA}) and n not in (m.logits,):
+            if is_op(u, {ASSERT_METADATA}) and n not in keep:
                 g.erase_node(u)
     changed = True
     while changed:
         changed = False
         for n in reversed(list(g.nodes)):
-            if n in m.region and not n.users and n is not m.logits:
+            if n in m.region and not n.users and n not in keep:
                 g.erase_node(n)
                 m.region.discard(n)
                 changed = True
@@ -289,6 +316,8 @@ def rewrite(gm: GraphModule, m: RouterMatch, backend: str) -> Node:
 class FuseRoutingOptions(PassOptions):
     backend: RoutingBackendName = Field("auto", description="auto (triton on CUDA) | triton | torch (reference)")
     self_check: bool = Field(True, description="prove each router equal on random inputs at build time")
+    gate_gemm: bool = Field(False, description="fold the fp32 gate GEMM into the op (one kernel for steps of "
+                                               "<= 512 tokens; not yet measured on a GPU, so off)")
 
 
 def _backend_for(ctx: BuildContext, requested: str, num_experts: int) -> tuple[Optional[str], str]:
@@ -337,7 +366,14 @@ def fuse_routing(ctx: BuildContext, opts: FuseRoutingOptions) -> PassResult:
                  "bias": m.bias is not None, "renormalize": s.renormalize, "scale": s.scale,
                  "backend": backend, "reason": reason}
         if backend is not None:
-            rewrite(gm, m, backend)
+            gate = None
+            if opts.gate_gemm:
+                try:
+                    gate = m.gate_operands()
+                    entry["gate"] = f"folded in (steps <= {GATE_FOLD_MAX_T} tokens; cuBLAS above)"
+                except _NoMatch as exc:
+                    entry["gate"] = f"the model's GEMM: {exc}"
+            rewrite(gm, m, backend, gate)
             fused += 1
         layers.append(entry)
     if not layers:

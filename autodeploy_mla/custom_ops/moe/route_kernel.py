@@ -1,10 +1,12 @@
 """Triton kernel of the MoE routing op (routing.py has the contract and the reference).
 
-One program per BLOCK_T token rows holds the rows' logits for all experts ([BLOCK_T, E_PAD] fp32 in
-registers), computes the scores, the biased choice, the group scores (max or top-2 sum per group,
+`route_kernel`: one program per BLOCK_T token rows holds the rows' logits for all experts
+([BLOCK_T, E_PAD] fp32 in registers), computes the scores, the biased choice, the group scores (max or top-2 sum per group,
 one static pass per group), keeps the TOPK_GROUP best groups, then picks the K experts by repeated
 arg-max (ties: the lowest index; a taken expert is never picked again, even when every remaining
 choice is -inf) and writes their weights normalised and scaled, and their ids as int64.
+`gate_route_kernel`: the same for one token row whose logits it first computes from the hidden
+state and the fp32 gate weight (the router GEMM folded in; small steps only).
 """
 
 from __future__ import annotations
@@ -13,23 +15,15 @@ import triton
 import triton.language as tl
 
 
-@triton.jit(do_not_specialize=["T"])
-def route_kernel(
-    LOGITS, BIAS, W, IDS, T, stride_t, scale,
-    E: tl.constexpr, E_PAD: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr,
-    N_GROUP: tl.constexpr, G_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr,
-    SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP_TOP2: tl.constexpr,
-    FILL_NEG_INF: tl.constexpr, FILL: tl.constexpr, FROM_CHOICE: tl.constexpr,
-    RENORM: tl.constexpr, EPS: tl.constexpr, BLOCK_T: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.arange(0, E_PAD)
-    rmask = rows < T
-    cmask = cols < E
-    x = tl.load(LOGITS + rows[:, None] * stride_t + cols[None, :], mask=rmask[:, None] & cmask[None, :],
-                other=0.0).to(tl.float32)
-    x = tl.where(cmask[None, :], x, float("-inf"))
+@triton.jit
+def _route_rows(x, cols, cmask, BIAS, scale, SCORE_TY: tl.constexpr,
+                E: tl.constexpr, E_PAD: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr,
+                N_GROUP: tl.constexpr, G_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP_TOP2: tl.constexpr,
+                FILL_NEG_INF: tl.constexpr, FILL: tl.constexpr, FROM_CHOICE: tl.constexpr,
+                RENORM: tl.constexpr, EPS: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Routing of BLOCK_T rows of fp32 logits `x` [BLOCK_T, E_PAD] (-inf past E): (weights, ids)
+    [BLOCK_T, K_PAD], weights normalised and scaled."""
     if SIGMOID:
         s = 1.0 / (1.0 + tl.exp(-x))
     else:
@@ -37,7 +31,7 @@ def route_kernel(
         ex = tl.exp(x - mx[:, None])
         s = ex / tl.sum(ex, axis=1)[:, None]
     # the scores in the logits' dtype, as the model computes them (bf16 routers round here)
-    s = s.to(LOGITS.dtype.element_ty).to(tl.float32)
+    s = s.to(SCORE_TY).to(tl.float32)
     s = tl.where(cmask[None, :], s, 0.0)
     if HAS_BIAS:
         b = tl.load(BIAS + cols, mask=cmask, other=0.0).to(tl.float32)
@@ -96,7 +90,66 @@ def route_kernel(
         iacc = tl.where(kcols[None, :] == j, idx[:, None], iacc)
     if RENORM:
         wacc = wacc / (tl.sum(wacc, axis=1)[:, None] + EPS)
-    wacc = wacc * scale
+    return wacc * scale, iacc
+
+
+@triton.jit
+def _store(W, IDS, rows, rmask, wacc, iacc, K: tl.constexpr, K_PAD: tl.constexpr):
+    kcols = tl.arange(0, K_PAD)
     omask = rmask[:, None] & (kcols[None, :] < K)
     tl.store(W + rows[:, None] * K + kcols[None, :], wacc.to(W.dtype.element_ty), mask=omask)
     tl.store(IDS + rows[:, None] * K + kcols[None, :], iacc.to(tl.int64), mask=omask)
+
+
+@triton.jit(do_not_specialize=["T"])
+def route_kernel(
+    LOGITS, BIAS, W, IDS, T, stride_t, scale,
+    E: tl.constexpr, E_PAD: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr,
+    N_GROUP: tl.constexpr, G_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr,
+    SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP_TOP2: tl.constexpr,
+    FILL_NEG_INF: tl.constexpr, FILL: tl.constexpr, FROM_CHOICE: tl.constexpr,
+    RENORM: tl.constexpr, EPS: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    """Routing of BLOCK_T rows of given logits [T, E]."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, E_PAD)
+    rmask = rows < T
+    cmask = cols < E
+    x = tl.load(LOGITS + rows[:, None] * stride_t + cols[None, :], mask=rmask[:, None] & cmask[None, :],
+                other=0.0).to(tl.float32)
+    x = tl.where(cmask[None, :], x, float("-inf"))
+    wacc, iacc = _route_rows(x, cols, cmask, BIAS, scale, LOGITS.dtype.element_ty, E, E_PAD, K, K_PAD, N_GROUP,
+                             G_PAD, TOPK_GROUP, SIGMOID, HAS_BIAS, GROUP_TOP2, FILL_NEG_INF, FILL, FROM_CHOICE,
+                             RENORM, EPS, BLOCK_T)
+    _store(W, IDS, rows, rmask, wacc, iacc, K, K_PAD)
+
+
+@triton.jit(do_not_specialize=["T", "H"])
+def gate_route_kernel(
+    X, GATE, BIAS, W, IDS, T, H, stride_x, stride_g, scale,
+    E: tl.constexpr, E_PAD: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr,
+    N_GROUP: tl.constexpr, G_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr,
+    SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP_TOP2: tl.constexpr,
+    FILL_NEG_INF: tl.constexpr, FILL: tl.constexpr, FROM_CHOICE: tl.constexpr,
+    RENORM: tl.constexpr, EPS: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """The gate GEMM and the routing of one token row: logits[e] = sum_h x[h] * gate[e, h] in fp32
+    (FMA, no tensor-core rounding: what an fp32 router GEMM computes), then `_route_rows`."""
+    row = tl.program_id(0)
+    cols = tl.arange(0, E_PAD)
+    cmask = cols < E
+    acc = tl.zeros([E_PAD], dtype=tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        hs = h0 + tl.arange(0, BLOCK_H)
+        hm = hs < H
+        xv = tl.load(X + row * stride_x + hs, mask=hm, other=0.0).to(tl.float32)
+        gv = tl.load(GATE + cols[:, None] * stride_g + hs[None, :], mask=cmask[:, None] & hm[None, :],
+                     other=0.0).to(tl.float32)
+        acc += tl.sum(gv * xv[None, :], axis=1)
+    x = tl.where(cmask, acc, float("-inf"))[None, :]
+    rows = row + tl.arange(0, 1)
+    wacc, iacc = _route_rows(x, cols, cmask, BIAS, scale, tl.float32, E, E_PAD, K, K_PAD, N_GROUP, G_PAD,
+                             TOPK_GROUP, SIGMOID, HAS_BIAS, GROUP_TOP2, FILL_NEG_INF, FILL, FROM_CHOICE, RENORM,
+                             EPS, 1)
+    _store(W, IDS, rows, rows < T, wacc, iacc, K, K_PAD)

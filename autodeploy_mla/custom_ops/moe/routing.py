@@ -209,6 +209,91 @@ def triton_moe_route(logits: torch.Tensor, bias: Optional[torch.Tensor], top_k: 
 
 triton_moe_route.register_fake(_fake("triton_moe_route"))
 
-__all__ = ["HAS_TRITON", "MAX_EXPERTS", "RoutingSpec", "check_route_inputs", "route_reference",
-           "torch_moe_route", "triton_moe_route", "triton_route"]
+
+# ----------------------------------------------------------------------------- gate GEMM folded in
+#: Steps up to this many tokens fold the fp32 gate GEMM into the routing kernel (one row per program,
+#: the gate weight re-read from L2 by each); longer steps run the GEMM on cuBLAS, then route_kernel.
+GATE_FOLD_MAX_T = 512
+
+
+def check_gate_inputs(name: str, x: torch.Tensor, gate_weight: torch.Tensor) -> None:
+    if x.dim() != 2 or gate_weight.dim() != 2 or x.shape[1] != gate_weight.shape[1]:
+        raise ValueError(f"{name}: x must be [T, H] and gate_weight [E, H] with the same H, got "
+                         f"{tuple(x.shape)} and {tuple(gate_weight.shape)}")
+
+
+def gate_logits(x: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
+    """The fp32 router GEMM as the routers write it: F.linear(x.float(), weight.float())."""
+    return torch.nn.functional.linear(x.type(torch.float32), gate_weight.type(torch.float32))
+
+
+@torch.library.custom_op("autodeploy::torch_moe_gate_route", mutates_args=())
+def torch_moe_gate_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: Optional[torch.Tensor], top_k: int,
+                         n_group: int, topk_group: int, score: str, group_score: str, fill: float,
+                         weights_from: str, renormalize: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference: the fp32 gate GEMM, then torch_moe_route's computation (fp32 weights, int64 ids)."""
+    check_gate_inputs("torch_moe_gate_route", x, gate_weight)
+    w, ids = route_reference(gate_logits(x, gate_weight), bias,
+                             _spec(top_k, n_group, topk_group, score, group_score, fill, weights_from, renormalize,
+                                   scale))
+    return w.contiguous(), ids.contiguous()
+
+
+def triton_gate_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: Optional[torch.Tensor], spec: RoutingSpec,
+                      fold_max_t: int = GATE_FOLD_MAX_T) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gate GEMM + routing: one kernel for steps of <= fold_max_t tokens, cuBLAS + route_kernel above."""
+    check_gate_inputs("triton_moe_gate_route", x, gate_weight)
+    t, h = x.shape
+    e = gate_weight.shape[0]
+    if t > fold_max_t or not HAS_TRITON:
+        return triton_route(gate_logits(x, gate_weight), bias, spec)
+    check_route_inputs("triton_moe_gate_route", x.new_empty(0, e, dtype=torch.float32), bias, spec.top_k,
+                       spec.n_group, spec.topk_group, spec.score, spec.group_score, spec.weights_from)
+    if e > MAX_EXPERTS:
+        raise ValueError(f"triton_moe_gate_route: {e} experts exceed the kernel's limit of {MAX_EXPERTS}")
+    k = spec.top_k
+    weights = torch.empty(t, k, dtype=torch.float32, device=x.device)
+    ids = torch.empty(t, k, dtype=torch.int64, device=x.device)
+    if t == 0:
+        return weights, ids
+    x = x if x.stride(1) == 1 else x.contiguous()
+    gate_weight = gate_weight if gate_weight.stride(1) == 1 else gate_weight.contiguous()
+    e_pad = pow2(e, lo=2)
+    grouped = spec.grouped
+    RK.gate_route_kernel[(t,)](
+        x, gate_weight, bias if bias is not None else gate_weight, weights, ids, t, h, x.stride(0),
+        gate_weight.stride(0), float(spec.scale),
+        E=e, E_PAD=e_pad, K=k, K_PAD=pow2(k, lo=2), N_GROUP=spec.n_group if grouped else 1,
+        G_PAD=pow2(spec.n_group if grouped else 1, lo=2), TOPK_GROUP=spec.topk_group,
+        SIGMOID=spec.score == "sigmoid", HAS_BIAS=bias is not None, GROUP_TOP2=spec.group_score == "top2sum",
+        FILL_NEG_INF=spec.fill == float("-inf"), FILL=0.0 if spec.fill == float("-inf") else float(spec.fill),
+        FROM_CHOICE=spec.weights_from == "choice", RENORM=spec.renormalize, EPS=NORM_EPS,
+        BLOCK_H=max(16, min(128, 8192 // e_pad)), num_warps=4)
+    return weights, ids
+
+
+@torch.library.custom_op("autodeploy::triton_moe_gate_route", mutates_args=())
+def triton_moe_gate_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: Optional[torch.Tensor], top_k: int,
+                          n_group: int, topk_group: int, score: str, group_score: str, fill: float,
+                          weights_from: str, renormalize: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gate GEMM folded into the routing kernel (same contract as torch_moe_gate_route)."""
+    return triton_gate_route(x, gate_weight, bias, _spec(top_k, n_group, topk_group, score, group_score, fill,
+                                                         weights_from, renormalize, scale))
+
+
+def _fake_gate(name: str):
+    def fake(x, gate_weight, bias, top_k, n_group, topk_group, score, group_score, fill, weights_from, renormalize,
+             scale):
+        check_gate_inputs(name, x, gate_weight)
+        t = x.shape[0]
+        return x.new_empty(t, top_k, dtype=torch.float32), x.new_empty(t, top_k, dtype=torch.int64)
+    return fake
+
+
+torch_moe_gate_route.register_fake(_fake_gate("torch_moe_gate_route"))
+triton_moe_gate_route.register_fake(_fake_gate("triton_moe_gate_route"))
+
+__all__ = ["GATE_FOLD_MAX_T", "HAS_TRITON", "MAX_EXPERTS", "RoutingSpec", "check_route_inputs", "gate_logits",
+           "route_reference", "torch_moe_gate_route", "torch_moe_route", "triton_gate_route", "triton_moe_gate_route",
+           "triton_moe_route", "triton_route"]
 
