@@ -313,13 +313,25 @@ def test_gate_gemm_option_folds_the_gate_and_keeps_hf_tokens():
     assert om.generate(prompts, max_new_tokens=4) == [hf_greedy_generate(om.eager_model, p, 4) for p in prompts]
 
 
-def test_triton_backend_refused_without_a_gpu_or_interpreter(monkeypatch):
-    from autodeploy_mla import optimize
-    from tests.test_fuse_moe import RUNTIME
+def test_backend_choice_and_refusal(monkeypatch):
+    from types import SimpleNamespace
 
+    from autodeploy_mla.custom_ops.backend_registry import DeviceInfo
+    from autodeploy_mla.transforms.fuse_routing import _backend_for
+
+    def ctx(dev):
+        return SimpleNamespace(target=SimpleNamespace(device=dev))
+
+    cpu, gpu = DeviceInfo("cpu"), DeviceInfo("cuda", (9, 0), "H200", 132)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    with pytest.raises(ValueError, match="fuse_routing.backend=triton cannot run here"):
-        optimize("glm_4_7_flash", overrides=[*RUNTIME, "transforms.fuse_routing.backend=triton"])
+    assert _backend_for(ctx(gpu), "auto", 64)[0] == "triton"
+    assert _backend_for(ctx(gpu), "auto", 2048) == (None, "kept the model's routing: 2048 experts exceed the kernel's 1024")
+    assert _backend_for(ctx(cpu), "auto", 64)[0] == "torch"
+    with pytest.raises(ValueError, match="fuse_routing.backend=triton cannot run here: Triton kernels need a CUDA GPU"):
+        _backend_for(ctx(cpu), "triton", 64)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # auto never picks an interpreted kernel; triton may
+    assert _backend_for(ctx(gpu), "auto", 64)[0] == "torch"
+    assert _backend_for(ctx(cpu), "triton", 64)[0] == "triton"
 
 
 # ----------------------------------------------------------------------------- GPU
