@@ -18,7 +18,8 @@ from transformers import AutoConfig
 
 from autodeploy_mla.custom_ops.moe.routing import RoutingSpec, route_reference, triton_route
 from autodeploy_mla.testing.tiny_configs import TINY_CONFIGS
-from autodeploy_mla.transforms.fuse_routing import RouterMatch, _NoMatch, rewrite, router_paths, self_check
+from autodeploy_mla.transforms.fuse_routing import (RouterMatch, _NoMatch, rewrite, router_paths, router_regions,
+                                                     self_check)
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -89,7 +90,7 @@ def _exported(name: str, backend: str = "torch", gate: bool = False):
     _strip_wrapper_from_module_paths(gm)
     paths = router_paths(gm)
     assert paths == ["gate"], paths
-    m = RouterMatch(gm, "gate", block.gate)
+    m = RouterMatch(router_regions(gm)["gate"], "gate", block.gate)
     self_check(block.gate, m.spec, m.bias is not None, m.num_experts)
     rewrite(gm, m, backend, m.gate_operands() if gate else None)
     gm.graph.lint()
@@ -123,7 +124,7 @@ def test_gate_gemm_in_the_model_dtype_is_not_folded():
     block = _Block(_router("mistral4")).to(torch.bfloat16)
     gm = torch.export.export(block, (torch.randn(5, block.gate.weight.shape[1], dtype=torch.bfloat16),)).module()
     _strip_wrapper_from_module_paths(gm)
-    m = RouterMatch(gm, "gate", block.gate)
+    m = RouterMatch(router_regions(gm)["gate"], "gate", block.gate)
     with pytest.raises(_NoMatch, match="computes in torch.bfloat16, not fp32"):
         m.gate_operands()
 
@@ -198,15 +199,15 @@ from triton.compiler import ASTSource
 from autodeploy_mla.custom_ops.moe import route_kernel as RK
 assert isinstance(RK.route_kernel, triton.runtime.jit.JITFunction)
 target = GPUTarget("cuda", 90, 32)
-# one small compile per kernel (the paths, not the sizes): grouped bf16 routing in row blocks, the folded gate GEMM
-consts = dict(E=32, E_PAD=32, K=4, K_PAD=4, N_GROUP=4, G_PAD=4, TOPK_GROUP=2, SIGMOID=True, HAS_BIAS=True,
-              GROUP_TOP2=True, FILL_NEG_INF=True, FILL=0.0, FROM_CHOICE=False, RENORM=True, EPS=1e-20)
+from autodeploy_mla.custom_ops.moe.routing import RoutingSpec, kernel_constants
+# one small compile per kernel, with the launchers' own constants: grouped bf16 routing in row blocks, and the
+# folded gate GEMM (the paths, not the sizes)
+consts = kernel_constants(RoutingSpec(4, 4, 2, "sigmoid", "top2sum", float("-inf"), "scores", True, 2.5), 32, True)
 sig = {"LOGITS": "*bf16", "BIAS": "*fp32", "W": "*bf16", "IDS": "*i64", "T": "i32", "stride_t": "i32",
        "scale": "fp32", **{k: "constexpr" for k in consts}, "BLOCK_T": "constexpr"}
 k = triton.compile(ASTSource(RK.route_kernel, sig, constexprs={**consts, "BLOCK_T": 2}), target=target)
 assert "cubin" in k.asm
-consts.update(E=16, E_PAD=16, K=2, K_PAD=2, N_GROUP=1, G_PAD=2, TOPK_GROUP=1, SIGMOID=False, HAS_BIAS=False,
-              FILL_NEG_INF=False, FROM_CHOICE=True, RENORM=False)
+consts = kernel_constants(RoutingSpec(2, 1, 1, "softmax", "top2sum", 0.0, "choice", False, 1.0), 16, False)
 sig = {"X": "*bf16", "GATE": "*bf16", "BIAS": "*fp32", "W": "*fp32", "IDS": "*i64", "T": "i32", "H": "i32",
        "stride_x": "i32", "stride_g": "i32", "scale": "fp32", **{k: "constexpr" for k in consts},
        "BLOCK_H": "constexpr"}

@@ -35,7 +35,8 @@ from torch.fx import GraphModule, Node
 from ..custom_ops.moe import HAS_TRITON, TRITON_IMPORT_ERROR
 from ..custom_ops.triton_mla.tuning import interpreting
 from .context import BuildContext
-from .fx_utils import ASSERT_METADATA, CASTS, RESHAPES, aten, grouped_mm_ops, is_op, module_path, shape, val
+from .fx_utils import (ASSERT_METADATA, CASTS, RESHAPES, aten, erase_dead_region, grouped_mm_ops, is_op,
+                       module_path, shape, val)
 from .registry import PassOptions, PassResult, Stage, register_pass
 
 MoEBackendName = Literal["auto", "triton", "torch"]
@@ -268,23 +269,8 @@ def rewrite(gm: GraphModule, m: ExpertsMatch, backend: str) -> Node:
             result = g.call_function(aten.to.dtype, (fused, out_dtype))
     fused.meta["nn_module_stack"] = m.out.meta.get("nn_module_stack", {})
     m.out.replace_all_uses_with(result)
-    _erase_region(g, m.region)
+    erase_dead_region(g, m.region)
     return fused
-
-
-def _erase_region(graph: torch.fx.Graph, region: set[Node]) -> None:
-    for n in list(region):
-        for u in list(n.users):
-            if is_op(u, {ASSERT_METADATA}):
-                graph.erase_node(u)
-    changed = True
-    while changed:
-        changed = False
-        for n in reversed(list(graph.nodes)):
-            if n in region and not n.users:
-                graph.erase_node(n)
-                region.discard(n)
-                changed = True
 
 
 # ----------------------------------------------------------------------------- the pass

@@ -39,7 +39,7 @@ from ..custom_ops.moe.routing import GATE_FOLD_MAX_T, MAX_EXPERTS, RoutingSpec, 
 from ..custom_ops.triton_mla.tuning import interpreting
 from .context import BuildContext
 from .fuse_moe import triton_unavailable
-from .fx_utils import ASSERT_METADATA, CASTS, aten, is_op, module_stack, shape, val
+from .fx_utils import ASSERT_METADATA, CASTS, aten, erase_dead_region, is_op, module_stack, shape, val
 from .registry import PassOptions, PassResult, Stage, register_pass
 
 RoutingBackendName = Literal["auto", "triton", "torch"]
@@ -64,20 +64,28 @@ def _paths(node: Node) -> list[str]:
     return [p for p, _ in module_stack(node)]
 
 
-def router_paths(gm: GraphModule) -> list[str]:
-    """Module paths whose own nodes hold a score function and a top-k: the routers, in graph order."""
+def router_regions(gm: GraphModule) -> dict[str, list[Node]]:
+    """Router module path -> its nodes in graph order (every node export attributed to it), for the
+    modules whose own nodes hold a score function and a top-k. Two passes over the graph in all, not
+    one per router."""
     seen: dict[str, set[str]] = {}
-    order: list[str] = []
     for n in gm.graph.nodes:
-        stack = _paths(n)
-        if not stack or not (is_op(n, _SCORES) or is_op(n, _TOPK)):
-            continue
-        p = stack[-1]
-        if p not in seen:
-            seen[p] = set()
-            order.append(p)
-        seen[p].add("score" if is_op(n, _SCORES) else "topk")
-    return [p for p in order if seen[p] == {"score", "topk"}]
+        if is_op(n, _SCORES) or is_op(n, _TOPK):
+            stack = _paths(n)
+            if stack:
+                seen.setdefault(stack[-1], set()).add("score" if is_op(n, _SCORES) else "topk")
+    regions: dict[str, list[Node]] = {p: [] for p, kinds in seen.items() if kinds == {"score", "topk"}}
+    if regions:
+        for n in gm.graph.nodes:
+            for p in _paths(n):
+                if p in regions:
+                    regions[p].append(n)
+    return regions
+
+
+def router_paths(gm: GraphModule) -> list[str]:
+    """The routers' module paths, in graph order."""
+    return list(router_regions(gm))
 
 
 def _outside_users(node: Node, region: set[Node]) -> list[Node]:
@@ -91,9 +99,10 @@ def _const(x: Any) -> Optional[float]:
 class RouterMatch:
     """One router's region in the graph and what replaces it."""
 
-    def __init__(self, gm: GraphModule, path: str, module: torch.nn.Module):
+    def __init__(self, nodes: list[Node], path: str, module: torch.nn.Module):
+        """`nodes`: the router's nodes in graph order (router_regions)."""
         self.path = path
-        nodes = [n for n in gm.graph.nodes if path in _paths(n)]
+        self.nodes = nodes
         self.region = set(nodes)
         scores = [n for n in nodes if is_op(n, _SCORES)]
         if len(scores) != 1:
@@ -267,8 +276,7 @@ def rewrite(gm: GraphModule, m: RouterMatch, backend: str, gate: Optional[tuple[
     """Replace the router's routing by one op; with `gate` = RouterMatch.gate_operands(), the op also
     computes the gate GEMM (the linear and its casts go too)."""
     g = gm.graph
-    order = {n: i for i, n in enumerate(g.nodes)}
-    anchor = max((m.weights_out, m.ids_out), key=order.__getitem__)
+    anchor = max((m.weights_out, m.ids_out), key=m.nodes.index)  # the later one (graph order)
     meta_stack = m.score_node.meta.get("nn_module_stack", {})
     with g.inserting_before(anchor):
         logits = m.logits
@@ -296,19 +304,8 @@ def rewrite(gm: GraphModule, m: RouterMatch, backend: str, gate: Optional[tuple[
         n.meta.setdefault("nn_module_stack", meta_stack)
     m.weights_out.replace_all_uses_with(w, delete_user_cb=lambda u: u not in m.region)
     m.ids_out.replace_all_uses_with(ids, delete_user_cb=lambda u: u not in m.region)
-    keep = () if gate is not None else (m.logits,)  # the model's gate GEMM stays unless folded in
-    for n in list(m.region):
-        for u in list(n.users):
-            if is_op(u, {ASSERT_METADATA}) and n not in keep:
-                g.erase_node(u)
-    changed = True
-    while changed:
-        changed = False
-        for n in reversed(list(g.nodes)):
-            if n in m.region and not n.users and n not in keep:
-                g.erase_node(n)
-                m.region.discard(n)
-                changed = True
+    dead = m.region - ({m.logits} if gate is None else set())  # the model's gate GEMM stays unless folded in
+    erase_dead_region(g, dead)
     return op
 
 
@@ -345,7 +342,8 @@ def fuse_routing(ctx: BuildContext, opts: FuseRoutingOptions) -> PassResult:
     assert gm is not None
     layers: list[dict[str, Any]] = []
     fused = 0
-    for path in router_paths(gm):
+    checked: dict[tuple, Optional[str]] = {}  # one self-check per distinct router (class, spec, dims)
+    for path, nodes in router_regions(gm).items():
         try:
             if ctx.model is None:
                 raise _NoMatch("no model module to read the router's attributes from")
@@ -353,9 +351,17 @@ def fuse_routing(ctx: BuildContext, opts: FuseRoutingOptions) -> PassResult:
                 module = ctx.model.get_submodule(path)
             except AttributeError as exc:
                 raise _NoMatch(f"module {path!r} not found in the model") from exc
-            m = RouterMatch(gm, path, module)
+            m = RouterMatch(nodes, path, module)
             if opts.self_check:
-                self_check(module, m.spec, m.bias is not None, m.num_experts)
+                key = (type(module), m.spec, m.bias is not None, m.num_experts, getattr(module, "hidden_dim", None))
+                if key not in checked:
+                    try:
+                        self_check(module, m.spec, m.bias is not None, m.num_experts)
+                        checked[key] = None
+                    except _NoMatch as exc:
+                        checked[key] = str(exc)
+                if checked[key] is not None:
+                    raise _NoMatch(checked[key])
         except _NoMatch as exc:
             layers.append({"layer": path, "backend": None, "reason": f"not replaced: {exc}"})
             continue
@@ -386,4 +392,4 @@ def fuse_routing(ctx: BuildContext, opts: FuseRoutingOptions) -> PassResult:
     return PassResult(summary, {"layers": layers})
 
 
-__all__ = ["FuseRoutingOptions", "RouterMatch", "fuse_routing", "router_paths", "self_check"]
+__all__ = ["FuseRoutingOptions", "RouterMatch", "fuse_routing", "router_paths", "router_regions", "self_check"]

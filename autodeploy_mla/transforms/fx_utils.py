@@ -73,6 +73,26 @@ def placeholders(gm: GraphModule) -> list[Node]:
     return [n for n in gm.graph.nodes if n.op == "placeholder"]
 
 
+def erase_dead_region(graph: torch.fx.Graph, region: set[Node]) -> None:
+    """Erase the nodes of `region` that nothing outside the region uses any more (with their
+    `_assert_tensor_metadata` checks), from the outputs back: a worklist over the region only, not
+    passes over the whole graph. Region nodes still in use stay; `region` loses the erased ones."""
+    def dead(n: Node) -> bool:
+        return all(is_op(u, {ASSERT_METADATA}) for u in n.users)
+
+    work = [n for n in region if dead(n)]
+    while work:
+        n = work.pop()
+        if n not in region or not dead(n):
+            continue
+        for u in list(n.users):
+            graph.erase_node(u)
+        inputs = n.all_input_nodes
+        graph.erase_node(n)
+        region.discard(n)
+        work.extend(a for a in inputs if a in region)
+
+
 def refresh_shapes(gm: GraphModule) -> None:
     """Re-run fake-tensor propagation over the whole graph (new shapes after a rewrite that changed
     weights or shape literals), from the fake inputs export recorded."""

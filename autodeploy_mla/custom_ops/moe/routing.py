@@ -73,14 +73,9 @@ class RoutingSpec:
         return self.topk_group < self.n_group
 
 
-def check_route_inputs(name: str, logits: torch.Tensor, bias: Optional[torch.Tensor], top_k: int, n_group: int,
-                       topk_group: int, score: str, group_score: str, weights_from: str) -> tuple[int, int]:
-    """(T, E) of a valid call; ValueError naming the offending value otherwise."""
-    if logits.dim() != 2:
-        raise ValueError(f"{name}: logits must be [T, E], got shape {tuple(logits.shape)}")
-    t, e = logits.shape
-    if not logits.is_floating_point():
-        raise ValueError(f"{name}: logits must be floating point, got {logits.dtype}")
+def check_route_spec(name: str, e: int, bias: Optional[torch.Tensor], top_k: int, n_group: int, topk_group: int,
+                     score: str, group_score: str, weights_from: str) -> None:
+    """ValueError naming the offending value when the routing arguments do not fit E experts."""
     if bias is not None and tuple(bias.shape) != (e,):
         raise ValueError(f"{name}: bias must be [E={e}], got {tuple(bias.shape)}")
     if score not in ("softmax", "sigmoid"):
@@ -97,6 +92,17 @@ def check_route_inputs(name: str, logits: torch.Tensor, bias: Optional[torch.Ten
         raise ValueError(f"{name}: top_k={top_k} must be in [1, E={e}]")
     if topk_group < n_group and group_score == "top2sum" and e // n_group < 2:
         raise ValueError(f"{name}: top-2-sum group scores need >= 2 experts per group, got {e // n_group}")
+
+
+def check_route_inputs(name: str, logits: torch.Tensor, bias: Optional[torch.Tensor], top_k: int, n_group: int,
+                       topk_group: int, score: str, group_score: str, weights_from: str) -> tuple[int, int]:
+    """(T, E) of a valid call; ValueError naming the offending value otherwise."""
+    if logits.dim() != 2:
+        raise ValueError(f"{name}: logits must be [T, E], got shape {tuple(logits.shape)}")
+    if not logits.is_floating_point():
+        raise ValueError(f"{name}: logits must be floating point, got {logits.dtype}")
+    t, e = logits.shape
+    check_route_spec(name, e, bias, top_k, n_group, topk_group, score, group_score, weights_from)
     return t, e
 
 
@@ -168,6 +174,20 @@ def route_block_t(t: int, e_pad: int) -> int:
     return max(1, min(16, 2048 // e_pad))
 
 
+def kernel_constants(spec: RoutingSpec, e: int, has_bias: bool) -> dict:
+    """The routing kernels' compile-time arguments for `spec` over `e` experts (route_kernel.py)."""
+    if e > MAX_EXPERTS:
+        raise ValueError(f"the routing kernels hold all experts in registers: {e} experts exceed their limit of "
+                         f"{MAX_EXPERTS}; use the torch reference (transforms.fuse_routing.backend: torch)")
+    groups = spec.n_group if spec.grouped else 1
+    neg_inf = spec.fill == float("-inf")
+    return dict(E=e, E_PAD=pow2(e, lo=2), K=spec.top_k, K_PAD=pow2(spec.top_k, lo=2), N_GROUP=groups,
+                G_PAD=pow2(groups, lo=2), TOPK_GROUP=spec.topk_group, SIGMOID=spec.score == "sigmoid",
+                HAS_BIAS=has_bias, GROUP_TOP2=spec.group_score == "top2sum", FILL_NEG_INF=neg_inf,
+                FILL=0.0 if neg_inf else float(spec.fill), FROM_CHOICE=spec.weights_from == "choice",
+                RENORM=spec.renormalize, EPS=NORM_EPS)
+
+
 def triton_route(logits: torch.Tensor, bias: Optional[torch.Tensor], spec: RoutingSpec,
                  block_t: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The routing kernel (same contract as torch_moe_route); `block_t` overrides the rows per
@@ -176,14 +196,18 @@ def triton_route(logits: torch.Tensor, bias: Optional[torch.Tensor], spec: Routi
         raise RuntimeError("triton_moe_route needs triton; pip install 'triton>=3.4'")
     t, e = check_route_inputs("triton_moe_route", logits, bias, spec.top_k, spec.n_group, spec.topk_group,
                               spec.score, spec.group_score, spec.weights_from)
-    if e > MAX_EXPERTS:
-        raise ValueError(f"triton_moe_route: {e} experts exceed the kernel's limit of {MAX_EXPERTS}; "
-                         "use the torch reference (transforms.fuse_routing.backend: torch)")
+    consts = kernel_constants(spec, e, bias is not None)
     k = spec.top_k
     weights = torch.empty(t, k, dtype=logits.dtype, device=logits.device)
     ids = torch.empty(t, k, dtype=torch.int64, device=logits.device)
     if t == 0:
         return weights, ids
+    block_t = block_t or route_block_t(t, consts["E_PAD"])
+    logits = logits if logits.stride(1) == 1 else logits.contiguous()
+    RK.route_kernel[(-(-t // block_t),)](
+        logits, bias if bias is not None else logits, weights, ids, t, logits.stride(0), float(spec.scale),
+        **consts, BLOCK_T=block_t, num_warps=4 if consts["E_PAD"] * block_t >= 1024 else 1)
+    return weights, ids
     e_pad = pow2(e, lo=2)
     block_t = block_t or route_block_t(t, e_pad)
     logits = logits if logits.stride(1) == 1 else logits.contiguous()
@@ -247,15 +271,21 @@ def triton_gate_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: Optional
     e = gate_weight.shape[0]
     if t > fold_max_t or not HAS_TRITON:
         return triton_route(gate_logits(x, gate_weight), bias, spec)
-    check_route_inputs("triton_moe_gate_route", x.new_empty(0, e, dtype=torch.float32), bias, spec.top_k,
-                       spec.n_group, spec.topk_group, spec.score, spec.group_score, spec.weights_from)
-    if e > MAX_EXPERTS:
-        raise ValueError(f"triton_moe_gate_route: {e} experts exceed the kernel's limit of {MAX_EXPERTS}")
+    check_route_spec("triton_moe_gate_route", e, bias, spec.top_k, spec.n_group, spec.topk_group, spec.score,
+                     spec.group_score, spec.weights_from)
+    consts = kernel_constants(spec, e, bias is not None)
     k = spec.top_k
     weights = torch.empty(t, k, dtype=torch.float32, device=x.device)
     ids = torch.empty(t, k, dtype=torch.int64, device=x.device)
     if t == 0:
         return weights, ids
+    x = x if x.stride(1) == 1 else x.contiguous()
+    gate_weight = gate_weight if gate_weight.stride(1) == 1 else gate_weight.contiguous()
+    RK.gate_route_kernel[(t,)](
+        x, gate_weight, bias if bias is not None else gate_weight, weights, ids, t, h, x.stride(0),
+        gate_weight.stride(0), float(spec.scale),
+        **consts, BLOCK_H=max(16, min(128, 8192 // consts["E_PAD"])), num_warps=4)
+    return weights, ids
     x = x if x.stride(1) == 1 else x.contiguous()
     gate_weight = gate_weight if gate_weight.stride(1) == 1 else gate_weight.contiguous()
     e_pad = pow2(e, lo=2)
@@ -293,7 +323,8 @@ def _fake_gate(name: str):
 torch_moe_gate_route.register_fake(_fake_gate("torch_moe_gate_route"))
 triton_moe_gate_route.register_fake(_fake_gate("triton_moe_gate_route"))
 
-__all__ = ["GATE_FOLD_MAX_T", "HAS_TRITON", "MAX_EXPERTS", "RoutingSpec", "check_route_inputs", "gate_logits",
+__all__ = ["GATE_FOLD_MAX_T", "HAS_TRITON", "MAX_EXPERTS", "RoutingSpec", "check_route_inputs", "check_route_spec",
+           "gate_logits", "kernel_constants",
            "route_reference", "torch_moe_gate_route", "torch_moe_route", "triton_gate_route", "triton_moe_gate_route",
            "triton_moe_route", "triton_route"]
 
