@@ -125,7 +125,9 @@ def _jobs() -> list[ProbeJob]:
                  sampling={"temperature": 1.0, "top_k": 50}),
         ProbeJob("glm_moe", "glm_4_7_flash", [*RUNTIME, "transforms.fuse_moe.backend=triton"], MOE_PROMPTS, MOE_NEW,
                  LOGITS_PROMPT),
-        ProbeJob("native", make_native, RUNTIME, NATIVE_PROMPTS, NEW, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]),
+        # the functional collectives (all_reduce: nccl) rather than the default autodeploy::tp_all_reduce
+        ProbeJob("native", make_native, [*RUNTIME, "transforms.shard.all_reduce=nccl"], NATIVE_PROMPTS, NEW,
+                 [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]),
         # hashed random weights: each rank builds a skeleton and generates only its slices
         ProbeJob("glm_hashed", "glm_4_7_flash", [*RUNTIME, "model.init=hashed"], PROMPTS, NEW, LOGITS_PROMPT),
     ]
@@ -458,8 +460,14 @@ def test_sharded_weight_shapes_and_collectives(tp_runs, single_runs):
     assert {"heads: query rows", "heads: kv_b_proj rows", "heads: o_proj columns", "mlp: column-parallel",
             "mlp: row-parallel", "experts: column-parallel", "experts: row-parallel"} <= kinds
     assert glm["all_reduces"] == 4  # one per attention block, one per MLP/MoE block
+    # default all_reduce: one_shot -> autodeploy::tp_all_reduce nodes; on CPU the runner sets up no
+    # symmetric buffer and the op runs the collective (gloo), as the report says
+    assert glm["all_reduce_ops"] == ["autodeploy.tp_all_reduce.default"]
+    assert glm["tp_all_reduce"].startswith("one_shot asked, cpu device")
     native = ranks[0]["native"]
     assert native["all_reduces"] == 2
+    assert native["all_reduce_ops"] == ["_c10d_functional.all_reduce.default", "_c10d_functional.wait_tensor.default"]
+    assert native["tp_all_reduce"] == "nccl"
     assert native["shard_details"]["rules"]["model.o_proj.bias"]["zero"] is False  # rank 0 adds the bias
     assert ranks[1]["native"]["shard_details"]["rules"]["model.o_proj.bias"]["zero"] is True
 
@@ -518,6 +526,23 @@ def test_shard_options_are_validated():
         build_config(overrides=["transforms.shard.world_size=2", "transforms.shard.rank=2"])
     with pytest.raises(ValueError, match="transforms.shard.experts"):
         build_config(overrides=["transforms.shard.experts=sideways"])
+    with pytest.raises(ValueError, match="one_shot_max_bytes"):
+        build_config(overrides=["transforms.shard.one_shot_max_bytes=100"])  # not a multiple of 16
+    with pytest.raises(ValueError, match="transforms.shard.all_reduce"):
+        build_config(overrides=["transforms.shard.all_reduce=two_shot"])
+
+
+def test_tp_all_reduce_workspace_only_on_cuda():
+    """The runner sets up a symmetric buffer only for one-shot graphs of world > 1 on CUDA; elsewhere the
+    op runs the collective and the report says why (no collective is needed to decide that)."""
+    from autodeploy_mla.runtime.artifacts import TensorParallel
+    from autodeploy_mla.runtime.model_runner import setup_tp_all_reduce
+
+    cpu = torch.device("cpu")
+    assert setup_tp_all_reduce(None, cpu) == (None, "")
+    assert setup_tp_all_reduce(TensorParallel(2, 0, "g", 4, "nccl", 0), cpu) == (None, "nccl")
+    ws, why = setup_tp_all_reduce(TensorParallel(2, 0, "g", 4, "one_shot", 1 << 19), cpu)
+    assert ws is None and why.startswith("one_shot asked, cpu device")
 
 
 def test_checkpoint_slices_equal_slices_of_the_full_weights(ds3_ckpt):
@@ -586,6 +611,17 @@ def _fake_build(args) -> int:
     gm.recompile()
     assert count_all_reduces(gm) == 1
     assert gm(torch.full((2,), float(rank + 1))).tolist() == [6.0, 6.0]  # 2*1 + 2*2 on both ranks
+    # the one-shot op: without a symmetric buffer (CPU) it runs the collective; a declared, checked op
+    from autodeploy_mla.custom_ops.tp_all_reduce import TP_ALL_REDUCE
+
+    gm = torch.fx.symbolic_trace(_Double())
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    out.args = (insert_all_reduce(gm.graph, out.args[0], world_group_name(), "one_shot"),)
+    gm.recompile()
+    assert count_all_reduces(gm) == 1 and any(n.target is TP_ALL_REDUCE for n in gm.graph.nodes)
+    x = torch.full((2,), float(rank + 1))
+    assert gm(x).tolist() == [6.0, 6.0] and x.tolist() == [rank + 1.0] * 2  # input left as it was
+    torch.library.opcheck(torch.ops.autodeploy.tp_all_reduce, (torch.randn(3, 4), world_group_name()))
     rows = rows_from_rank0(torch.full((3, 4), float(rank)))
     assert rows.tolist() == [[0.0] * 4] * 3  # every rank samples from rank 0's rows
     return 10 if is_rank0() else 0
@@ -606,6 +642,8 @@ def test_gpu_two_ranks_nccl_bf16():
     jobs = [
         ProbeJob("ds3", "deepseek_v3", GPU_RUNTIME, PROMPTS, NEW, LOGITS_PROMPT),
         ProbeJob("glm", "glm_4_7_flash", GPU_RUNTIME, PROMPTS, NEW, LOGITS_PROMPT),
+        ProbeJob("glm_nccl", "glm_4_7_flash", [*GPU_RUNTIME, "transforms.shard.all_reduce=nccl"], PROMPTS, NEW,
+                 LOGITS_PROMPT),
     ]
     ranks = spawn(probe_rank, 2, jobs, backend="nccl", all_results=True)
     failures = []
@@ -616,6 +654,8 @@ def test_gpu_two_ranks_nccl_bf16():
         assert r0["tokens"] == r1["tokens"]
         assert torch.equal(r0["logits"], r1["logits"])
         assert all(lay["dims"]["num_heads"] == 2 for lay in r0["layers"])
+        want = "nccl" if "nccl" in job.name else "one_shot (symmetric memory)"
+        assert r0["tp_all_reduce"].startswith(want), r0["tp_all_reduce"]
         single = optimize(job.model, overrides=[*job.overrides, "model.device=cuda:0"])
         ref = single.generate(PROMPTS, max_new_tokens=NEW)
         ref_logits = single.prefill_logits(LOGITS_PROMPT).float().cpu()

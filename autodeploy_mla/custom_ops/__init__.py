@@ -28,3 +28,4 @@ from . import torch_backend  # noqa: F401,E402
 from . import triton_mla  # noqa: F401,E402
 from . import flashinfer_mla, flashinfer_trtllm_mla, flashinfer_sparse  # noqa: F401,E402
 from . import moe  # noqa: F401,E402
+from . import tp_all_reduce  # noqa: F401,E402

@@ -87,6 +87,10 @@ class TensorParallel:
     rank: int
     group: str  # process-group name, as functional collectives take it
     all_reduces: int = 0
+    #: how the graph's all-reduces run: "nccl" (functional collectives) or "one_shot"
+    #: (autodeploy::tp_all_reduce: symmetric memory up to one_shot_max_bytes, the collective above)
+    all_reduce: str = "nccl"
+    one_shot_max_bytes: int = 0
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ return one row of logits per sequence (under tensor parallelism, rank 0's rows o
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Optional
@@ -28,7 +29,8 @@ from ..config.schema import RuntimeConfig
 from ..custom_ops.backend_registry import BackendSession, SessionSpec, StepDescriptor, Target, get_backend
 from ..custom_ops.cache_format import cache_dtype_name
 from ..custom_ops.step_context import using_sessions
-from .artifacts import CompiledModel
+from ..custom_ops.tp_all_reduce import WORKSPACE, SymmAllReduceWorkspace
+from .artifacts import CompiledModel, TensorParallel
 from .errors import CapacityError, OutOfPagesError
 from .kv_cache import CacheLayout, MLACacheManager, plan_num_pages
 from .page_allocator import PageAllocator
@@ -62,6 +64,33 @@ def rows_from_rank0(rows: torch.Tensor) -> torch.Tensor:
     with torch.inference_mode():
         dist.broadcast(rows, src=0)
     return rows
+
+
+def setup_tp_all_reduce(tp: Optional[TensorParallel], device: torch.device
+                        ) -> tuple[Optional[SymmAllReduceWorkspace], str]:
+    """The symmetric buffer of a graph whose all-reduces are `autodeploy::tp_all_reduce` (shard
+    `all_reduce: one_shot`), and a line for the report. Collective: every rank builds its runner at the
+    same point. The ranks agree on the outcome, so that either all take the one-shot path or none
+    does (a rank alone on it would wait for peers that never come)."""
+    if tp is None or tp.world_size == 1 or tp.all_reduce != "one_shot":
+        return None, tp.all_reduce if tp is not None and tp.world_size > 1 else ""
+    if device.type != "cuda":
+        return None, f"one_shot asked, {device.type} device: the collective (gloo) runs every all-reduce"
+    workspace: Optional[SymmAllReduceWorkspace] = None
+    reason = ""
+    try:
+        if not hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy"):
+            raise RuntimeError(f"torch {torch.__version__} has no symm_mem.one_shot_all_reduce_copy")
+        workspace = SymmAllReduceWorkspace(tp.group, device, tp.one_shot_max_bytes)
+    except Exception as exc:  # noqa: BLE001 - no symmetric memory here: the collective serves, and says why
+        reason = f"{type(exc).__name__}: {exc}"[:300]
+    ok = torch.tensor([1 if workspace is not None else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    if int(ok.item()) == 0:
+        why = reason or "another rank could not set up its symmetric buffer"
+        warnings.warn(f"all_reduce: one_shot: {why}; the graph's all-reduces run NCCL", stacklevel=2)
+        return None, f"one_shot asked, unavailable ({why}): NCCL runs every all-reduce"
+    return workspace, f"one_shot (symmetric memory) up to {tp.one_shot_max_bytes} B, NCCL above"
 
 
 @dataclass
@@ -111,6 +140,9 @@ class ModelRunner:
                                rt.max_num_tokens, self.seq_info.max_pages_per_seq,
                                tuple(c.spec.dtype for c in caches), tuple(c.index_topk for c in caches))
             self.sessions[name] = get_backend(name).setup(spec, (policies or {}).get(name))
+        workspace, self.tp_all_reduce = setup_tp_all_reduce(compiled.tp, self.device)
+        if workspace is not None:
+            self.sessions[WORKSPACE] = workspace
         self.piecewise: Optional[PiecewiseRunner] = None
         if compiled.split is not None:
             if compiled.split.source is not self.gm:
@@ -402,6 +434,7 @@ class ModelRunner:
             },
             "graph_inputs": self.input_names,
             "sessions": {name: s.stats() for name, s in self.sessions.items()},
+            "tp_all_reduce": self.tp_all_reduce,
             "pieces": self.piecewise.report if self.piecewise is not None else None,
             "piecewise_runner": self.piecewise.summary() if self.piecewise is not None else None,
             "warmup": self.warmup_report,

@@ -84,6 +84,8 @@ def probe_rank(rank: int, jobs: Sequence[ProbeJob]) -> dict[str, dict[str, Any]]
             "load_details": load.details if load else None,
             "layers": rep["layers"],
             "all_reduces": count_all_reduces(om.gm),
+            "all_reduce_ops": sorted({str(n.target) for n in om.gm.graph.nodes if n.meta.get("tp_collective")}),
+            "tp_all_reduce": om.runner.tp_all_reduce,
             "weights": weights,
             "skeleton": is_skeleton(om.eager_model),
             "env": {k: os.environ.get(k) for k in MULTICAST_OFF_ENV},

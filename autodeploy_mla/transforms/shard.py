@@ -21,7 +21,9 @@ Partial sums (outputs of the row-parallel matmuls) are followed through ops that
 them (views, casts, gathers, routing-weight products, the sum over top-k experts, the sum of the
 routed and shared experts) and all-reduced once where they meet a replicated value (the residual
 add): one all-reduce per attention block and one per MLP/MoE block. The all-reduce is
-`_c10d_functional.all_reduce` + `wait_tensor` on the default process group.
+`_c10d_functional.all_reduce` + `wait_tensor` on the default process group (`all_reduce: nccl`), or
+`autodeploy::tp_all_reduce` (`all_reduce: one_shot`: a one-shot sum over symmetric memory for
+messages up to `one_shot_max_bytes`, set up by the runner; the collective above that and on CPU).
 
 Weights become this rank's slices in the graph: of the real tensors (random-weight models, or
 `load: full`), or — when the model is a weightless skeleton — placeholders of the sliced shape that
@@ -49,6 +51,7 @@ from pydantic import Field, model_validator
 from torch.fx import GraphModule, Node
 
 from ..custom_ops.mla_dims import MLADims
+from ..custom_ops.tp_all_reduce import DEFAULT_ONE_SHOT_MAX_BYTES, TP_ALL_REDUCE
 from ..custom_ops.torch_mla import source_arg
 from .sparse_export import TORCH_MLA_SPARSE
 from ..models.checkpoint import ShardSpec
@@ -65,7 +68,7 @@ from .registry import PassOptions, PassResult, Stage, register_pass
 #: CUDA graphs, and name their process group by string (the graph holds no Python object).
 ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
 WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
-COLLECTIVE_OPS = frozenset({ALL_REDUCE, WAIT_TENSOR})
+COLLECTIVE_OPS = frozenset({ALL_REDUCE, WAIT_TENSOR, TP_ALL_REDUCE})
 
 
 class ShardError(ValueError):
@@ -85,6 +88,16 @@ class ShardOptions(PassOptions):
     load: Literal["slices", "full"] = Field(
         "slices",
         description="checkpoints: read only this rank's slices (safetensors), or load the full model and slice it",
+    )
+    all_reduce: Literal["nccl", "one_shot"] = Field(
+        "one_shot",
+        description="one_shot: autodeploy::tp_all_reduce, a one-shot sum over symmetric memory (NVLink peer reads) "
+        "for messages up to one_shot_max_bytes, the collective above them and wherever the runner has no "
+        "symmetric buffer (CPU, a failed set-up); nccl: functional all-reduce collectives only",
+    )
+    one_shot_max_bytes: int = Field(
+        DEFAULT_ONE_SHOT_MAX_BYTES, ge=16, multiple_of=16,
+        description="largest message (bytes) the one-shot path takes: the size of each rank's symmetric buffer",
     )
 
     @model_validator(mode="after")
@@ -118,24 +131,29 @@ def _layer_of(node: Node) -> str:
     return module_path(node)
 
 
-def insert_all_reduce(graph: torch.fx.Graph, node: Node, group_name: str) -> Node:
-    """Insert `wait_tensor(all_reduce(node, "sum", group_name))` right after `node`; returns the wait node.
+def insert_all_reduce(graph: torch.fx.Graph, node: Node, group_name: str, algorithm: str = "nccl") -> Node:
+    """Insert the sum of `node` over the ranks right after `node`; returns the node holding the sum:
+    `wait_tensor(all_reduce(node, "sum", group_name))` (nccl) or `tp_all_reduce(node, group_name)` (one_shot).
 
     The caller rewires the users it wants reduced; meta is copied from `node` (same shape/dtype)."""
-    with graph.inserting_after(node):
-        ar = graph.call_function(ALL_REDUCE, (node, "sum", group_name))
-    with graph.inserting_after(ar):
-        wt = graph.call_function(WAIT_TENSOR, (ar,))
-    for new in (ar, wt):
+    if algorithm == "one_shot":
+        with graph.inserting_after(node):
+            new_nodes = [graph.call_function(TP_ALL_REDUCE, (node, group_name))]
+    else:
+        with graph.inserting_after(node):
+            ar = graph.call_function(ALL_REDUCE, (node, "sum", group_name))
+        with graph.inserting_after(ar):
+            new_nodes = [ar, graph.call_function(WAIT_TENSOR, (ar,))]
+    for new in new_nodes:
         for key in ("nn_module_stack", "stack_trace", "val"):
             if key in node.meta:
                 new.meta[key] = node.meta[key]
         new.meta["tp_collective"] = "all_reduce"
-    return wt
+    return new_nodes[-1]
 
 
 def count_all_reduces(gm: GraphModule) -> int:
-    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target is ALL_REDUCE)
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target in (ALL_REDUCE, TP_ALL_REDUCE))
 
 
 @dataclass
@@ -500,7 +518,7 @@ def _linear_in(user: Node, partial: set[Node]) -> bool:
     return False
 
 
-def _insert_all_reduces(gm: GraphModule, sources: list[Node], group: str) -> int:
+def _insert_all_reduces(gm: GraphModule, sources: list[Node], group: str, algorithm: str) -> int:
     partial: set[Node] = set(sources)
     reduced: dict[Node, Node] = {}
     count = 0
@@ -518,7 +536,7 @@ def _insert_all_reduces(gm: GraphModule, sources: list[Node], group: str) -> int
             needs = [a for a in node.all_input_nodes if a in partial]
         for p in needs:
             if p not in reduced:
-                reduced[p] = insert_all_reduce(gm.graph, p, group)
+                reduced[p] = insert_all_reduce(gm.graph, p, group, algorithm)
                 count += 1
             node.replace_input_with(p, reduced[p])
     return count
@@ -560,18 +578,21 @@ def shard(ctx: BuildContext, opts: ShardOptions) -> PassResult:
         shape[idx] = value
         node.args = (node.args[0], shape, *node.args[2:])
     # 3. all-reduce where partial sums meet replicated values
-    n_ar = _insert_all_reduces(gm, plan.partial, world.group)
+    n_ar = _insert_all_reduces(gm, plan.partial, world.group, opts.all_reduce)
     # 4. per-node dims (the manager re-propagates shapes after the pass; cache insertion checks both agree)
     for m, dims in plan.mla_nodes:
         m.meta["mla_dims"] = dims
     ctx.artifacts.shard_specs = dict(plan.specs)
-    ctx.artifacts.tp = TensorParallel(world.world_size, world.rank, world.group, n_ar)
+    ctx.artifacts.tp = TensorParallel(world.world_size, world.rank, world.group, n_ar, opts.all_reduce,
+                                      opts.one_shot_max_bytes if opts.all_reduce == "one_shot" else 0)
     rep = plan.report
     n_att, n_mlp = len(rep["attention"]), len(rep["mlp"])
     heads = rep["attention"][0]["heads"] if rep["attention"] else "-"
     summary = (f"world {world.world_size} rank {world.rank}: {n_att} MLA layers (heads {heads}), {n_mlp} MLP/expert "
-               f"blocks split, {len(rep['replicated'])} replicated, {n_ar} all-reduces")
-    details = {"world_size": world.world_size, "rank": world.rank, "all_reduces": n_ar, "weights": weights, **rep,
+               f"blocks split, {len(rep['replicated'])} replicated, {n_ar} all-reduces"
+               + (f" (one-shot up to {opts.one_shot_max_bytes} B)" if opts.all_reduce == "one_shot" else ""))
+    details = {"world_size": world.world_size, "rank": world.rank, "all_reduces": n_ar,
+               "all_reduce": opts.all_reduce, "weights": weights, **rep,
                "rules": {t: {"dim": s.dim, "ranges": s.ranges, "rule": s.rule, "zero": s.zero}
                          for t, s in plan.specs.items()}}
     return PassResult(summary, details)
