@@ -46,7 +46,7 @@ from typing import Any, Optional
 
 import torch
 from deepseek_shape import PUBLISHED, decode_runtime, deepseek_v3_shaped, deepseek_v32_shaped, extra_tokens  # benchmarks/ is sys.path[0] as a script
-from e2e_roofline import time_prefill
+from e2e_roofline import time_decode_stream, time_prefill
 
 DEFAULT_BATCHES = (1, 8, 32, 64)
 DEFAULT_CONTEXTS = (1024, 4096)
@@ -63,8 +63,14 @@ def hf_config_of(args: argparse.Namespace) -> dict[str, Any]:
     return dict(PUBLISHED[args.model])
 
 
+def reserved_tokens(args: argparse.Namespace) -> int:
+    """Tokens a sequence grows past its context: the isolated (and profiled) steps, or the queued
+    stream (time_decode_stream reserves its steps + 3 warm-up steps + 8)."""
+    return max(extra_tokens(args, PROFILE_STEPS), args.stream + 3 + 8)
+
+
 def build_config(args: argparse.Namespace, device: str) -> dict[str, Any]:
-    runtime = decode_runtime(args, extra_tokens(args, PROFILE_STEPS))
+    runtime = decode_runtime(args, reserved_tokens(args))
     if args.prefill:  # one prompt of `prefill` tokens in one step (its pages fit in the decode reservation)
         runtime["max_num_tokens"] = max(runtime["max_num_tokens"], args.prefill)
         runtime["max_seq_len"] = max(runtime["max_seq_len"], args.prefill + args.agree + 8)
@@ -108,7 +114,7 @@ def bench_rank(rank: int, args: argparse.Namespace, device_type: str) -> dict[st
     cfg = build_config(args, device_type)
     sets = [f"model.device={device}"]
     if world > 1:
-        sets += ["transforms.shard.enabled=true"]
+        sets += ["transforms.shard.enabled=true", f"transforms.shard.all_reduce={args.all_reduce}"]
     t0 = time.perf_counter()
     om = optimize(None, cfg, overrides=sets)
     build_s = time.perf_counter() - t0
@@ -126,6 +132,7 @@ def bench_rank(rank: int, args: argparse.Namespace, device_type: str) -> dict[st
                     [*om.gm.parameters(), *om.gm.buffers()]}.values()) / 2**30
     load = next((r.details for r in om.history if r.name == "load_weights"), {})
     agree = om.generate([list(p) for p in AGREE_PROMPTS], max_new_tokens=args.agree) if args.agree else None
+    first_logits = first_token_logits(om) if args.agree else None
     prefill: dict[str, Any] = {}
     if args.prefill:
         ms = _max_over_ranks(time_prefill(om, args.prefill, reps=3)["step_ms"], world, dev)
@@ -133,7 +140,7 @@ def bench_rank(rank: int, args: argparse.Namespace, device_type: str) -> dict[st
         if rank == 0:
             print(json.dumps({"world_size": world, "prefill": prefill}), flush=True)
     rows = []
-    extra = extra_tokens(args, PROFILE_STEPS)
+    extra = reserved_tokens(args)
 
     def step_paths() -> Counter:
         """How the piecewise runner has run steps so far (decode_graph, piecewise, eager)."""
@@ -174,6 +181,14 @@ def bench_rank(rank: int, args: argparse.Namespace, device_type: str) -> dict[st
                 err = f"{type(exc).__name__}: {exc}"[:400]
             for sid in range(batch):
                 runner.allocator.free(sid)
+            stream: dict[str, float] = {}
+            if not err and args.stream > 1:  # the engine's steady state: steps queued, tokens from the device
+                try:
+                    got = time_decode_stream(om, batch, context, args.stream)
+                    if got:
+                        stream = {"stream_ms": _max_over_ranks(got["stream_ms"], world, dev)}
+                except Exception as exc:  # noqa: BLE001 - recorded like the isolated steps' errors
+                    err = f"stream: {type(exc).__name__}: {exc}"[:400]
             row: dict[str, Any] = {"world_size": world, "batch": batch, "context": context,
                                    # how the timed steps ran: decode_graph (one CUDA graph), piecewise, eager
                                    "paths": paths}
@@ -183,16 +198,52 @@ def bench_rank(rank: int, args: argparse.Namespace, device_type: str) -> dict[st
                 ts.sort()
                 med = _max_over_ranks(statistics.median(ts), world, dev)  # the slower rank decides
                 row.update({"step_ms": med, "p10_ms": ts[len(ts) // 10], "p90_ms": ts[(9 * len(ts)) // 10],
-                            "steps": len(ts), "tokens_per_s": batch / med * 1e3, **profiled})
+                            "steps": len(ts), "tokens_per_s": batch / med * 1e3, **profiled, **stream})
             rows.append(row)
             if rank == 0:
                 print(json.dumps(row), flush=True)
     mem_gb = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
     return {"world_size": world, "rows": rows, "build_s": build_s, "warmup_s": warmup_s, "shard": shard, "backends": backends,
-            "heads_per_rank": heads, "max_memory_gb": mem_gb, "weight_gb_per_rank": weight_gb,
+            "heads_per_rank": heads, "all_reduce": runner.tp_all_reduce, "max_memory_gb": mem_gb, "weight_gb_per_rank": weight_gb,
             "cache_gb_per_rank": sum(c.numel() * c.element_size() for c in runner.caches.caches.values()) / 2**30,
             "weights_made": {k: load.get(k) for k in ("source", "bytes_read", "full_model_bytes")},
-            "prefill": prefill, "agree_tokens": agree}
+            "prefill": prefill, "agree_tokens": agree, "first_logits": first_logits}
+
+
+def first_token_logits(om, top: int = 8) -> list[dict[str, Any]]:
+    """Per agreement prompt, the logits of its first new token: the `top` largest (ids, values) and
+    max |logit|. Greedy tokens of random-weight models often sit at near-ties, where any change of
+    summation order (sharded GEMMs, all-reduce) may flip them; these let the table say how close."""
+    out = []
+    for prompt in AGREE_PROMPTS:
+        row = om.runner.prefill_logits(list(prompt))[-1].float()
+        vals, ids = row.topk(top)
+        out.append({"ids": ids.tolist(), "values": vals.tolist(), "max_abs": float(row.abs().max())})
+    return out
+
+
+def agreement(ref: list[dict[str, Any]], got: list[dict[str, Any]]) -> str:
+    """First-token agreement of world size w with world size 1 from `first_token_logits`: identical
+    argmax count; the largest difference of a logit both runs rank in their top lists, relative to
+    max |logit|; where the argmax differs, the 1-GPU gap between the two tokens (relative)."""
+    same, err, gaps = 0, 0.0, []
+    for a, b in zip(ref, got):
+        same += a["ids"][0] == b["ids"][0]
+        va, vb = dict(zip(a["ids"], a["values"])), dict(zip(b["ids"], b["values"]))
+        err = max([err] + [abs(va[i] - vb[i]) / a["max_abs"] for i in va.keys() & vb.keys()])
+        if a["ids"][0] != b["ids"][0] and b["ids"][0] in va:
+            gaps.append(f"{(a['values'][0] - va[b['ids'][0]]) / a['max_abs']:.1e}")
+        elif a["ids"][0] != b["ids"][0]:
+            gaps.append(f">{(a['values'][0] - a['values'][-1]) / a['max_abs']:.1e}")
+    return (f"first token {same}/{len(ref)} identical, top-logit error {err:.1e} of max |logit|"
+            + (f", 1-GPU gap of the flipped tokens {', '.join(gaps)}" if gaps else ""))
+
+
+def is_all_reduce_kernel(name: str) -> bool:
+    """NCCL's kernels and the symmetric-memory all-reduce kernels (autodeploy::tp_all_reduce); not
+    Inductor's kernels named after the op whose input they compute."""
+    low = name.lower()
+    return "nccl" in low or ("all_reduce_kernel" in low and not low.startswith("triton_"))
 
 
 def profile_steps(step: Any, first: int, path: Path) -> dict[str, float]:
@@ -211,7 +262,7 @@ def profile_steps(step: Any, first: int, path: Path) -> dict[str, float]:
                     + avg.table(sort_by="self_cpu_time_total", row_limit=25))
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     total = sum(e.device_time for e in kernels) / 1e3 / PROFILE_STEPS  # us -> ms per step
-    nccl = sum(e.device_time for e in kernels if "nccl" in e.name.lower()) / 1e3 / PROFILE_STEPS
+    nccl = sum(e.device_time for e in kernels if is_all_reduce_kernel(e.name)) / 1e3 / PROFILE_STEPS
     return {"kernel_ms": total, "allreduce_ms": nccl, "allreduce_share": nccl / total if total else 0.0}
 
 
@@ -262,13 +313,18 @@ def render(path: Path, data: Optional[dict[str, Any]] = None) -> None:
     by = {(r["world_size"], r["context"], r["batch"]): r for r in rows}
     worlds = sorted({r["world_size"] for r in rows})
     top = max(worlds)
-    head = (["context", "batch"] + [f"{w} GPU ms" for w in worlds] + [f"speed-up {w}" for w in worlds if w > 1]
-            + [f"tokens/s ({top} GPU)", "all-reduce ms (share)", "timed steps ran as"])
+    queued = any("stream_ms" in r for r in rows)
+    head = (["context", "batch"] + [f"{w} GPU ms" for w in worlds] + ([f"queued {w} GPU ms" for w in worlds] if queued else [])
+            + [f"speed-up {w}" for w in worlds if w > 1] + ([f"queued speed-up {w}" for w in worlds if w > 1] if queued else [])
+            + [f"tokens/s ({top} GPU{', queued' if queued else ''})", "all-reduce ms (share)", "timed steps ran as"])
     lines = [f"# Tensor-parallel scaling ({data['environment'].get('gpu', 'cpu')})", "",
              f"Command: `{data['command']}`", "", model_line(data),
              "Decode step = host metadata + graph + argmax sync; median ms (several ranks: the slower rank). "
-             "Speed-up = 1 GPU / each world size. All-reduce = NCCL kernel time per step, incl. waiting on the "
-             "slower rank (profiled rows only).", "",
+             + ("Queued = steps queued as the engine queues them (overlap on, each step's tokens taken on the "
+                "device from the last step's sampled rows): GPU time per step in steady state, the inter-token "
+                "time a serving batch sees. " if queued else "")
+             + "Speed-up = 1 GPU / each world size. All-reduce = all-reduce kernel time per step (NCCL or one-shot), "
+             "incl. waiting on the slower rank (profiled rows only).", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for context in sorted({r["context"] for r in rows}):
         for batch in sorted({r["batch"] for r in rows}):
@@ -281,6 +337,12 @@ def render(path: Path, data: Optional[dict[str, Any]] = None) -> None:
                 else:
                     cells.append(r.get("error", "-")[:40])
             sps = [f"{ms[1] / ms[w]:.2f}x" if 1 in ms and w in ms else "-" for w in worlds if w > 1]
+            if queued:
+                qs = {w: by[(w, context, batch)]["stream_ms"] for w in worlds
+                      if "stream_ms" in by.get((w, context, batch), {})}
+                cells += [f"{qs[w]:.3f}" if w in qs else "-" for w in worlds]
+                sps += [f"{qs[1] / qs[w]:.2f}x" if 1 in qs and w in qs else "-" for w in worlds if w > 1]
+                ms = qs
             tps = f"{batch / ms[top] * 1e3:.0f}" if top in ms else "-"
             ar = "; ".join(f"{w}: {by[(w, context, batch)]['profiled_allreduce_ms']:.2f} "
                            f"({by[(w, context, batch)]['profiled_allreduce_share']:.0%})"
@@ -312,7 +374,11 @@ def render(path: Path, data: Optional[dict[str, Any]] = None) -> None:
                      for a, b in zip(ref, info["agree_tokens"])]
             agree = (f"; greedy tokens vs 1 GPU: {same}/{len(ref)} prompts identical"
                      + (f" (first difference at new token {[f for f in first if f is not None]})" if same < len(ref) else ""))
-        lines.append(f"- {w} rank(s): backends {info['backends']}, heads/rank {info['heads_per_rank']}, "
+            ref_logits = worlds_info.get(1, {}).get("first_logits")
+            if ref_logits and info.get("first_logits"):
+                agree += f" ({agreement(ref_logits, info['first_logits'])})"
+        ar_line = f", all-reduce {info['all_reduce']}" if info.get("all_reduce") else ""
+        lines.append(f"- {w} rank(s): backends {info['backends']}, heads/rank {info['heads_per_rank']}{ar_line}, "
                      f"build {info['build_s']:.1f}s + warm-up {info.get('warmup_s', 0):.0f}s, weights {info.get('weight_gb_per_rank', 0):.1f} GiB/rank, "
                      f"cache {info.get('cache_gb_per_rank', 0):.1f} GiB/rank, peak memory {mem}{src}{agree}; "
                      f"{info['shard'] or 'no sharding'}")
@@ -332,10 +398,11 @@ def render(path: Path, data: Optional[dict[str, Any]] = None) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     for w in worlds:
         for context in sorted({r["context"] for r in rows}):
-            pts = sorted((r["batch"], r["step_ms"]) for r in rows
-                         if r["world_size"] == w and r["context"] == context and "step_ms" in r)
-            if pts:
-                ax.plot(*zip(*pts), marker="o", label=f"{w} GPU, context {context}")
+            for key, style, what in (("step_ms", "-", ""), ("stream_ms", "--", ", queued")):
+                pts = sorted((r["batch"], r[key]) for r in rows
+                             if r["world_size"] == w and r["context"] == context and key in r)
+                if pts:
+                    ax.plot(*zip(*pts), style, marker="o", label=f"{w} GPU, context {context}{what}")
     ax.set_xlabel("batch (sequences per decode step)")
     ax.set_ylabel("decode step latency (ms)")
     ax.set_xscale("log", base=2)
@@ -362,6 +429,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--prefill", type=int, default=0, help="also time one prefill of this many tokens per world size")
     ap.add_argument("--agree", type=int, default=0, help="greedy tokens of 4 prompts x this many, compared with 1 GPU")
     ap.add_argument("--backend", default="auto")
+    ap.add_argument("--all-reduce", default="nccl", choices=["nccl", "one_shot"],
+                    help="transforms.shard.all_reduce for world sizes > 1")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=7168)
     ap.add_argument("--heads", type=int, default=128)
@@ -377,6 +446,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--vocab", type=int, default=32768)
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--stream", type=int, default=12, help="also time this many decode steps queued as the engine "
+                    "queues them (e2e_roofline.time_decode_stream: overlap on, tokens from the device); 0: off")
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--no-cuda-graphs", action="store_true", help="piecewise pieces run eagerly")
     ap.add_argument("--profile", type=lambda s: [int(x) for x in s.split(",")], metavar="CONTEXT,BATCH",
