@@ -78,11 +78,13 @@ def collective_all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
 def tp_all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
     """Sum of `x` over the ranks of `group_name` (a new tensor; `x` is not changed)."""
     ws: Optional[SymmAllReduceWorkspace] = active_session(WORKSPACE)  # type: ignore[assignment]
-    if ws is not None and ws.accepts(x, group_name):
+    x = x.contiguous()
+    # The kernel reads x and the buffer with the same vector width: x must be as aligned (16 B) as the
+    # buffer (a view into a larger tensor may not be); otherwise the collective serves this call.
+    if ws is not None and ws.accepts(x, group_name) and x.data_ptr() % 16 == 0:
         ws.calls += 1
-        x = x.contiguous()
         return torch.ops.symm_mem.one_shot_all_reduce_copy(ws.view_for(x), x, "sum", group_name)
-    return collective_all_reduce(x.contiguous(), group_name)
+    return collective_all_reduce(x, group_name)
 
 
 @tp_all_reduce.register_fake

@@ -8,7 +8,7 @@ pass, runtime file or caller has to agree with another on a positional order.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Literal, Optional
 
 import torch
 
@@ -89,7 +89,7 @@ class TensorParallel:
     all_reduces: int = 0
     #: how the graph's all-reduces run: "nccl" (functional collectives) or "one_shot"
     #: (autodeploy::tp_all_reduce: symmetric memory up to one_shot_max_bytes, the collective above)
-    all_reduce: str = "nccl"
+    all_reduce: Literal["nccl", "one_shot"] = "nccl"
     one_shot_max_bytes: int = 0
 
 
