@@ -64,6 +64,65 @@ def test_triton_and_reference_equal_the_loop(shape, transposed):
     assert torch.allclose(dense.double(), ref, atol=1e-5, rtol=1e-5)
 
 
+class _ChunkOf16(MoEConfig):
+    """A launch config whose layout chunks hold 16 pairs: several chunks at test sizes."""
+
+    def align_chunk(self, e_p2: int) -> int:
+        return 16
+
+
+def _layout_reference(ids: list[int], e: int, bm: int, max_blocks: int) -> tuple[list[int], list[int]]:
+    n = len(ids)
+    sorted_pairs, block_expert = [], [-1] * max_blocks
+    for ex in range(e):
+        pairs = [p for p, x in enumerate(ids) if x == ex]
+        if not pairs:
+            continue
+        b0 = len(sorted_pairs) // bm
+        sorted_pairs += pairs + [n] * (-len(pairs) % bm)
+        block_expert[b0:len(sorted_pairs) // bm] = [ex] * (len(sorted_pairs) // bm - b0)
+    return sorted_pairs + [n] * (max_blocks * bm - len(sorted_pairs)), block_expert
+
+
+@pytest.mark.parametrize("n, e, bm, chunked", [(6, 64, 16, False), (256, 64, 16, False), (70, 6, 16, True),
+                                                (45, 5, 32, True), (1, 3, 16, False)])
+def test_expert_layout_equals_the_reference(n, e, bm, chunked):
+    """Pairs in expert order (pair order within an expert), padding slots and trailing blocks hold n,
+    each block names its expert: for one and several layout chunks, more blocks than chunks (decode:
+    the padding blocks are spread over one program per block), blocks of 16 and 32."""
+    from autodeploy_mla.custom_ops.moe.ops import expert_layout
+
+    ids = torch.randint(0, e, (n,), generator=torch.Generator().manual_seed(n + e))
+    kw = dict(block_m=bm, up_n=16, up_k=16, down_n=16, down_k=16, num_warps=1, num_stages=1)
+    cfg = _ChunkOf16(**kw) if chunked else MoEConfig(**kw)
+    sorted_pairs, block_expert = expert_layout(ids, e, cfg)
+    want_pairs, want_blocks = _layout_reference(ids.tolist(), e, bm, block_expert.shape[0])
+    assert sorted_pairs.tolist() == want_pairs
+    assert block_expert.tolist() == want_blocks
+
+
+_LAYOUT_COMPILE_CHECK = """
+from autodeploy_mla.custom_ops.moe import kernels as K
+sig = {"IDS": "*i64", "PARTIAL": "*i32", "n_pairs": "i32", "E_P2": "constexpr", "CHUNK": "constexpr"}
+compile_sm90(K.count_kernel, sig, {"E_P2": 64, "CHUNK": 128})
+sig = {"IDS": "*i64", "PARTIAL": "*i32", "SORTED": "*i32", "BLOCK_EXPERT": "*i32", "n_pairs": "i32",
+       "num_chunks": "i32", "max_blocks": "i32", "E_P2": "constexpr", "BLOCK_M": "constexpr", "CHUNK": "constexpr",
+       "ROWS": "constexpr"}
+compile_sm90(K.place_kernel, sig, {"E_P2": 64, "BLOCK_M": 16, "CHUNK": 128, "ROWS": 64})
+print("compiled")
+"""
+
+
+def test_layout_kernels_compile_for_sm90_without_a_gpu(tmp_path):
+    """The expert-layout kernels through Triton's compiler to SM90 cubins (the interpreter never compiles)."""
+    from autodeploy_mla.testing.sm90_compile import run_sm90_compile_check, sm90_backend_missing
+
+    if why := sm90_backend_missing():
+        pytest.skip(why)
+    out = run_sm90_compile_check(_LAYOUT_COMPILE_CHECK, tmp_path)
+    assert out.returncode == 0 and "compiled" in out.stdout, out.stderr[-3000:]
+
+
 def test_triton_is_deterministic_and_block_sizes_agree():
     x, ids, w, w_up, w_down = _inputs(40, 3, 6, 16, 16, seed=5)
     a = fused_moe(x, ids, w, w_up, w_down)

@@ -193,45 +193,32 @@ def test_gate_folded_kernel_equals_the_reference(case):
 
 
 _COMPILE_CHECK = """
-import sys, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from autodeploy_mla.custom_ops.moe import route_kernel as RK
-assert isinstance(RK.route_kernel, triton.runtime.jit.JITFunction)
-target = GPUTarget("cuda", 90, 32)
 from autodeploy_mla.custom_ops.moe.routing import RoutingSpec, kernel_constants
+assert isinstance(RK.route_kernel, triton.runtime.jit.JITFunction)
 # one small compile per kernel, with the launchers' own constants: grouped bf16 routing in row blocks, and the
 # folded gate GEMM (the paths, not the sizes)
 consts = kernel_constants(RoutingSpec(4, 4, 2, "sigmoid", "top2sum", float("-inf"), "scores", True, 2.5), 32, True)
 sig = {"LOGITS": "*bf16", "BIAS": "*fp32", "W": "*bf16", "IDS": "*i64", "T": "i32", "stride_t": "i32",
        "scale": "fp32", **{k: "constexpr" for k in consts}, "BLOCK_T": "constexpr"}
-k = triton.compile(ASTSource(RK.route_kernel, sig, constexprs={**consts, "BLOCK_T": 2}), target=target)
-assert "cubin" in k.asm
+compile_sm90(RK.route_kernel, sig, {**consts, "BLOCK_T": 2})
 consts = kernel_constants(RoutingSpec(2, 1, 1, "softmax", "top2sum", 0.0, "choice", False, 1.0), 16, False)
 sig = {"X": "*bf16", "GATE": "*bf16", "BIAS": "*fp32", "W": "*fp32", "IDS": "*i64", "T": "i32", "H": "i32",
        "stride_x": "i32", "stride_g": "i32", "scale": "fp32", **{k: "constexpr" for k in consts},
        "BLOCK_H": "constexpr"}
-k = triton.compile(ASTSource(RK.gate_route_kernel, sig, constexprs={**consts, "BLOCK_H": 32}), target=target)
-assert "cubin" in k.asm
+compile_sm90(RK.gate_route_kernel, sig, {**consts, "BLOCK_H": 32})
 print("compiled")
 """
 
 
 def test_kernels_compile_for_sm90_without_a_gpu(tmp_path):
     """The interpreter runs Python, not Triton's compiler: compile both kernels to SM90 cubins (front end
-    through ptxas; no GPU needed), so a construction only the compiler rejects fails on CPU too. In a
-    fresh process: this session's @triton.jit functions are the interpreter's."""
-    import os
-    import subprocess
-    import sys
+    through ptxas; no GPU needed), so a construction only the compiler rejects fails on CPU too."""
+    from autodeploy_mla.testing.sm90_compile import run_sm90_compile_check, sm90_backend_missing
 
-    try:
-        import triton.backends.nvidia.compiler as nvidia  # the CUDA backend (and its ptxas) must be installed
-    except Exception as exc:  # noqa: BLE001
-        pytest.skip(f"triton's CUDA backend is not importable here: {exc}")
-    assert nvidia.CUDABackend is not None
-    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path)}
-    out = subprocess.run([sys.executable, "-c", _COMPILE_CHECK], env=env, capture_output=True, text=True, timeout=600)
+    if why := sm90_backend_missing():
+        pytest.skip(why)
+    out = run_sm90_compile_check(_COMPILE_CHECK, tmp_path)
     assert out.returncode == 0 and "compiled" in out.stdout, out.stderr[-3000:]
 
 

@@ -49,8 +49,11 @@ def place_kernel(
     n_pairs, num_chunks, max_blocks,
     E_P2: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, ROWS: tl.constexpr,
 ):
-    """Program c places chunk c's pairs, and writes its share of the padding slots and block table."""
+    """Program c < num_chunks places chunk c's pairs; every program writes its share of the padding
+    slots and the block table (blocks c, c + programs, ...). Launched with about one program per block:
+    one program walking all blocks was the kernel's time (13 us for 80 blocks at 64 tokens x top-4)."""
     c = tl.program_id(0)
+    n_prog = tl.num_programs(0)
     offs_e = tl.arange(0, E_P2)
     counts = tl.zeros([E_P2], dtype=tl.int32)
     before = tl.zeros([E_P2], dtype=tl.int32)  # pairs of chunks < c per expert
@@ -65,6 +68,7 @@ def place_kernel(
     total = tl.sum(padded, axis=0)
 
     # this chunk's pairs: slot = expert start + pairs of that expert in earlier chunks + rank here
+    # (programs past the last chunk find no pairs: every load is masked off)
     i = c * CHUNK + tl.arange(0, CHUNK)
     e = tl.load(IDS + i, mask=i < n_pairs, other=-1).to(tl.int32)
     onehot = (e[:, None] == offs_e[None, :]).to(tl.int32)
@@ -74,9 +78,9 @@ def place_kernel(
     tl.store(SORTED + slot, i, mask=ok)
 
     # padding slots (past each expert's pairs, and past the last block) get the sentinel n_pairs;
-    # program c covers blocks c, c + num_chunks, ... (disjoint from every pair's slot)
+    # program c covers blocks c, c + n_prog, ... (disjoint from every pair's slot)
     fill_end = starts + counts
-    for b in range(c, max_blocks, num_chunks):
+    for b in range(c, max_blocks, n_prog):
         s = b * BLOCK_M + tl.arange(0, BLOCK_M)
         inside = (s[:, None] >= starts[None, :]) & (s[:, None] < ends[None, :])
         pad = tl.sum((inside & (s[:, None] >= fill_end[None, :])).to(tl.int32), axis=1) > 0

@@ -100,19 +100,10 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
         return x.new_zeros(t, h)
     cfg = config or moe_config(n, e, h, i, x.dtype, x.device.type == "cuda" and not interpreting())
     bm = cfg.block_m
-    e_p2 = pow2(e, lo=2)
-    chunk = cfg.align_chunk(e_p2)
-    num_chunks = -(-n // chunk)
-    max_blocks = -(-n // bm) + min(e, n)
     dev = x.device
-    ids = topk_ids.reshape(-1)
     wts = topk_weights.reshape(-1)
-    partial = torch.empty(num_chunks, e_p2, dtype=torch.int32, device=dev)
-    sorted_pairs = torch.empty(max_blocks * bm, dtype=torch.int32, device=dev)
-    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
-    K.count_kernel[(num_chunks,)](ids, partial, n, E_P2=e_p2, CHUNK=chunk)
-    K.place_kernel[(num_chunks,)](ids, partial, sorted_pairs, block_expert, n, num_chunks, max_blocks,
-                                  E_P2=e_p2, BLOCK_M=bm, CHUNK=chunk, ROWS=cfg.align_rows(e_p2))
+    sorted_pairs, block_expert = expert_layout(topk_ids.reshape(-1), e, cfg)
+    max_blocks = block_expert.shape[0]
     prec = dot_precision(x.dtype)
     inter = torch.empty(max_blocks * bm, i, dtype=x.dtype, device=dev)
     if cfg.sorted_tma and sorted_tma_ok(x, w_up, w_down):
@@ -131,6 +122,27 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
         BLOCK_M=bm, BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k, DOT_PREC=prec,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return _sum_over_topk(pair_out, t, k, h)
+
+
+def expert_layout(ids: torch.Tensor, num_experts: int, cfg: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (token, k) pairs of `ids` ([n] expert ids) in expert order, in row blocks of cfg.block_m:
+    (sorted_pairs [max_blocks * block_m]: a pair index per slot, n in padding slots; block_expert
+    [max_blocks]: each block's expert, -1 past the last). Two kernels, static grids, no host sync:
+    per-chunk expert counts, then every program sums them and places its chunk's pairs and its
+    share of the padding blocks."""
+    n, bm = ids.shape[0], cfg.block_m
+    e_p2 = pow2(num_experts, lo=2)
+    chunk = cfg.align_chunk(e_p2)
+    num_chunks = -(-n // chunk)
+    max_blocks = -(-n // bm) + min(num_experts, n)
+    partial = torch.empty(num_chunks, e_p2, dtype=torch.int32, device=ids.device)
+    sorted_pairs = torch.empty(max_blocks * bm, dtype=torch.int32, device=ids.device)
+    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=ids.device)
+    K.count_kernel[(num_chunks,)](ids, partial, n, E_P2=e_p2, CHUNK=chunk)
+    K.place_kernel[(max(num_chunks, max_blocks),)](ids, partial, sorted_pairs, block_expert, n, num_chunks,
+                                                   max_blocks, E_P2=e_p2, BLOCK_M=bm, CHUNK=chunk,
+                                                   ROWS=cfg.align_rows(e_p2))
+    return sorted_pairs, block_expert
 
 
 def _sum_over_topk(pair_out: torch.Tensor, t: int, k: int, h: int) -> torch.Tensor:
