@@ -39,6 +39,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from plotting import pyplot  # benchmarks/ is sys.path[0] as a script
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
@@ -253,13 +255,8 @@ def render(path: Path) -> None:
     lines += ["", f"![plot]({path.with_suffix('.png').name})"]
     path.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot")
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(7, 4.5))
     worlds = sorted({r["world_size"] for r in rows})
@@ -271,7 +268,9 @@ def render(path: Path) -> None:
                 ax.plot(*zip(*pts), marker="o", color=f"C{i}", linestyle=("-", "--", ":", "-.")[j % 4],
                         label=f"{v}, {w} GPUs")
     ax.set_xscale("log", base=2)
-    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda b, _: f"{b / 1024:g} KiB"))
+    from matplotlib.ticker import FuncFormatter
+
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda b, _: f"{b / 1024:g} KiB"))
     ax.set_yscale("log")
     ax.set_xlabel("message bytes per rank")
     ax.set_ylabel("µs per all-reduce (CUDA graph)")

@@ -47,6 +47,7 @@ from typing import Any, Optional
 import torch
 from deepseek_shape import PUBLISHED, decode_runtime, deepseek_v3_shaped, deepseek_v32_shaped, extra_tokens  # benchmarks/ is sys.path[0] as a script
 from e2e_roofline import time_decode_stream, time_prefill
+from plotting import pyplot
 
 DEFAULT_BATCHES = (1, 8, 32, 64)
 DEFAULT_CONTEXTS = (1024, 4096)
@@ -387,13 +388,8 @@ def render(path: Path, data: Optional[dict[str, Any]] = None) -> None:
     md = path.with_suffix(".md")
     md.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot")
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(7, 4))
     for w in worlds:
