@@ -71,7 +71,9 @@ def setup_tp_all_reduce(tp: Optional[TensorParallel], device: torch.device
     """The symmetric buffer of a graph whose all-reduces are `autodeploy::tp_all_reduce` (shard
     `all_reduce: one_shot`), and a line for the report. Collective: every rank builds its runner at the
     same point. The ranks agree on the outcome, so that either all take the one-shot path or none
-    does (a rank alone on it would wait for peers that never come)."""
+    does (a rank alone on it would wait for peers that never come). A rank that fails before the
+    rendezvous leaves the others waiting in it; ranks share the torch build and the driver, so a
+    failure (no symmetric-memory support) is expected on all of them alike."""
     if tp is None or tp.world_size == 1 or tp.all_reduce != "one_shot":
         return None, tp.all_reduce if tp is not None and tp.world_size > 1 else ""
     if device.type != "cuda":
