@@ -68,10 +68,15 @@ class SymmAllReduceWorkspace(BackendSession):
                 "world_size": self.world_size, "one_shot_calls": self.calls}
 
 
+#: The functional collectives (`all_reduce: nccl` graphs hold them; the op's fallback runs them): ATen-style
+#: ops with fake kernels, gloo on CPU and NCCL on GPU, capturable in CUDA graphs, naming their group by string.
+ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
+WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
+
+
 def collective_all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
-    """The functional collective (NCCL on CUDA, gloo on CPU) the graph held before this op."""
-    f = torch.ops._c10d_functional
-    return f.wait_tensor.default(f.all_reduce.default(x, "sum", group_name))
+    """The functional collective (NCCL on CUDA, gloo on CPU)."""
+    return WAIT_TENSOR(ALL_REDUCE(x, "sum", group_name))
 
 
 @torch.library.custom_op("autodeploy::tp_all_reduce", mutates_args=())
@@ -94,5 +99,5 @@ def _tp_all_reduce_fake(x: torch.Tensor, group_name: str) -> torch.Tensor:
 
 TP_ALL_REDUCE = torch.ops.autodeploy.tp_all_reduce.default
 
-__all__ = ["TP_ALL_REDUCE", "WORKSPACE", "DEFAULT_ONE_SHOT_MAX_BYTES", "SymmAllReduceWorkspace", "tp_all_reduce",
+__all__ = ["ALL_REDUCE", "WAIT_TENSOR", "TP_ALL_REDUCE", "WORKSPACE", "DEFAULT_ONE_SHOT_MAX_BYTES", "SymmAllReduceWorkspace", "tp_all_reduce",
            "collective_all_reduce"]

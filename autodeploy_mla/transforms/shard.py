@@ -51,7 +51,7 @@ from pydantic import Field, model_validator
 from torch.fx import GraphModule, Node
 
 from ..custom_ops.mla_dims import MLADims
-from ..custom_ops.tp_all_reduce import DEFAULT_ONE_SHOT_MAX_BYTES, TP_ALL_REDUCE
+from ..custom_ops.tp_all_reduce import ALL_REDUCE, DEFAULT_ONE_SHOT_MAX_BYTES, TP_ALL_REDUCE, WAIT_TENSOR
 from ..custom_ops.torch_mla import source_arg
 from .sparse_export import TORCH_MLA_SPARSE
 from ..models.checkpoint import ShardSpec
@@ -63,11 +63,8 @@ from .fx_utils import shape as _shape
 from .fx_utils import skip as _skip
 from .registry import PassOptions, PassResult, Stage, register_pass
 
-#: The collectives the sharded graph holds: functional all-reduce + wait. They are ordinary
-#: ATen-style ops with fake kernels, run under gloo on CPU and NCCL on GPU, can be captured in
-#: CUDA graphs, and name their process group by string (the graph holds no Python object).
-ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
-WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
+#: The collectives the sharded graph may hold (custom_ops/tp_all_reduce.py): the one-shot op, or the
+#: functional all-reduce + wait; all name their process group by string (the graph holds no Python object).
 COLLECTIVE_OPS = frozenset({ALL_REDUCE, WAIT_TENSOR, TP_ALL_REDUCE})
 
 
