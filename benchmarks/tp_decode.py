@@ -6,8 +6,8 @@ DeepSeek Sparse Attention, 64 index heads x 128, `--index-topk` 2048), `v3_shape
 dims N 128, q_lora 1536, R 512, Dr 64, Dn 128, Dv 128, hidden 7168, a few layers with fewer/smaller
 routed experts; the model of benchmarks/e2e_decode.py), or a published config: `v2_lite`
 (DeepSeek-V2-Lite, 15.7 B), `glm_4_7_flash` (GLM-4.7-Flash, 29.9 B, N 20, Dn 192 != Dv 256),
-`deepseek_v2` (DeepSeek-V2, 236 B: needs 8 H200s). Random bf16 weights with `model.init: hashed`
-(default): every rank builds a weightless skeleton and generates only its own slices, so no rank
+`deepseek_v2` (DeepSeek-V2, 236 B: 4 or more H200s, 112 GiB of weights per rank at 4). Random bf16
+weights with `model.init: hashed` (default): every rank builds a weightless skeleton and generates only its own slices, so no rank
 ever holds the full model. With W ranks every rank holds N/W heads, 1/W of every MLP/expert, the
 full latent cache, and runs one all-reduce per attention block and one per MLP/MoE block.
 
