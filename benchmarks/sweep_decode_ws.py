@@ -1,12 +1,16 @@
-"""Heads-on-N decode core with its whole-tile loop warp-specialised (Triton's SM90 autoWS), against the
-default config and FlashInfer (issue 14 item 2: more KV bytes in flight at small N).
+"""Heads-on-N decode core: launch-config variants against the default config and FlashInfer (issue 14
+item 2: more KV bytes in flight at small N).
 
-For each dim set and (batch, kv) it runs the default `decode_config` and variants that set
-`AbsorbedConfig.warp_spec` (with 4/8 warps, 2/3 stages), checks each variant's latent against the
-default's (max |diff| / max |ref|), and times the core as a CUDA-graph replay (L2 flushed). Writes
-<out>/decode_ws.json and prints a table.
+Variants replace fields of the default `decode_config`: Triton's automatic warp specialisation
+(`warp_spec`, 2026-11-25: docs/benchmarks/decode_ws.md), and page ids loaded a window at a time ahead
+of the tiles (`page_window`) with deeper pipelines (`num_stages`, `block_n`; 2026-11-26:
+docs/benchmarks/decode_pipeline.md). For each dim set and (batch, kv) it runs the default and each
+variant, checks each variant's latent against the default's (max |diff| / max |ref|), and times the
+core as a CUDA-graph replay (L2 flushed). Writes <out>/<--json> and prints a table.
 
-    python benchmarks/sweep_decode_ws.py --out /tmp/ws
+    python benchmarks/sweep_decode_ws.py --out /tmp/ws --variants default,ws_w4_s2
+    python benchmarks/sweep_decode_ws.py --out /tmp/pipe --json decode_pipeline.json \\
+        --variants default,pw_n64_s2,pw_n32_s3,pw_n32_s4,pw_n32_s5
 """
 
 from __future__ import annotations
@@ -28,15 +32,25 @@ from bench_mla_kernels import DIMS, Case, FlashInferDecode, decode_core_triton, 
 from autodeploy_mla.custom_ops.triton_mla import tuning  # noqa: E402
 
 SHAPES = {
-    "deepseek_v3_tp8_n16": [(64, 1024), (64, 4096), (128, 8192)],
+    "deepseek_v3_tp8_n16": [(8, 4096), (64, 1024), (64, 4096), (128, 8192)],
     "glm_4_7_flash_n20": [(64, 1024), (64, 4096), (128, 8192)],
     "mistral_small_4_n32": [(64, 4096), (128, 8192)],
-    "deepseek_v3_n128": [(32, 8192), (128, 8192)],
+    "deepseek_v3_n128": [(8, 4096), (32, 8192), (128, 8192)],
 }
-VARIANTS = {  # name: (warp_spec, num_warps, num_stages); None = the default config
+#: name: fields of AbsorbedConfig replaced in the default config (None = the default itself)
+VARIANTS: dict[str, dict | None] = {
     "default": None,
-    "ws_w4_s2": (True, 4, 2),
-    "ws_w4_s3": (True, 4, 3),
+    "ws_w4_s2": dict(warp_spec=True, num_warps=4, num_stages=2),
+    "ws_w4_s3": dict(warp_spec=True, num_warps=4, num_stages=3),
+    # page ids a 64-page window at a time: Triton keeps num_stages (BLOCK_N 64) or num_stages - 1
+    # (BLOCK_N 32) KV tiles in shared memory (sm_90a TTGIR; with the id loaded per tile: 1-2)
+    "pw_n64_s2": dict(page_window=64, block_n=64, num_stages=2),
+    "pw_n64_s3": dict(page_window=64, block_n=64, num_stages=3),
+    "pw_n64_s4": dict(page_window=64, block_n=64, num_stages=4),
+    "pw_n32_s3": dict(page_window=64, block_n=32, num_stages=3),
+    "pw_n32_s4": dict(page_window=64, block_n=32, num_stages=4),
+    "pw_n32_s5": dict(page_window=64, block_n=32, num_stages=5),
+    "pw_n32_s4_w8": dict(page_window=64, block_n=32, num_stages=4, num_warps=8),
 }
 
 
@@ -46,6 +60,7 @@ def main() -> None:
     ap.add_argument("--dims", default=",".join(SHAPES))
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--rep-ms", type=float, default=20)
+    ap.add_argument("--json", default="decode_ws.json", help="file name of the results under --out")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     dev = torch.device("cuda")
@@ -60,7 +75,7 @@ def main() -> None:
             ref = None
             for vname in args.variants.split(","):
                 v = VARIANTS[vname]
-                cfg = base if v is None else dataclasses.replace(base, warp_spec=v[0], num_warps=v[1], num_stages=v[2])
+                cfg = base if v is None else dataclasses.replace(base, **v)
                 try:
                     run, q_abs, latent, splits = decode_core_triton(case, cfg)
                     run()
@@ -90,7 +105,7 @@ def main() -> None:
                                 if "us" in v else v["error"][:80]) for n, v in row["variants"].items()]
             print(f"{dname} B{b} kv{kv}: FI {row.get('flashinfer_us', float('nan')):.1f}us | " + " | ".join(cells),
                   flush=True)
-            (args.out / "decode_ws.json").write_text(json.dumps({"command": "python " + " ".join(sys.argv),
+            (args.out / args.json).write_text(json.dumps({"command": "python " + " ".join(sys.argv),
                                                                  "rows": rows}, indent=1))
             del case
 

@@ -253,6 +253,66 @@ def test_heads_on_n_tiles_pages_and_splits(heads_on_n_blocks, page_size, splits)
     assert (max(heads_on_n_blocks) == 1) if splits == 1 else (max(heads_on_n_blocks) > 1)
 
 
+@pytest.mark.parametrize("page_window", [1, 2])
+@pytest.mark.parametrize("page_size", [16, 32])
+@pytest.mark.parametrize("splits", [0, 3])
+def test_heads_on_n_page_windows(monkeypatch, page_window, page_size, splits):
+    """Page ids loaded a window at a time ahead of the whole tiles (AbsorbedConfig.page_window): windows
+    of 1 and 2 pages over histories of up to 5 pages, split chunks that start mid-page (pages of 32 =
+    two 16-token tiles), and the masked tail after the windows."""
+    cfg = tuning.AbsorbedConfig(16, 1, 16, 4, 2, heads_on_n=True, tma=True, page_window=page_window)
+    monkeypatch.setattr(top, "decode_config", lambda d, dt, *a: cfg)
+    seen = _record_splits(monkeypatch)
+    sch = [{0: 40, 1: 23}] + [{0: 1, 1: 1}] * 3 + [{0: 1, 1: 1, 2: 37}, {0: 1, 1: 1, 2: 1}]
+    res = scenario(MLADims(20, 16, 8, 24, 32), sch, splits=splits, page_size=page_size, seed=page_size + splits)
+    assert res.max_rel_error() < 1e-5
+    assert max(seen) > 1
+
+
+_HEADS_ON_N_COMPILE_CHECK = """
+import inspect, re
+from autodeploy_mla.custom_ops.triton_mla import kernels as K
+fn = K.absorbed_attn_heads_on_n_kernel
+consts = dict(N=16, R=512, DR=64, PAGE_SIZE=64, NUM_HB=1, BLOCK_H=16, BLOCK_Q=1, BLOCK_C=256, BLOCK_DR=64,
+              SPLIT=True, DOT_PREC="tf32", SCALED=False, USE_TMA=True, F16=False, B_CAP=0, B_PAD=1, WS=False)
+ptr = {"PAGE_TABLE": "*i32", "CU_SEQLEN": "*i32", "INPUT_POS": "*i32", "SEQ_LEN": "*i32", "PART_ACC": "*fp32",
+       "PART_LSE": "*fp32"}
+for block_n, stages, pages in ((64, 2, 0), (32, 4, 64)):
+    c = {**consts, "BLOCK_N": block_n, "PAGES": pages}
+    sig = {}
+    for p in inspect.signature(fn.fn).parameters:
+        if p in c:
+            sig[p] = "constexpr"
+        elif p == "KV_DESC":
+            sig[p] = f"tensordesc<bf16[{block_n}, 256]>"
+        elif p == "KPE_DESC":
+            sig[p] = f"tensordesc<bf16[{block_n}, 64]>"
+        elif p.isupper():
+            sig[p] = ptr.get(p, "*bf16")
+        else:
+            sig[p] = "fp32" if p.endswith("scale") else "i32"
+    k = triton.compile(ASTSource(fn, sig, constexprs=c), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": 4, "num_stages": stages})
+    bufs = max(int(m) for m in re.findall(r"memdesc<(\\d+)x" + str(block_n) + r"x256xbf16", k.asm["ttgir"]))
+    print(block_n, stages, pages, "kv buffers", bufs, "shared", k.metadata.shared)
+"""
+
+
+def test_heads_on_n_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
+    """The heads-on-N decode kernel (TMA tiles; page ids per tile and in windows) through Triton's
+    compiler to SM90 (the interpreter never compiles). With the page ids in windows the pipeliner keeps
+    num_stages - 1 tiles of 32 in shared memory (with the id loaded in the loop: one)."""
+    from autodeploy_mla.testing.sm90_compile import run_sm90_compile_check, sm90_backend_missing
+
+    if why := sm90_backend_missing():
+        pytest.skip(why)
+    res = run_sm90_compile_check(_HEADS_ON_N_COMPILE_CHECK, tmp_path / "triton_cache")
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = [ln.split() for ln in res.stdout.splitlines() if "kv buffers" in ln]
+    assert [ln[:3] for ln in lines] == [["64", "2", "0"], ["32", "4", "64"]], res.stdout
+    assert int(lines[1][5]) == 3, res.stdout  # windows: 3 tiles in flight at 4 stages
+
+
 def test_heads_on_n_fp8_cache_fp16_products():
     """bf16 activations on an e4m3 cache: the kernel runs its products in fp16 (F16) and stays within
     bf16 rounding of the oracle that reads the same e4m3 values."""

@@ -381,7 +381,8 @@ def _plan_absorbed(call: _Call, cfg, dims: MLADims, q_dtype: torch.dtype, mla_ca
         tma_ok = (cfg.tma and dev.type == "cuda" and page_size % cfg.block_n == 0
                   and torch.cuda.get_device_capability(dev) >= (9, 0))
         meta.update(BLOCK_C=block_c, F16=is_fp8(mla_cache.dtype) and q_dtype == torch.bfloat16,
-                    WS=cfg.warp_spec and dev.type == "cuda" and not interpreting())
+                    WS=cfg.warp_spec and dev.type == "cuda" and not interpreting(),
+                    PAGES=cfg.page_window if page_size % cfg.block_n == 0 else 0)
     else:
         kernel = K.absorbed_attn_kernel
         meta.update(BLOCK_R=pow2(r), FP8_DOT=fp8_dot, EXACT_CAST=interpreting())
