@@ -12,7 +12,7 @@ top-4, H 2048) and DeepSeek-V3 (256 x 2048, top-8, H 7168), and T tokens in {1, 
 Each is checked against an fp32 computation of the same bf16 inputs first. Floor: max(bytes read
 (touched experts' weights + tokens) / measured copy bandwidth, FLOPs / measured bf16 peak).
 
-    python benchmarks/bench_moe.py --out /tmp/moe [--sweep]
+    python benchmarks/bench_moe.py --out /tmp/moe [--sweep] [--grouped-mm]
     python benchmarks/bench_moe.py --render docs/benchmarks/moe.json
 """
 
@@ -108,7 +108,45 @@ def reference(x, ids, w, w_up, w_down) -> torch.Tensor:
     return out
 
 
-def bench_shape(name: str, tokens: list[int], sweep: bool, peaks: dict[str, float]) -> list[dict[str, Any]]:
+def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    fn = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
+    return fn(a, b, offs=offs)
+
+
+def grouped_mm_candidates(x, ids, w, w_up, w_down) -> list[tuple[str, Callable]]:
+    """torch's grouped GEMM (CUTLASS on SM90) for the expert products, to compare with the Triton
+    kernels (issue 13 prefill): `torch_grouped_mm` = the whole computation in torch ops (rows sorted by
+    expert with a stable argsort, per-expert row offsets without padding, two grouped GEMMs with
+    silu(gate) * up between them, weights, scatter back, sum over top-k); `grouped_mm_gemms` = only the
+    two grouped GEMMs and the activation, on rows already in expert order (the part a Triton layout +
+    gather would feed)."""
+    t, k = ids.shape
+    e, i = w_up.shape[0], w_down.shape[2]
+    w_up_t, w_down_t = w_up.transpose(-2, -1), w_down.transpose(-2, -1)
+
+    def layout():
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.zeros(e, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
+        return order, counts.cumsum(0).to(torch.int32)
+
+    def act_gemms(xs, offs):
+        hid = _grouped_mm(xs, w_up_t, offs)
+        return _grouped_mm(torch.nn.functional.silu(hid[:, :i]) * hid[:, i:], w_down_t, offs)
+
+    def whole():
+        order, offs = layout()
+        y = act_gemms(x[order // k], offs) * w.reshape(-1)[order, None]
+        out = torch.empty_like(y).index_copy_(0, order, y)
+        return out.view(t, k, -1).float().sum(1).to(x.dtype)
+
+    order, offs = layout()
+    xs = x[order // k]
+    return [("torch_grouped_mm", whole), ("grouped_mm_gemms", lambda: act_gemms(xs, offs))]
+
+
+def bench_shape(name: str, tokens: list[int], sweep: bool, peaks: dict[str, float],
+                grouped: bool = False) -> list[dict[str, Any]]:
     from autodeploy_mla.custom_ops.moe import MoEConfig, fused_moe, moe_config
 
     e, k, h, i = SHAPES[name]
@@ -133,6 +171,13 @@ def bench_shape(name: str, tokens: list[int], sweep: bool, peaks: dict[str, floa
         cands: list[tuple[str, Callable]] = [("hf_grouped_mm", lambda: hf(x, ids, w))]
         default = moe_config(t * k, e, h, i, torch.bfloat16, True)
         cands.append(("triton", lambda: fused_moe(x, ids, w, w_up, w_down)))
+        gemms_only: set[str] = set()
+        grouped_names: list[str] = []
+        if grouped:
+            gm = grouped_mm_candidates(x, ids, w, w_up, w_down)
+            cands += gm
+            grouped_names = [n for n, _ in gm]
+            gemms_only.add(gm[1][0])
         if sweep:
             for c in SWEEP:
                 cfg = MoEConfig(*c)
@@ -142,13 +187,18 @@ def bench_shape(name: str, tokens: list[int], sweep: bool, peaks: dict[str, floa
         for vname, fn in cands:
             try:
                 out = fn().float()
-                err = (out - ref).abs().max().item() / max(scale, 1e-6)
+                # the GEMMs-only candidate returns per-slot rows, not the op's output: no error to check
+                err = float("nan") if vname in gemms_only else (out - ref).abs().max().item() / max(scale, 1e-6)
                 ms = graph_time_ms(fn)
                 row["variants"][vname] = {"ms": ms, "rel_err": err, "x_floor": ms / floor_ms}
             except Exception as exc:  # noqa: BLE001 - a config may not compile; record it
                 row["variants"][vname] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
         row["default_config"] = list(default.__dict__.values())
-        best = min(((v["ms"], n) for n, v in row["variants"].items() if "ms" in v), default=(None, None))
+        best = min(((v["ms"], n) for n, v in row["variants"].items() if "ms" in v and n not in gemms_only),
+                   default=(None, None))
+        for vn in grouped_names:
+            v = row["variants"].get(vn, {})
+            print(f"[{name}] T={t}: {vn} {v.get('ms', v.get('error'))} (err {v.get('rel_err')})", flush=True)
         row["best"] = best[1]
         hfms = row["variants"].get("hf_grouped_mm", {}).get("ms")
         tms = row["variants"].get("triton", {}).get("ms")
@@ -217,6 +267,7 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--tokens", default="1,8,64,512,2048")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--grouped-mm", action="store_true", help="add torch's grouped GEMM (whole op, GEMMs only)")
     args = ap.parse_args()
     if args.render:
         render(args.render)
@@ -233,7 +284,8 @@ def main() -> None:
     out = args.out / "moe.json"
     t0 = time.perf_counter()
     for name in args.shapes.split(","):
-        data["rows"] += bench_shape(name, [int(t) for t in args.tokens.split(",")], args.sweep, peaks)
+        data["rows"] += bench_shape(name, [int(t) for t in args.tokens.split(",")], args.sweep, peaks,
+                                    args.grouped_mm)
         meta["total_s"] = time.perf_counter() - t0
         out.write_text(json.dumps(data, indent=1))
         torch.cuda.empty_cache()
