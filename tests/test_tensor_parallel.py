@@ -682,6 +682,53 @@ def test_gpu_two_ranks_nccl_bf16():
     assert not failures, failures
 
 
+def _one_shot_op_rank(rank: int) -> dict:
+    """One rank of test_gpu_one_shot_all_reduce_op: the op with a symmetric workspace active."""
+    from autodeploy_mla.custom_ops.step_context import using_sessions
+    from autodeploy_mla.custom_ops.tp_all_reduce import WORKSPACE, SymmAllReduceWorkspace
+    from autodeploy_mla.distributed.env import world_group_name
+
+    dev = torch.device("cuda", rank)
+    group = world_group_name()
+    ws = SymmAllReduceWorkspace(group, dev, 1 << 16)
+    out: dict = {}
+    with using_sessions({WORKSPACE: ws}):
+        for dtype in (torch.bfloat16, torch.float32):
+            g = torch.Generator(device=dev).manual_seed(rank)
+            x = torch.randn(8, 256, device=dev, dtype=dtype, generator=g)
+            before = x.clone()
+            y = torch.ops.autodeploy.tp_all_reduce(x, group)
+            torch.cuda.synchronize(dev)
+            out[str(dtype)] = (x.cpu(), y.cpu(), torch.equal(x, before))
+        calls = ws.calls
+        # schema, fake tensor, autograd registration and the dispatch tests, on the one-shot path
+        torch.library.opcheck(torch.ops.autodeploy.tp_all_reduce,
+                              (torch.randn(4, 64, device=dev, dtype=torch.bfloat16), group))
+        out["calls"] = (calls, ws.calls)
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_gpu_one_shot_all_reduce_op():
+    """`autodeploy::tp_all_reduce` on its one-shot path (symmetric memory, 2 GPUs): the sum of both
+    ranks' inputs in bf16 and fp32 (within one rounding of the fp32 sum), inputs untouched, the path
+    taken (workspace call count), and `torch.library.opcheck` passing on it."""
+    ranks = spawn(_one_shot_op_rank, 2, backend="nccl", all_results=True)
+    for dtype in (torch.bfloat16, torch.float32):
+        xs = [r[str(dtype)][0] for r in ranks]
+        want = (xs[0].float() + xs[1].float())
+        for r in ranks:
+            x, y, untouched = r[str(dtype)]
+            assert untouched and y.dtype == dtype
+            tol = 1e-6 if dtype == torch.float32 else 8e-3
+            assert (y.float() - want).abs().max() <= tol * want.abs().max(), dtype
+        assert torch.equal(ranks[0][str(dtype)][1], ranks[1][str(dtype)][1])  # both ranks hold the same sum
+    for r in ranks:
+        before, after = r["calls"]
+        assert before == 2 and after > before, r["calls"]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 def test_gpu_cli_world_size_2(tmp_path):
