@@ -7,7 +7,10 @@ its ragged prefill wrapper (`BatchPrefillWithRaggedKVCacheWrapper`, backend "fa3
 FlashAttention-3 kernels) takes qk 192 / vo 128 (DeepSeek) and 256 / 256 (GLM-4.7-Flash's 192 + 64).
 Times, as CUDA-graph replays (µs):
 
-- `triton_op`: our whole op on the step (what the model runs today),
+- `triton_op`: our whole op on the step with its own attention kernel (`prefill_attention="triton"`),
+- `triton_op_fa3`: our whole op with FlashInfer's FA3 as its attention (`prefill_attention="flashinfer"`:
+  K and q written per head, V a strided view of the expansion GEMM; what "auto" runs from
+  tuning.FA3_PREFILL_MIN_TOKENS new tokens),
 - `fi_attn`: FlashInfer's attention alone on ready q, k, v (`[T, N, D]`, contiguous),
 - `fi_whole`: the expansion GEMM in torch (cuBLAS), k assembled (k_nope | shared k_pe), q
   concatenated, then FlashInfer's attention: what a FlashInfer prefill path would run.
@@ -46,6 +49,22 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -
     return out
 
 
+def device_us(fn, reps: int = 20) -> float:
+    """Device time of one eager call: the kernels' summed durations under torch.profiler, per call (an
+    eager op's host work may exceed its device time; this counts only what the GPU runs)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    total = sum(e.device_time_total for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA)
+    return total / reps
+
+
 def run_case(name: str, tokens: int, rep_ms: float) -> dict[str, Any]:
     import flashinfer
 
@@ -66,14 +85,16 @@ def run_case(name: str, tokens: int, rep_ms: float) -> dict[str, Any]:
     q, k, v = expand()
     ref = reference(q, k, v, case.scale)
     scale_ref = ref.abs().max().item()
-    try:
-        with case.op("triton", TritonPolicy(prefill_mode="expand")) as op:
-            out = op().float().view(tokens, n, dv)
-            row["triton_err"] = (out - ref).abs().max().item() / scale_ref
-            row["triton_op_us"], _ = time_us(op, graph=True, rep_ms=rep_ms)
-    except Exception as e:  # noqa: BLE001 - record and go on
-        traceback.print_exc()
-        row["triton_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    for key, attn in (("triton_op", "triton"), ("triton_op_fa3", "flashinfer")):
+        try:
+            with case.op("triton", TritonPolicy(prefill_mode="expand", prefill_attention=attn)) as op:
+                out = op().float().view(tokens, n, dv)
+                row[key + "_err"] = (out - ref).abs().max().item() / scale_ref
+                # eager (the FA3 path plans on the host; long prefill steps run eagerly): device time
+                row[key + "_us"] = device_us(op)
+        except Exception as e:  # noqa: BLE001 - record and go on
+            traceback.print_exc()
+            row[key + "_error"] = f"{type(e).__name__}: {str(e)[:200]}"
     try:
         ws = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
         wrapper = flashinfer.prefill.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend="fa3")
@@ -92,7 +113,7 @@ def run_case(name: str, tokens: int, rep_ms: float) -> dict[str, Any]:
     except Exception as e:  # noqa: BLE001
         traceback.print_exc()
         row["fi_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-    for key in ("triton_op_us", "fi_attn_us", "fi_whole_us"):
+    for key in ("triton_op_us", "triton_op_fa3_us", "fi_attn_us", "fi_whole_us"):
         if key in row:
             row[key.replace("_us", "_tflops")] = flops / row[key] / 1e6
     return row
@@ -100,19 +121,20 @@ def run_case(name: str, tokens: int, rep_ms: float) -> dict[str, Any]:
 
 def render(rows: list[dict[str, Any]], command: str) -> str:
     lines = ["# Expanded MLA prefill: Triton op vs FlashInfer ragged prefill (fa3)", "", f"Command: `{command}`", "",
-             "µs per call (CUDA-graph replay), attention TFLOP/s in brackets (causal products only).", "",
-             "| dims | T | Dqk / Dv | Triton op (whole) | FlashInfer attention alone | expansion + FlashInfer (whole) "
-             "| whole: FlashInfer / Triton | err Triton / FI |",
-             "|---|---:|---|---:|---:|---:|---:|---|"]
+             "µs per call (our op: device time of eager calls, kernels summed by torch.profiler; FlashInfer alone: CUDA-graph replay), attention TFLOP/s in brackets (causal products only).", "",
+             "| dims | T | Dqk / Dv | Triton op, own kernel | Triton op, FA3 attention | FA3 / own | "
+             "FlashInfer attention alone | expansion + FlashInfer in torch ops | err own / FA3 op / FI |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---|"]
 
     def cell(r, key):
         return f"{r[key + '_us']:.1f} ({r[key + '_tflops']:.0f})" if key + "_us" in r else "-"
 
     for r in rows:
-        ratio = f"{r['fi_whole_us'] / r['triton_op_us']:.2f}x" if "fi_whole_us" in r and "triton_op_us" in r else "-"
-        errs = f"{r.get('triton_err', float('nan')):.1e} / {r.get('fi_err', float('nan')):.1e}"
-        lines.append(f"| {r['dims']} | {r['T']} | {r['dqk']} / {r['dv']} | {cell(r, 'triton_op')} | {cell(r, 'fi_attn')} "
-                     f"| {cell(r, 'fi_whole')} | {ratio} | {errs} |")
+        ratio = f"{r['triton_op_fa3_us'] / r['triton_op_us']:.2f}x" if "triton_op_fa3_us" in r and "triton_op_us" in r \
+            else "-"
+        errs = " / ".join(f"{r.get(k, float('nan')):.1e}" for k in ("triton_op_err", "triton_op_fa3_err", "fi_err"))
+        lines.append(f"| {r['dims']} | {r['T']} | {r['dqk']} / {r['dv']} | {cell(r, 'triton_op')} | "
+                     f"{cell(r, 'triton_op_fa3')} | {ratio} | {cell(r, 'fi_attn')} | {cell(r, 'fi_whole')} | {errs} |")
     return "\n".join(lines) + "\n"
 
 

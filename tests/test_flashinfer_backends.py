@@ -330,6 +330,34 @@ def test_fa_untileable_heads_use_fallback_for_prefill(fake_fi):
     assert st_.plans == len(sch) - 1  # decode steps still planned and run on FlashInfer
 
 
+def test_fallback_runs_in_its_own_session(fake_fi):
+    """The steps a FlashInfer session hands off run the fallback op inside the fallback backend's own
+    per-model session (Triton's plans and FA3 prefill live there), added to the step's sessions; none
+    when the configs fall back to different backends."""
+    from autodeploy_mla.custom_ops.cache_format import UNIT_SCALES
+    from autodeploy_mla.custom_ops.fallback import Fallback, call_fallback, fallback_sessions
+    from autodeploy_mla.custom_ops.step_context import active_session, using_sessions
+
+    fake_fi()
+    res = fa(DS16, STANDARD_SCHEDULES["prefill_then_decode"], FlashInferPolicy(prefill="fallback",
+             fallback_order=("torch",)), page_size=16, dtype=BF16)
+    assert res.max_rel_error() < 1e-2
+    torch_sess = res.session.fallback_sessions["torch"]
+    assert res.session.fallback_session(res.session.configs[next(iter(res.session.configs))]) is torch_sess
+    seen = {}
+
+    def op(*args):
+        seen["fb"], seen["outer"] = active_session("fb"), active_session("outer")
+        return "out"
+
+    outer = object()
+    with using_sessions({"outer": outer}):
+        assert call_fallback(Fallback("fb", op, ()), (1,), {}, None, None, UNIT_SCALES, torch_sess) == "out"
+    assert seen == {"fb": torch_sess, "outer": outer}
+    sessions, why = fallback_sessions({1: Fallback("torch", op, ()), 2: Fallback("triton", op, ())}, res.session.spec)
+    assert sessions == {} and "['torch', 'triton']" in why
+
+
 def _facts(expanded_overhead_us: float) -> PrefillCostFacts:
     """Both paths at 1 TFLOP/s; absorbed costs 100 us per call, expanded `expanded_overhead_us`."""
     return PrefillCostFacts(PathCost(1.0, 1.0, 100.0), PathCost(1.0, 1.0, expanded_overhead_us), "test")

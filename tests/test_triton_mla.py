@@ -511,6 +511,30 @@ def test_gpu_real_dims_bf16(dims_name, mode):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("forced", [False, True])
+@pytest.mark.parametrize("dims_name", ["deepseek_v3_tp8_n16", "glm_4_7_flash", "deepseek_v3_n128"])
+def test_gpu_fa3_prefill(dims_name, forced):
+    """The expanded prefill's attention on FlashInfer's FA3 (qk 192 / vo 128 and 256 / 256), where it
+    runs: a 1100-token fresh prefill beside a short one, then a 1030-token chunk on that cached prefix
+    beside a decode (kv longer than q), then decodes; against the fp64 oracle. Forced: both prefill
+    steps take FA3; auto: only steps from tuning.FA3_PREFILL_MIN_TOKENS new tokens do."""
+    from autodeploy_mla.custom_ops.triton_mla.fa3_prefill import fa3_unavailable
+
+    why = fa3_unavailable(GPU_DIMS[dims_name], torch.bfloat16, torch.device("cuda"))
+    if why:
+        pytest.skip(why)
+    sch = [{0: 1100, 1: 77}, {0: 1030, 1: 1}, {0: 1, 1: 1}]
+    policy = TritonPolicy(prefill_mode="expand", poison_buffers=True,
+                          prefill_attention="flashinfer" if forced else "auto")
+    res = run_scenario("triton", GPU_DIMS[dims_name], sch, page_size=64, dtype=torch.bfloat16, device="cuda",
+                       seed=3, policy=policy)
+    err = res.max_rel_error()
+    assert 0 < err < 1e-2, err
+    want = 2 if forced else sum(m >= tuning.FA3_PREFILL_MIN_TOKENS for m in (1100, 1030))
+    assert res.session.fa3 is not None and res.session.fa3.calls == want, res.session.stats()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["heads_on_m", "heads_on_n"])
 @pytest.mark.parametrize("dims_name", list(GPU_DIMS))
 def test_gpu_decode_layouts(dims_name, layout):
@@ -598,3 +622,82 @@ def test_cuda_graph_decode_replays_as_sequences_grow():
             done[s] += 1
     assert max(done.values()) > 350
     assert worst < 1e-2, worst
+
+
+# ----------------------------------------------------------------------------- FA3 prefill attention
+class _TorchFa3:
+    """Stands in for fa3_prefill.Fa3Prefill on CPU: the same call, ragged causal attention in fp32 torch
+    (query i of a sequence sees its first kv_len - q_len + i + 1 keys, FlashInfer's alignment)."""
+
+    def __init__(self):
+        self.calls = 0
+        self.seen: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+
+    def run(self, q, k, v, out, qo_indptr, kv_indptr, sm_scale):
+        assert q.shape[-1] == k.shape[-1] and q.stride(-1) == k.stride(-1) == v.stride(-1) == out.stride(-1) == 1
+        for b in range(len(qo_indptr) - 1):
+            q0, q1, k0, k1 = qo_indptr[b], qo_indptr[b + 1], kv_indptr[b], kv_indptr[b + 1]
+            s = torch.einsum("qhd,khd->hqk", q[q0:q1].double(), k[k0:k1].double()) * sm_scale
+            keep = torch.arange(k1 - k0)[None, :] <= torch.arange(q1 - q0)[:, None] + (k1 - k0) - (q1 - q0)
+            p = s.masked_fill(~keep, float("-inf")).softmax(-1)
+            out[q0:q1] = torch.einsum("hqk,khd->qhd", p, v[k0:k1].double()).to(out.dtype)
+        self.calls += 1
+        self.seen.append((qo_indptr, kv_indptr))
+
+    def stats(self):
+        return {"fa3_prefill_calls": self.calls}
+
+
+@pytest.mark.parametrize("schedule", ["ragged_prefill", "chunked_prefill_3", "mixed"])
+@pytest.mark.parametrize("dims_name", ["r32_dr8", "r32_dr0"])
+def test_expanded_prefill_through_fa3_call_matches_oracle(monkeypatch, dims_name, schedule):
+    """The expanded prefill's attention handed to the FA3 wrapper (a torch stand-in on CPU): q and K
+    written per head ([nope | rope]), V as a strided view of the expansion GEMM, output rows in place,
+    host indptrs of every prefill sequence (chunks on a cached prefix: kv longer than q); equals the
+    oracle. The real wrapper is checked against the same oracle on the GPU."""
+    fake = _TorchFa3()
+    monkeypatch.setattr(top, "_make_fa3", lambda spec, policy: (fake, ""))
+    policy = TritonPolicy(prefill_mode="expand", prefill_attention="flashinfer", poison_buffers=True)
+    res = run_scenario("triton", CPU_DIMS[dims_name], STANDARD_SCHEDULES[schedule], policy=policy)
+    assert res.max_rel_error() < 1e-5
+    assert fake.calls > 0
+    if schedule == "chunked_prefill_3":  # second chunk: 5 new tokens on 6 cached
+        assert ((0, 5), (0, 11)) in fake.seen
+
+
+def test_fa3_prefill_choice_and_refusals():
+    """FA3 is a per-model session object: never on CPU (the reason is in the stats), refused when forced
+    where it cannot run; head dims outside its kernels named; used under "auto" only from
+    FA3_PREFILL_MIN_TOKENS new tokens and never while a graph is captured."""
+    from autodeploy_mla.custom_ops.triton_mla.fa3_prefill import fa3_unavailable
+
+    with pytest.raises(ValueError, match="prefill_attention='fa2'"):
+        TritonPolicy(prefill_attention="fa2")
+    bf16, cpu = torch.bfloat16, torch.device("cpu")
+    assert "head dims qk 96 / vo 64" in fa3_unavailable(MLADims(40, 64, 32, 64, 256), bf16, cpu)  # MiniCPM3
+    assert "bf16/fp16" in fa3_unavailable(MLADims(16, 128, 64, 128, 512), torch.float32, cpu)
+    assert "CUDA device" in fa3_unavailable(MLADims(16, 128, 64, 128, 512), bf16, cpu)
+    d = MLADims(16, 128, 64, 128, 512)
+    spec = SessionSpec((d,), bf16, cpu, Target.detect(cpu, 16), 4, 64, 8)
+    sess = get_backend("triton").setup(spec)
+    assert sess.fa3 is None and "CUDA device" in sess.stats()["fa3_prefill"]
+    with pytest.raises(ValueError, match="prefill_attention='flashinfer': FA3 prefill needs a CUDA device"):
+        get_backend("triton").setup(spec, TritonPolicy(prefill_attention="flashinfer"))
+    assert "off" in get_backend("triton").setup(spec, TritonPolicy(prefill_attention="triton")).fa3_reason
+
+    def step(max_q, indptr=(0, 1)):
+        return top.StepShape(1, max_q, 0, max_q, max_q, 0, 0, False, indptr, indptr)
+
+    call = top._Call(TritonPolicy(), fa3=_TorchFa3())
+    assert top._fa3_for_step(call, step(tuning.FA3_PREFILL_MIN_TOKENS), cpu)
+    assert not top._fa3_for_step(call, step(tuning.FA3_PREFILL_MIN_TOKENS - 1), cpu)
+    assert not top._fa3_for_step(call, step(4096, ()), cpu)
+    assert top._fa3_for_step(top._Call(TritonPolicy(prefill_attention="flashinfer"), fa3=_TorchFa3()), step(8), cpu)
+    assert not top._fa3_for_step(top._Call(TritonPolicy()), step(4096), cpu)
+
+
+def test_step_shape_prefill_indptrs():
+    """The host indptrs FA3 plans with: new tokens and kv lengths (prefix + new) of the prefill sequences."""
+    shape = top.StepShape.from_host(torch.tensor([2, 7, 1]), torch.tensor([5, 9]), torch.tensor([0, 2, 7, 8]),
+                                    torch.tensor([3, 4, 20]))
+    assert shape.qo_indptr == (0, 2, 7) and shape.kv_indptr == (0, 5, 14)

@@ -14,10 +14,11 @@ from typing import Any, Optional
 
 import torch
 
-from .backend_registry import Target, all_backends
+from .backend_registry import BackendSession, SessionSpec, Target, all_backends
 from .cache_format import CacheScales
 from .mla_dims import MLADims
 from .op_contract import MLAInputs
+from .step_context import active_sessions, using_sessions
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,27 @@ def resolve_fallback(dims_list: Sequence[MLADims], dtype: torch.dtype, target: T
     raise ValueError("no fallback backend for the steps this backend hands off: " + ("; ".join(tried) or "none given"))
 
 
+def fallback_sessions(configs: Mapping[Any, Fallback], spec: SessionSpec) -> tuple[dict[str, BackendSession], str]:
+    """Per-model sessions of the fallback backends (their plans, workspaces and kernels then serve the
+    steps handed to them, as they serve their own nodes), made with the caller's spec when one
+    fallback serves every config; else none (the fallback op then runs without a session of its own,
+    as before). Returns (sessions by backend name, why none)."""
+    names = {fb.name for fb in configs.values()}
+    if len(names) != 1:
+        return {}, f"configs fall back to {sorted(names) or 'nothing'}: no fallback session"
+    name = names.pop()
+    try:
+        return {name: all_backends()[name].setup(spec)}, ""
+    except (ValueError, RuntimeError) as exc:  # the fallback's own check of the whole spec
+        return {}, f"{name} session not made: {exc}"
+
+
 def call_fallback(fb: Fallback, x: MLAInputs, meta: Mapping[str, torch.Tensor], mla_cache: torch.Tensor,
-                  scale: Optional[float], scales: CacheScales) -> torch.Tensor:
-    return fb.op(*x, *(meta[m] for m in fb.metadata), mla_cache, scale, scales.latent, scales.rope)
+                  scale: Optional[float], scales: CacheScales,
+                  session: Optional[BackendSession] = None) -> torch.Tensor:
+    """Run the fallback op on the caller's inputs; with `session`, inside the step's sessions plus it."""
+    args = (*x, *(meta[m] for m in fb.metadata), mla_cache, scale, scales.latent, scales.rope)
+    if session is None:
+        return fb.op(*args)
+    with using_sessions({**active_sessions(), fb.name: session}):
+        return fb.op(*args)

@@ -15,7 +15,7 @@ import torch
 
 from .backend_registry import BackendSession, MLABackend, SessionSpec
 from .cache_format import cache_dtype_name
-from .fallback import Fallback, resolve_fallback
+from .fallback import Fallback, fallback_sessions, resolve_fallback
 from .flashinfer_metadata import StepCounts
 from .mla_dims import MLADims
 
@@ -96,6 +96,11 @@ class FlashInferSession(BackendSession):
         super().__init__(spec)
         self.policy = policy
         self.configs = configs
+        #: the fallback backend's own session (e.g. Triton's plans and FA3 prefill), and why none
+        self.fallback_sessions, self.fallback_session_reason = fallback_sessions(configs, spec)
+
+    def fallback_session(self, fb: Fallback) -> Optional[BackendSession]:
+        return self.fallback_sessions.get(fb.name)
 
     def require_config(self, key: PlanKey) -> Fallback:
         fb = self.configs.get(key)

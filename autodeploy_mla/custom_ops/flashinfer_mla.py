@@ -32,6 +32,8 @@ by policy (`FlashInferPolicy.prefill`, default "auto"), steps with prefill token
 on the fallback's expanded path is lower than on FlashInfer's absorbed path, from the step's FLOPs
 under the node's dims and each path's measured throughput (prefill_cost.py; fit to
 docs/benchmarks/flashinfer_plan.md) when the fallback is Triton. Decode-only steps always use FlashInfer.
+The fallback op runs inside the fallback backend's own session for this model (`fallback_sessions`):
+Triton keeps its step plans and its FA3 prefill wrapper there.
 
 CUDA graphs. Decode-only steps that a whole-graph decode CUDA graph may replay — those the model
 runner marks `StepDescriptor.cuda_graph` (a decode batch padded to one of its token buckets), or
@@ -345,7 +347,8 @@ def _flashinfer_mla_with_cache(x: MLAInputs, meta: Mapping[str, torch.Tensor], m
     sess: FlashInferMLASession = require_session(OP, "flashinfer_mla")  # type: ignore[assignment]
     plan = sess.step_for(key, meta["batch_info_host"])
     if key in plan.fallback:
-        return call_fallback(sess.configs[key], x, meta, mla_cache, scale, scales)
+        fb = sess.configs[key]
+        return call_fallback(fb, x, meta, mla_cache, scale, scales, sess.fallback_session(fb))
 
     append_to_paged_cache(mla_cache, x, meta["cache_loc"], scales)
     t_all = x.q_nope.shape[1]

@@ -153,7 +153,8 @@ def _trtllm_mla_with_cache(x: MLAInputs, meta: Mapping[str, torch.Tensor], mla_c
     counts = sess.check_step(key, meta["batch_info_host"])
     if not counts.decode_only:
         if counts.num_seqs > 0:
-            return call_fallback(sess.configs[key], x, meta, mla_cache, scale, scales)
+            fb = sess.configs[key]
+            return call_fallback(fb, x, meta, mla_cache, scale, scales, sess.fallback_session(fb))
         append_to_paged_cache(mla_cache, x, meta["cache_loc"], scales)
         return x.q_nope.new_zeros(1, x.q_nope.shape[1], dims.num_heads, dims.v_head_dim)
 

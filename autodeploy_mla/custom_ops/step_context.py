@@ -39,6 +39,11 @@ class using_sessions:  # noqa: N801 - used like a function: `with using_sessions
         self._token = None
 
 
+def active_sessions() -> Mapping[str, BackendSession]:
+    """The sessions ops see now (empty outside a step)."""
+    return _SESSIONS.get() or {}
+
+
 def active_session(backend: str) -> Optional[BackendSession]:
     sessions = _SESSIONS.get()
     return None if sessions is None else sessions.get(backend)

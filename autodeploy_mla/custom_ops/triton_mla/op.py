@@ -42,6 +42,7 @@ from ..step_context import active_session
 from . import tuning
 from .sparse import DSA_INDEXER_WITH_CACHE as SPARSE_INDEXER_WITH_CACHE
 from .sparse import triton_mla_sparse_with_cache
+from .fa3_prefill import Fa3Prefill, fa3_unavailable
 from .launch import BoundKernel, LaunchCache
 from .tuning import (
     MAX_EXPAND_HEAD_DIM,
@@ -97,6 +98,7 @@ METADATA: tuple[str, ...] = (
 LOG2E = 1.4426950408889634
 PREFILL_MODES = ("auto", "expand", "absorb")
 DECODE_LAYOUTS = ("auto", "heads_on_m", "heads_on_n")
+PREFILL_ATTENTION = ("auto", "triton", "flashinfer")
 
 
 # ----------------------------------------------------------------------------- session
@@ -113,15 +115,24 @@ class TritonPolicy:
     the query dtype (the default: exact queries). Off: on H200 it was no faster at N <= 32 and 2.5x
     slower at N = 128, with twice the error (docs/benchmarks/fp8_cache.md). decode_layout: "auto"
     (tuning.decode_config's measured choice), or force the decode kernel: "heads_on_m"
-    (absorbed_attn_kernel) / "heads_on_n" (absorbed_attn_heads_on_n_kernel, where R >= 32)."""
+    (absorbed_attn_kernel) / "heads_on_n" (absorbed_attn_heads_on_n_kernel, where R >= 32).
+    prefill_attention: the attention kernel of the expanded prefill: "auto" = FlashInfer's FA3 ragged
+    prefill (fa3_prefill.py) where it is installed and serves the dims (SM90, qk/vo head dims it is
+    built for) and the step's longest prefill has at least tuning.FA3_PREFILL_MIN_TOKENS new tokens,
+    else `expanded_prefill_kernel`; "triton" / "flashinfer" force one ("flashinfer" where FA3 cannot
+    run is refused when the session is made)."""
 
     prefill_mode: Literal["auto", "expand", "absorb"] = "auto"
     decode_splits: int = 0
     poison_buffers: bool = False
     fp8_dot: bool = False
     decode_layout: Literal["auto", "heads_on_m", "heads_on_n"] = "auto"
+    prefill_attention: Literal["auto", "triton", "flashinfer"] = "auto"
 
     def __post_init__(self) -> None:
+        if self.prefill_attention not in PREFILL_ATTENTION:
+            raise ValueError(f"TritonPolicy.prefill_attention={self.prefill_attention!r}; expected one of "
+                             f"{', '.join(PREFILL_ATTENTION)}.")
         if self.prefill_mode not in PREFILL_MODES:
             raise ValueError(f"TritonPolicy.prefill_mode={self.prefill_mode!r}; expected one of {', '.join(PREFILL_MODES)}.")
         if self.decode_layout not in DECODE_LAYOUTS:
@@ -155,8 +166,10 @@ class TritonMLASession(BackendSession):
         #: steps whose static-bounds (mixed graph) run this session declined (static_bounds_ok)
         self.static_declined = 0
         #: what every op call of this model runs with (the dicts above and below are shared with it)
+        #: FlashInfer's FA3 prefill for the expanded prefill's attention (None: our kernel), and why not
+        self.fa3, self.fa3_reason = _make_fa3(spec, policy)
         self.call = _Call(policy, self.warmed, self.launches, self.plans, descriptors={}, views={},
-                          memo_limit=2 * len(spec.dims) + 8)
+                          memo_limit=2 * len(spec.dims) + 8, fa3=self.fa3)
 
     def prepare(self, meta: StepMetadata, step: StepDescriptor) -> None:
         """Read the step's host metadata once for all layers (ops check the batch counts still match)."""
@@ -181,8 +194,22 @@ class TritonMLASession(BackendSession):
         return ok
 
     def stats(self) -> dict[str, Any]:
+        fa3 = self.fa3.stats() if self.fa3 is not None else {"fa3_prefill": self.fa3_reason}
         return {"warmed_variants": len(self.warmed), "step_plans": len(self.plans),
-                "static_bounds_declined": self.static_declined, **self.launches.stats()}
+                "static_bounds_declined": self.static_declined, **self.launches.stats(), **fa3}
+
+
+def _make_fa3(spec: SessionSpec, policy: TritonPolicy) -> tuple[Optional[Fa3Prefill], str]:
+    """The session's FA3 prefill (policy "auto"/"flashinfer", every layer's dims served), or why none."""
+    if policy.prefill_attention == "triton":
+        return None, "off (prefill_attention='triton')"
+    why = next((w for w in (fa3_unavailable(d, spec.dtype, spec.device) for d in sorted(set(spec.dims), key=str))
+                if w), "")
+    if why:
+        if policy.prefill_attention == "flashinfer":
+            raise ValueError(f"TritonPolicy.prefill_attention='flashinfer': {why}. Use 'auto' or 'triton'.")
+        return None, why
+    return Fa3Prefill(spec.device), ""
 
 
 @dataclass(frozen=True)
@@ -199,6 +226,9 @@ class StepShape:
     #: the step runs in a whole-graph CUDA graph captured for any batch of its token count
     #: (StepDescriptor.static_bounds): launches are sized from static bounds only (`_attend_static`)
     static: bool = False
+    #: the prefill sequences' new-token and kv-length offsets [0, ...] (n_pre + 1 each; FA3's plan)
+    qo_indptr: tuple[int, ...] = ()
+    kv_indptr: tuple[int, ...] = ()
 
     @property
     def num_tok(self) -> int:
@@ -215,12 +245,16 @@ class StepShape:
         n_pre, n_pre_tok, n_dec = (int(v) for v in batch_info_host.tolist()[:3])
         max_q, max_kv = (int(v) for v in max_seq_info_host.tolist()[:2])
         prefix = pairs = 0
+        qo_indptr: tuple[int, ...] = ()
+        kv_indptr: tuple[int, ...] = ()
         if n_pre > 0:
             cu = cu_seqlen_host[: n_pre + 1].numpy().astype("int64")
             q = cu[1:] - cu[:-1]
             p = input_pos_host[:n_pre].numpy().astype("int64")
             prefix, pairs = int(p.sum()), int((q * p + q * (q + 1) // 2).sum())
-        return cls(n_pre, n_pre_tok, n_dec, max_q, max_kv, prefix, pairs, static)
+            qo_indptr = tuple(int(v) for v in cu - cu[0])
+            kv_indptr = (0, *(int(v) for v in (p + q).cumsum()))
+        return cls(n_pre, n_pre_tok, n_dec, max_q, max_kv, prefix, pairs, static, qo_indptr, kv_indptr)
 
 
 @dataclass
@@ -239,6 +273,8 @@ class _Call:
     views: Optional[dict[tuple[Any, ...], Any]] = field(default=None)
     #: entries the two per-model tables above may hold before they are cleared
     memo_limit: int = 64
+    #: the session's FlashInfer FA3 prefill (None: the expanded prefill's attention is our kernel)
+    fa3: Optional[Fa3Prefill] = field(default=None)
 
     def empty(self, *shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         if self.policy.poison_buffers:
@@ -524,8 +560,17 @@ def _plan_expanded(call: _Call, dims: MLADims, dtype: torch.dtype, mla_cache: to
 GATHER_BLOCK_T = 32
 
 
+def _fa3_for_step(call: _Call, step: StepShape, dev: torch.device) -> bool:
+    """Whether this step's expanded prefill attends with FlashInfer's FA3 (the session has one, the step
+    runs eagerly, and its longest prefill is long enough under "auto")."""
+    if call.fa3 is None or not step.qo_indptr or _capturing_on(dev):
+        return False
+    return call.policy.prefill_attention == "flashinfer" or step.max_q >= tuning.FA3_PREFILL_MIN_TOKENS
+
+
 def _prefill_expanded(call: _Call, q_nope, q_pe, mla_cache, kv_b_proj_weight, page_table, cu_seqlen, input_pos,
-                      seq_len, out, *, n_pre, max_q, max_kv, total_kv, dims, qk_scale, scales: CacheScales = UNIT_SCALES):
+                      seq_len, out, *, n_pre, max_q, max_kv, total_kv, dims, qk_scale, scales: CacheScales = UNIT_SCALES,
+                      fa3: Optional[Fa3Prefill] = None, step: Optional[StepShape] = None):
     n, dv, r, dr = dims.num_heads, dims.v_head_dim, dims.kv_lora_rank, dims.qk_rope_head_dim
     dev = q_nope.device
     scaled = _scaled(mla_cache, scales)
@@ -536,6 +581,9 @@ def _prefill_expanded(call: _Call, q_nope, q_pe, mla_cache, kv_b_proj_weight, pa
     plan.gather.launch((triton.cdiv(max_kv, GATHER_BLOCK_T), n_pre), (mla_cache, page_table, seq_len, kv_cu, lat),
                        (scales.latent, scales.rope, mla_cache.stride(1), page_table.stride(0), lat.stride(0)))
     kv = torch.matmul(lat[:, :r], kv_b_proj_weight.t())  # [total_kv, N*(Dn+Dv)]: K_nope | V per head
+    if fa3 is not None and step is not None:
+        _attend_fa3(call, fa3, step, q_nope, q_pe, kv, lat, out, dims, qk_scale)
+        return
     descs = _kv_descriptors(kv, lat, plan.block_n, plan.dn1, plan.dn2, pow2(dv), pow2(dr) if dr else 0) \
         if plan.tma else None
     expand = plan.expand_ptr if descs is None else plan.expand_tma
@@ -543,6 +591,25 @@ def _prefill_expanded(call: _Call, q_nope, q_pe, mla_cache, kv_b_proj_weight, pa
                   (q_nope, q_pe, kv, lat, cu_seqlen, input_pos, kv_cu, out, *(descs or (None,) * 4)),
                   (qk_scale, q_nope.stride(1), q_nope.stride(2), q_pe.stride(1), q_pe.stride(2),
                    kv.stride(0), lat.stride(0), out.stride(1), out.stride(2)))
+
+
+def _attend_fa3(call: _Call, fa3: Fa3Prefill, step: StepShape, q_nope, q_pe, kv, lat, out, dims: MLADims,
+                qk_scale: float) -> None:
+    """The expanded prefill's attention by FlashInfer's FA3: K per head [k_nope | k_pe] and q [q_nope |
+    q_pe] written once, V a strided view of the expansion GEMM's output, the output straight into
+    `out`'s prefill rows."""
+    n, dn, dr, dv, r = (dims.num_heads, dims.qk_nope_head_dim, dims.qk_rope_head_dim, dims.v_head_dim,
+                        dims.kv_lora_rank)
+    t, total_kv = step.n_pre_tok, kv.shape[0]
+    kv3 = kv.view(total_kv, n, dn + dv)
+    k = call.empty(total_kv, n, dn + dr, dtype=kv.dtype, device=kv.device)
+    k[..., :dn].copy_(kv3[..., :dn])
+    q = call.empty(t, n, dn + dr, dtype=q_nope.dtype, device=q_nope.device)
+    q[..., :dn].copy_(q_nope[0, :t])
+    if dr:
+        k[..., dn:].copy_(lat[:, None, r:].expand(total_kv, n, dr))
+        q[..., dn:].copy_(q_pe[0, :t])
+    fa3.run(q, k, kv3[..., dn:], out[0, :t], step.qo_indptr, step.kv_indptr, qk_scale / LOG2E)
 
 
 def _kv_offsets(seq_len: torch.Tensor, n_pre: int, dev: torch.device) -> torch.Tensor:
@@ -696,10 +763,11 @@ def _triton_mla_with_cache(x: MLAInputs, meta: Mapping[str, torch.Tensor], mla_c
         # latent . W_v^T written straight into out's rows ([N, Ta, Dv] view, row stride N*Dv): no copy
         torch.bmm(latent, w_v.transpose(1, 2), out=out[0, abs_lo:num_tok].transpose(0, 1))
     if mode == "expand":
+        fa3 = call.fa3 if _fa3_for_step(call, step, dev) else None
         _prefill_expanded(
             call, q_nope, q_pe, mla_cache, kv_b_proj_weight, page_table, cu_seqlen, input_pos, seq_len_with_cache,
             out, n_pre=n_pre, max_q=max_q, max_kv=max_kv, total_kv=total_kv, dims=dims, qk_scale=qk_scale,
-            scales=scales,
+            scales=scales, fa3=fa3, step=step,
         )
     return out
 

@@ -216,6 +216,14 @@ def decode_config(dims: MLADims, dtype: torch.dtype, cache_dtype: Optional[torch
     return AbsorbedConfig(64, 1, 64, 8, 2)
 
 
+#: Shortest prefill (new tokens of the step's longest prefill sequence) whose expanded attention runs
+#: on FlashInfer's FA3 under TritonPolicy.prefill_attention="auto". H200, one sequence, whole op's
+#: device time, FA3 / own kernel (docs/benchmarks/fi_ragged_prefill.md): N 16 (qk 192 / vo 128)
+#: 1.40x at 512, 1.20x at 1024, 1.06x at 2048, 0.85x at 4096; GLM-4.7-Flash (256 / 256) 1.20x, 1.17x,
+#: 1.01x, 0.90x. FA3's attention alone is ~1.8x faster from 2048 on, but writing K and q per head
+#: (torch copies) costs ~35 µs at 2048 tokens: the first measured length where the whole op wins.
+FA3_PREFILL_MIN_TOKENS = 4096
+
 #: Longest query run per sequence served as multi-token decode (speculative-decoding verification:
 #: a few draft tokens + 1 on a cached history) by the decode kernel's query columns.
 MULTI_TOKEN_MAX_Q = 16

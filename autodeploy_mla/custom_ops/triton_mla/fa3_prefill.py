@@ -1,0 +1,95 @@
+"""FlashInfer's FA3 ragged prefill as the attention kernel of the Triton backend's expanded prefill.
+
+The expanded prefill attends over K/V expanded by kv_b_proj: an ordinary causal attention with
+q, k of Dn + Dr and v of Dv per head. On SM90 FlashInfer's ragged prefill (`backend="fa3"`, the
+Hopper FlashAttention-3 kernels, warp-specialised with TMA) runs that attention ~1.8x faster than
+our `expanded_prefill_kernel` from 2048 tokens on (H200: N 16, qk 192 / vo 128, T 2048: 59.6 µs vs
+~88 µs of kernel; docs/benchmarks/fi_ragged_prefill.md). FA3 has no shared k_pe, so the op writes K
+per head ([k_nope | k_pe]) and q as one [T, N, Dn + Dr] tensor, and passes V as a strided view of the
+expansion GEMM's output (the kernels take row and head strides). Those writes (torch copies today)
+cost about what FA3 saves up to ~2048 tokens, so "auto" takes FA3 from tuning.FA3_PREFILL_MIN_TOKENS.
+
+`Fa3Prefill` is per-model state (the Triton session owns one): a FlashInfer workspace and wrapper,
+planned once per step (the plan depends on the step's sequence lengths only, so every layer of a
+step reuses it). Planning stages FlashInfer's schedule in a pinned host buffer copied to the device
+asynchronously; a re-plan first waits for the previous plan's copy (an event), as the FlashInfer MLA
+backend does.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from ..mla_dims import MLADims
+
+#: (Dqk, Dv) pairs FlashInfer 0.7's FA3 prefill kernels are built for (192 / 128: DeepSeek's expanded heads)
+FA3_HEAD_DIMS = frozenset({(64, 64), (128, 128), (256, 256), (192, 128)})
+#: FlashInfer's float workspace for the prefill plan (split-KV partials of long sequences)
+FA3_WORKSPACE_BYTES = 128 << 20
+
+
+def fa3_unavailable(dims: MLADims, dtype: torch.dtype, device: torch.device) -> str:
+    """Why FlashInfer's FA3 prefill cannot run these dims here ('' when it can)."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"FA3 prefill takes bf16/fp16 activations (got {dtype})"
+    dqk, dv = dims.qk_nope_head_dim + dims.qk_rope_head_dim, dims.v_head_dim
+    if (dqk, dv) not in FA3_HEAD_DIMS:
+        return f"FA3 prefill has no kernel for head dims qk {dqk} / vo {dv} (built: {sorted(FA3_HEAD_DIMS)})"
+    if device.type != "cuda":
+        return f"FA3 prefill needs a CUDA device (got {device.type})"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major != 9:
+        return f"FA3 prefill kernels are SM90 (Hopper) only (this GPU is SM{major}{minor})"
+    try:
+        import flashinfer.prefill  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - any import failure means: not here
+        return f"flashinfer is not importable ({type(exc).__name__}: {exc})"
+    return ""
+
+
+class Fa3Prefill:
+    """One model's FlashInfer FA3 ragged-prefill wrapper (see the module docstring)."""
+
+    def __init__(self, device: torch.device, workspace_bytes: int = FA3_WORKSPACE_BYTES) -> None:
+        import flashinfer.prefill
+
+        self.device = device
+        self.workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device)
+        self.wrapper = flashinfer.prefill.BatchPrefillWithRaggedKVCacheWrapper(self.workspace, "NHD", backend="fa3")
+        self._key: Optional[tuple[Any, ...]] = None
+        self._planned: Optional[torch.cuda.Event] = None
+        self.plans = 0
+        self.calls = 0
+
+    def _plan(self, key: tuple[Any, ...], qo_indptr: tuple[int, ...], kv_indptr: tuple[int, ...], heads: int,
+              dqk: int, dv: int, sm_scale: float, dtype: torch.dtype) -> None:
+        if self._planned is not None:
+            self._planned.synchronize()  # the previous plan's staged copy has executed (normally long ago)
+        pin = self.device.type == "cuda"
+        qo = torch.tensor(qo_indptr, dtype=torch.int32)
+        kv = torch.tensor(kv_indptr, dtype=torch.int32)
+        if pin:
+            qo, kv = qo.pin_memory(), kv.pin_memory()
+        self.wrapper.plan(qo, kv, heads, heads, dqk, head_dim_vo=dv, causal=True, sm_scale=sm_scale,
+                          q_data_type=dtype, kv_data_type=dtype)
+        self._planned = torch.cuda.Event()
+        self._planned.record()
+        self._key = key
+        self.plans += 1
+
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, qo_indptr: tuple[int, ...],
+            kv_indptr: tuple[int, ...], sm_scale: float) -> None:
+        """out[T, N, Dv] = causal attention of q [T, N, Dqk] over k [S, N, Dqk], v [S, N, Dv] (row and
+        head strides free, last dims contiguous), sequences by the host indptrs (query i of a sequence
+        sees its first kv_len - q_len + i + 1 keys)."""
+        heads, dqk, dv = q.shape[1], q.shape[2], v.shape[2]
+        key = (qo_indptr, kv_indptr, heads, dqk, dv, sm_scale, q.dtype)
+        if key != self._key:
+            self._plan(key, qo_indptr, kv_indptr, heads, dqk, dv, sm_scale, q.dtype)
+        self.wrapper.run(q, k, v, out=out)
+        self.calls += 1
+
+    def stats(self) -> dict[str, int]:
+        return {"fa3_prefill_plans": self.plans, "fa3_prefill_calls": self.calls}
