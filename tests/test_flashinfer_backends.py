@@ -356,6 +356,7 @@ def test_fallback_runs_in_its_own_session(fake_fi):
     assert seen == {"fb": torch_sess, "outer": outer}
     sessions, why = fallback_sessions({1: Fallback("torch", op, ()), 2: Fallback("triton", op, ())}, res.session.spec)
     assert sessions == {} and "['torch', 'triton']" in why
+    assert res.session.stats()["fallback_session"] == {"torch": torch_sess.stats()}
 
 
 def _facts(expanded_overhead_us: float) -> PrefillCostFacts:

@@ -102,6 +102,12 @@ class FlashInferSession(BackendSession):
     def fallback_session(self, fb: Fallback) -> Optional[BackendSession]:
         return self.fallback_sessions.get(fb.name)
 
+    def fallback_stats(self) -> dict[str, Any]:
+        """The fallback session's own stats by backend name (e.g. Triton's FA3 prefill calls), or why none."""
+        if not self.fallback_sessions:
+            return {"fallback_session": self.fallback_session_reason}
+        return {"fallback_session": {name: s.stats() for name, s in self.fallback_sessions.items()}}
+
     def require_config(self, key: PlanKey) -> Fallback:
         fb = self.configs.get(key)
         if fb is None:

@@ -302,7 +302,7 @@ class FlashInferMLASession(FlashInferSession):
     def stats(self) -> dict[str, Any]:
         return {"plans": self.plans, "fallback_steps": self.fallback_steps, "routed_steps": self.routed_steps,
                 "configs": {k.short(): fb.name for k, fb in self.configs.items()},
-                "graph_wrappers": sorted(bs for _, bs in self.graph)}
+                "graph_wrappers": sorted(bs for _, bs in self.graph), **self.fallback_stats()}
 
 
 # ------------------------------------------------------------------ the math around FlashInfer

@@ -127,7 +127,7 @@ class TrtllmMLASession(FlashInferSession):
 
     def stats(self) -> dict[str, Any]:
         return {"decode_steps": self.decode_steps, "fallback_steps": self.fallback_steps,
-                "configs": {k.short(): fb.name for k, fb in self.configs.items()}}
+                "configs": {k.short(): fb.name for k, fb in self.configs.items()}, **self.fallback_stats()}
 
 
 def fp8_query(query: torch.Tensor, r: int, scales: CacheScales, sm_scale: float
