@@ -696,6 +696,26 @@ def test_fa3_prefill_choice_and_refusals():
     assert not top._fa3_for_step(top._Call(TritonPolicy()), step(4096), cpu)
 
 
+_PACK_COMPILE_CHECK = """
+from autodeploy_mla.custom_ops.triton_mla import kernels as K
+sig = {"A": "*bf16", "B": "*bf16", "DST": "*bf16", "rows": "i32", **{f"stride_{x}_{y}": "i32" for x in "abd" for y in "th"}}
+for da, db in ((128, 64), (192, 64), (128, 0)):
+    compile_sm90(K.pack_heads_kernel, sig, {"DA": da, "DB": db, "BLOCK_T": 32, "BLOCK_DA": 1 << (da - 1).bit_length(),
+                                            "BLOCK_DB": max(16, db)})
+print("compiled")
+"""
+
+
+def test_pack_heads_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
+    """FA3's q/K packing kernel through Triton's compiler to SM90 (Dn 128 / 192 with Dr 64, and Dr 0)."""
+    from autodeploy_mla.testing.sm90_compile import run_sm90_compile_check, sm90_backend_missing
+
+    if why := sm90_backend_missing():
+        pytest.skip(why)
+    res = run_sm90_compile_check(_PACK_COMPILE_CHECK, tmp_path / "triton_cache")
+    assert res.returncode == 0 and "compiled" in res.stdout, res.stderr[-3000:]
+
+
 def test_step_shape_prefill_indptrs():
     """The host indptrs FA3 plans with: new tokens and kv lengths (prefix + new) of the prefill sequences."""
     shape = top.StepShape.from_host(torch.tensor([2, 7, 1]), torch.tensor([5, 9]), torch.tensor([0, 2, 7, 8]),

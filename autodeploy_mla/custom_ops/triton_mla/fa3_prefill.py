@@ -6,8 +6,10 @@ Hopper FlashAttention-3 kernels, warp-specialised with TMA) runs that attention 
 our `expanded_prefill_kernel` from 2048 tokens on (H200: N 16, qk 192 / vo 128, T 2048: 59.6 µs vs
 ~88 µs of kernel; docs/benchmarks/fi_ragged_prefill.md). FA3 has no shared k_pe, so the op writes K
 per head ([k_nope | k_pe]) and q as one [T, N, Dn + Dr] tensor, and passes V as a strided view of the
-expansion GEMM's output (the kernels take row and head strides). Those writes (torch copies today)
-cost about what FA3 saves up to ~2048 tokens, so "auto" takes FA3 from tuning.FA3_PREFILL_MIN_TOKENS.
+expansion GEMM's output (the kernels take row and head strides). Written by four torch copies, K and
+q cost about what FA3 saves up to ~2048 tokens (measured), so "auto" takes FA3 from
+tuning.FA3_PREFILL_MIN_TOKENS; the op now writes them with one Triton kernel each
+(`pack_heads_kernel`, not yet timed on a GPU).
 
 `Fa3Prefill` is per-model state (the Triton session owns one): a FlashInfer workspace and wrapper,
 planned once per step (the plan depends on the step's sequence lengths only, so every layer of a

@@ -540,6 +540,29 @@ def gather_kv_kernel(
         tl.store(dst[:, None] + offs_w[None, :], x.to(DST.dtype.element_ty), mask=m)
 
 
+@triton.jit(do_not_specialize=["rows"])
+def pack_heads_kernel(
+    A, B, DST, rows,
+    stride_a_t, stride_a_h, stride_b_t, stride_b_h, stride_d_t, stride_d_h,
+    DA: tl.constexpr, DB: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_DA: tl.constexpr, BLOCK_DB: tl.constexpr,
+):
+    """DST[t, h] = [A[t, h, :DA] | B[t, h, :DB]] for BLOCK_T rows of one head (program axis 1): FA3's q
+    ([q_nope | q_pe]) or K ([k_nope | k_pe], B's head stride 0: k_pe is shared by the heads)."""
+    h = tl.program_id(1).to(tl.int64)
+    t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    tm = t < rows
+    dst = DST + t[:, None] * stride_d_t + h * stride_d_h
+    da = tl.arange(0, BLOCK_DA)
+    ma = tm[:, None] & (da < DA)[None, :]
+    x = tl.load(A + t[:, None] * stride_a_t + h * stride_a_h + da[None, :], mask=ma)
+    tl.store(dst + da[None, :], x.to(DST.dtype.element_ty), mask=ma)
+    if DB > 0:
+        db = tl.arange(0, BLOCK_DB)
+        mb = tm[:, None] & (db < DB)[None, :]
+        y = tl.load(B + t[:, None] * stride_b_t + h * stride_b_h + db[None, :], mask=mb)
+        tl.store(dst + DA + db[None, :], y.to(DST.dtype.element_ty), mask=mb)
+
+
 @triton.jit
 def _expanded_tiles(
     acc, m_i, l_i, qn, qn2, qp, KV, LAT, kv0, k_col, lo, hi, row_limit, qk_scale,

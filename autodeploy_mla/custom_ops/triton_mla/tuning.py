@@ -222,6 +222,8 @@ def decode_config(dims: MLADims, dtype: torch.dtype, cache_dtype: Optional[torch
 #: 1.40x at 512, 1.20x at 1024, 1.06x at 2048, 0.85x at 4096; GLM-4.7-Flash (256 / 256) 1.20x, 1.17x,
 #: 1.01x, 0.90x. FA3's attention alone is ~1.8x faster from 2048 on, but writing K and q per head
 #: (torch copies) costs ~35 µs at 2048 tokens: the first measured length where the whole op wins.
+#: Measured with the torch copies; the op now packs K and q with pack_heads_kernel (~12 µs of bytes
+#: at 2048 tokens, not yet timed): re-measure (bench_fi_ragged_prefill.py) before lowering this.
 FA3_PREFILL_MIN_TOKENS = 4096
 
 #: Longest query run per sequence served as multi-token decode (speculative-decoding verification:
