@@ -1,16 +1,14 @@
 """Heads-on-N decode core: launch-config variants against the default config and FlashInfer (issue 14
 item 2: more KV bytes in flight at small N).
 
-Variants replace fields of the default `decode_config`: Triton's automatic warp specialisation
-(`warp_spec`, 2026-11-25: docs/benchmarks/decode_ws.md), and page ids loaded a window at a time ahead
-of the tiles (`page_window`) with deeper pipelines (`num_stages`, `block_n`; 2026-11-26:
-docs/benchmarks/decode_pipeline.md). For each dim set and (batch, kv) it runs the default and each
-variant, checks each variant's latent against the default's (max |diff| / max |ref|), and times the
-core as a CUDA-graph replay (L2 flushed). Writes <out>/<--json> and prints a table.
+Variants replace fields of the default `decode_config` (`dataclasses.replace`): Triton's automatic
+warp specialisation (`warp_spec`, 2026-11-25: docs/benchmarks/decode_ws.md). The 2026-11-26 sweep of
+page ids loaded in windows with deeper pipelines (docs/benchmarks/decode_pipeline.md) ran variants of
+an `AbsorbedConfig.page_window` knob that was removed after it measured slower (commit 8bc21eb).
+For each dim set and (batch, kv) it runs the default and each variant, checks each variant's latent
+against the default's (max |diff| / max |ref|), and times the core as a CUDA-graph replay (L2 flushed). Writes <out>/<--json> and prints a table.
 
     python benchmarks/sweep_decode_ws.py --out /tmp/ws --variants default,ws_w4_s2
-    python benchmarks/sweep_decode_ws.py --out /tmp/pipe --json decode_pipeline.json \\
-        --variants default,pw_n64_s2,pw_n32_s3,pw_n32_s4,pw_n32_s5
 """
 
 from __future__ import annotations
@@ -42,15 +40,6 @@ VARIANTS: dict[str, dict | None] = {
     "default": None,
     "ws_w4_s2": dict(warp_spec=True, num_warps=4, num_stages=2),
     "ws_w4_s3": dict(warp_spec=True, num_warps=4, num_stages=3),
-    # page ids a 64-page window at a time: Triton keeps num_stages (BLOCK_N 64) or num_stages - 1
-    # (BLOCK_N 32) KV tiles in shared memory (sm_90a TTGIR; with the id loaded per tile: 1-2)
-    "pw_n64_s2": dict(page_window=64, block_n=64, num_stages=2),
-    "pw_n64_s3": dict(page_window=64, block_n=64, num_stages=3),
-    "pw_n64_s4": dict(page_window=64, block_n=64, num_stages=4),
-    "pw_n32_s3": dict(page_window=64, block_n=32, num_stages=3),
-    "pw_n32_s4": dict(page_window=64, block_n=32, num_stages=4),
-    "pw_n32_s5": dict(page_window=64, block_n=32, num_stages=5),
-    "pw_n32_s4_w8": dict(page_window=64, block_n=32, num_stages=4, num_warps=8),
 }
 
 

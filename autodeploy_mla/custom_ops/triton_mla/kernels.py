@@ -317,28 +317,6 @@ def _heads_on_n_tile(accT, accT2, m_i, l_i, qT, qT2, qpeT, kv, kv2, kpe, pos, co
     return accT, accT2, m_new, l_i
 
 
-@triton.jit
-def _heads_on_n_whole_tile(CACHE, KV_DESC, KPE_DESC, row0, offs_n, offs_r, offs_r2, offs_d, rmask, rmask2, dmask,
-                           stride_cache_row, R: tl.constexpr, DR: tl.constexpr, BLOCK_C: tl.constexpr,
-                           USE_TMA: tl.constexpr):
-    """(kv, kv2, kpe) of the BLOCK_N cache rows from row0 on (one page holds them all): by TMA or by one
-    base pointer."""
-    if USE_TMA:
-        kv = KV_DESC.load([row0.to(tl.int32), 0])
-        kv2 = KV_DESC.load([row0.to(tl.int32), BLOCK_C])
-        kpe = kv  # placeholder when DR == 0 (never used)
-        if DR > 0:
-            kpe = KPE_DESC.load([row0.to(tl.int32), R])
-    else:
-        rp = CACHE + (row0 + offs_n) * stride_cache_row
-        kv = tl.load(rp[:, None] + offs_r[None, :], mask=rmask[None, :], other=0.0)
-        kv2 = tl.load(rp[:, None] + offs_r2[None, :], mask=rmask2[None, :], other=0.0)
-        kpe = kv
-        if DR > 0:
-            kpe = tl.load(rp[:, None] + R + offs_d[None, :], mask=dmask[None, :], other=0.0)
-    return kv, kv2, kpe
-
-
 @triton.jit(do_not_specialize=["seq_base", "tok_base", "abs_base", "chunk_size"])
 def absorbed_attn_heads_on_n_kernel(
     Q_ABS, Q_PE, CACHE, PAGE_TABLE, CU_SEQLEN, INPUT_POS, SEQ_LEN,
@@ -353,7 +331,6 @@ def absorbed_attn_heads_on_n_kernel(
     BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_DR: tl.constexpr,
     SPLIT: tl.constexpr, DOT_PREC: tl.constexpr, SCALED: tl.constexpr, USE_TMA: tl.constexpr,
     F16: tl.constexpr, B_CAP: tl.constexpr = 0, B_PAD: tl.constexpr = 1, WS: tl.constexpr = False,
-    PAGES: tl.constexpr = 0,
 ):
     # Grid and outputs as absorbed_attn_kernel; columns (BLOCK_Q tokens x BLOCK_H heads) replace rows.
     # The latent is two column chunks [0, C) and [C, 2C), C = BLOCK_C = pow2(R) / 2: a TMA box is at
@@ -362,10 +339,6 @@ def absorbed_attn_heads_on_n_kernel(
     # a page holds whole tiles (PAGE_SIZE % BLOCK_N == 0; chunks start on BLOCK_N) such a tile is one
     # page and comes by TMA (USE_TMA) or by one base pointer. The last, partial tile is masked.
     # F16: the cache is e4m3 and the MMAs run in fp16 (queries saturated to the fp16 range).
-    # PAGES > 0 (pages holding whole tiles): the whole-tile loop runs in windows of PAGES pages whose
-    # ids are loaded once per window, so the loop body holds no page-table load: a KV tile's address
-    # then depends on no load of the same iteration and Triton's pipeliner keeps `num_stages - 1` tiles
-    # in flight (with the id loaded in the loop it kept one or two buffers at any num_stages).
     active, b, pid_s, head, tok, col_ok, col_limit, kv_lo, kv_hi, pos0, q0 = _absorbed_work(
         CU_SEQLEN, INPUT_POS, SEQ_LEN, PART_LSE, seq_base, tok_base, chunk_size, stride_pl_t, stride_pl_h,
         N, NUM_HB, BLOCK_H, BLOCK_Q, SPLIT, B_CAP, B_PAD, BLOCK_N)
@@ -402,43 +375,30 @@ def absorbed_attn_heads_on_n_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     pt_row = PAGE_TABLE + b.to(tl.int64) * stride_pt_b
     n_full = tl.maximum((tl.minimum(kv_hi, pos0 + q0 + 1) - kv_lo) // BLOCK_N, 0)
-    if PAGES > 0 and PAGE_SIZE % BLOCK_N == 0:
-        offs_p = tl.arange(0, PAGES)
-        full_hi = kv_lo + n_full * BLOCK_N
-        pg_lo = kv_lo // PAGE_SIZE
-        pg_hi = tl.where(n_full > 0, (full_hi - 1) // PAGE_SIZE + 1, pg_lo)
-        for pw in range(pg_lo, pg_hi, PAGES):
-            ids = tl.load(pt_row + pw + offs_p, mask=pw + offs_p < pg_hi, other=0).to(tl.int64)
-            for start in range(tl.maximum(pw * PAGE_SIZE, kv_lo), tl.minimum((pw + PAGES) * PAGE_SIZE, full_hi),
-                               BLOCK_N):
-                page = tl.sum(tl.where(offs_p == start // PAGE_SIZE - pw, ids, 0), 0)
-                row0 = page * PAGE_SIZE + start % PAGE_SIZE
-                kv, kv2, kpe = _heads_on_n_whole_tile(CACHE, KV_DESC, KPE_DESC, row0, offs_n, offs_r, offs_r2,
-                                                      offs_d, rmask, rmask2, dmask, stride_cache_row, R, DR,
-                                                      BLOCK_C, USE_TMA)
-                accT, accT2, m_i, l_i = _heads_on_n_tile(
-                    accT, accT2, m_i, l_i, qT, qT2, qpeT, kv, kv2, kpe, start + offs_n, col_limit, kv_hi,
-                    latent_scale, rope_scale, qk_scale, DR, DOT_PREC, SCALED, False)
-    else:
-        for t in tl.range(0, n_full, warp_specialize=WS):  # WS: producer/consumer warps (SM90 autoWS)
-            start = kv_lo + t * BLOCK_N
-            if PAGE_SIZE % BLOCK_N == 0:
-                row0 = tl.load(pt_row + start // PAGE_SIZE).to(tl.int64) * PAGE_SIZE + start % PAGE_SIZE
-                kv, kv2, kpe = _heads_on_n_whole_tile(CACHE, KV_DESC, KPE_DESC, row0, offs_n, offs_r, offs_r2,
-                                                      offs_d, rmask, rmask2, dmask, stride_cache_row, R, DR,
-                                                      BLOCK_C, USE_TMA)
-            else:
-                pos = start + offs_n
-                rows = tl.load(pt_row + pos // PAGE_SIZE).to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE
-                rp = CACHE + rows * stride_cache_row
-                kv = tl.load(rp[:, None] + offs_r[None, :], mask=rmask[None, :], other=0.0)
-                kv2 = tl.load(rp[:, None] + offs_r2[None, :], mask=rmask2[None, :], other=0.0)
-                kpe = kv
-                if DR > 0:
-                    kpe = tl.load(rp[:, None] + R + offs_d[None, :], mask=dmask[None, :], other=0.0)
-            accT, accT2, m_i, l_i = _heads_on_n_tile(
-                accT, accT2, m_i, l_i, qT, qT2, qpeT, kv, kv2, kpe, start + offs_n, col_limit, kv_hi,
-                latent_scale, rope_scale, qk_scale, DR, DOT_PREC, SCALED, False)
+    for t in tl.range(0, n_full, warp_specialize=WS):  # WS: producer/consumer warps (SM90 autoWS)
+        start = kv_lo + t * BLOCK_N
+        if PAGE_SIZE % BLOCK_N == 0:
+            row0 = tl.load(pt_row + start // PAGE_SIZE).to(tl.int64) * PAGE_SIZE + start % PAGE_SIZE
+            rows = row0 + offs_n
+        else:
+            pos = start + offs_n
+            rows = tl.load(pt_row + pos // PAGE_SIZE).to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE
+        if USE_TMA:
+            kv = KV_DESC.load([row0.to(tl.int32), 0])
+            kv2 = KV_DESC.load([row0.to(tl.int32), BLOCK_C])
+            kpe = kv  # placeholder when DR == 0 (never used)
+            if DR > 0:
+                kpe = KPE_DESC.load([row0.to(tl.int32), R])
+        else:
+            rp = CACHE + rows * stride_cache_row
+            kv = tl.load(rp[:, None] + offs_r[None, :], mask=rmask[None, :], other=0.0)
+            kv2 = tl.load(rp[:, None] + offs_r2[None, :], mask=rmask2[None, :], other=0.0)
+            kpe = kv
+            if DR > 0:
+                kpe = tl.load(rp[:, None] + R + offs_d[None, :], mask=dmask[None, :], other=0.0)
+        accT, accT2, m_i, l_i = _heads_on_n_tile(
+            accT, accT2, m_i, l_i, qT, qT2, qpeT, kv, kv2, kpe, start + offs_n, col_limit, kv_hi,
+            latent_scale, rope_scale, qk_scale, DR, DOT_PREC, SCALED, False)
     for start in range(kv_lo + n_full * BLOCK_N, kv_hi, BLOCK_N):
         pos = start + offs_n
         pmask = pos < kv_hi

@@ -203,6 +203,10 @@ def _make_fa3(spec: SessionSpec, policy: TritonPolicy) -> tuple[Optional[Fa3Pref
     """The session's FA3 prefill (policy "auto"/"flashinfer", every layer's dims served), or why none."""
     if policy.prefill_attention == "triton":
         return None, "off (prefill_attention='triton')"
+    if policy.prefill_attention == "auto" and spec.max_num_tokens < tuning.FA3_PREFILL_MIN_TOKENS:
+        # steps never hold that many tokens: no workspace for a path "auto" cannot take
+        return None, (f"max_num_tokens {spec.max_num_tokens} < FA3_PREFILL_MIN_TOKENS "
+                      f"{tuning.FA3_PREFILL_MIN_TOKENS}: no step is long enough for FA3")
     why = next((w for w in (fa3_unavailable(d, spec.dtype, spec.device) for d in sorted(set(spec.dims), key=str))
                 if w), "")
     if why:
@@ -417,8 +421,7 @@ def _plan_absorbed(call: _Call, cfg, dims: MLADims, q_dtype: torch.dtype, mla_ca
         tma_ok = (cfg.tma and dev.type == "cuda" and page_size % cfg.block_n == 0
                   and torch.cuda.get_device_capability(dev) >= (9, 0))
         meta.update(BLOCK_C=block_c, F16=is_fp8(mla_cache.dtype) and q_dtype == torch.bfloat16,
-                    WS=cfg.warp_spec and dev.type == "cuda" and not interpreting(),
-                    PAGES=cfg.page_window if page_size % cfg.block_n == 0 else 0)
+                    WS=cfg.warp_spec and dev.type == "cuda" and not interpreting())
     else:
         kernel = K.absorbed_attn_kernel
         meta.update(BLOCK_R=pow2(r), FP8_DOT=fp8_dot, EXACT_CAST=interpreting())

@@ -120,9 +120,6 @@ class AbsorbedConfig:
     heads_on_n: bool = False  # absorbed_attn_heads_on_n_kernel (decode) instead of absorbed_attn_kernel
     tma: bool = False  # whole one-page KV tiles by tensor descriptor (heads_on_n; the launcher checks SM90+)
     warp_spec: bool = False  # heads_on_n: the whole-tile loop warp-specialised (Triton's SM90 autoWS)
-    #: heads_on_n, pages holding whole tiles: page ids loaded PAGES at a time ahead of the tiles (a power
-    #: of two; 0 = each tile's id loaded in the loop, which keeps Triton's pipeline one or two tiles deep)
-    page_window: int = 0
 
 
 def pow2(x: int, lo: int = 16) -> int:
