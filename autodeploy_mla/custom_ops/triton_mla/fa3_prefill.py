@@ -5,17 +5,10 @@ q, k of Dn + Dr and v of Dv per head. On SM90 FlashInfer's ragged prefill (`back
 Hopper FlashAttention-3 kernels, warp-specialised with TMA) runs that attention ~1.8x faster than
 our `expanded_prefill_kernel` from 2048 tokens on (H200: N 16, qk 192 / vo 128, T 2048: 59.6 µs vs
 ~88 µs of kernel; docs/benchmarks/fi_ragged_prefill.md). FA3 has no shared k_pe, so the op writes K
-per head ([k_nope | k_pe]) and q as one [T, N, Dn + Dr] tensor, and passes V as a strided view of the
-expansion GEMM's output (the kernels take row and head strides). Written by four torch copies, K and
-q cost about what FA3 saves up to ~2048 tokens (measured), so "auto" takes FA3 from
-tuning.FA3_PREFILL_MIN_TOKENS; the op now writes them with one Triton kernel each
-(`pack_heads_kernel`, not yet timed on a GPU).
-
-`Fa3Prefill` is per-model state (the Triton session owns one): a FlashInfer workspace and wrapper,
-planned once per step (the plan depends on the step's sequence lengths only, so every layer of a
-step reuses it). Planning stages FlashInfer's schedule in a pinned host buffer copied to the device
-asynchronously; a re-plan first waits for the previous plan's copy (an event), as the FlashInfer MLA
-backend does.
+per head ([k_nope | k_pe]) and q as one [T, N, Dn + Dr] tensor (`pack_heads_kernel`, one launch
+each), and passes V as a strided view of the expansion GEMM's output (the kernels take row and head
+strides). With that packing the whole op beats our kernel from 1024 new tokens (N 16: 0.92x at 1024,
+0.87x at 2048; GLM 0.92x, 0.84x), so "auto" takes FA3 from tuning.FA3_PREFILL_MIN_TOKENS = 1024.
 """
 
 from __future__ import annotations

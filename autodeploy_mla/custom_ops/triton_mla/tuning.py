@@ -215,13 +215,11 @@ def decode_config(dims: MLADims, dtype: torch.dtype, cache_dtype: Optional[torch
 
 #: Shortest prefill (new tokens of the step's longest prefill sequence) whose expanded attention runs
 #: on FlashInfer's FA3 under TritonPolicy.prefill_attention="auto". H200, one sequence, whole op's
-#: device time, FA3 / own kernel (docs/benchmarks/fi_ragged_prefill.md): N 16 (qk 192 / vo 128)
-#: 1.40x at 512, 1.20x at 1024, 1.06x at 2048, 0.85x at 4096; GLM-4.7-Flash (256 / 256) 1.20x, 1.17x,
-#: 1.01x, 0.90x. FA3's attention alone is ~1.8x faster from 2048 on, but writing K and q per head
-#: (torch copies) costs ~35 µs at 2048 tokens: the first measured length where the whole op wins.
-#: Measured with the torch copies; the op now packs K and q with pack_heads_kernel (~12 µs of bytes
-#: at 2048 tokens, not yet timed): re-measure (bench_fi_ragged_prefill.py) before lowering this.
-FA3_PREFILL_MIN_TOKENS = 4096
+#: device time FA3 / own kernel, K and q packed by pack_heads_kernel (docs/benchmarks/fi_ragged_prefill.md,
+#: 2026-11-26 later): N 16 (qk 192 / vo 128) 1.09x at 512, 0.92x at 1024, 0.87x at 2048, 0.73x at 4096;
+#: GLM-4.7-Flash (256 / 256) 0.94x, 0.92x, 0.84x, 0.79x. 1024 is the first measured length where
+#: the op wins for both (with four torch copies instead of the pack kernel it was 4096).
+FA3_PREFILL_MIN_TOKENS = 1024
 
 #: Longest query run per sequence served as multi-token decode (speculative-decoding verification:
 #: a few draft tokens + 1 on a cached history) by the decode kernel's query columns.
