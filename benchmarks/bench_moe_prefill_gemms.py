@@ -1,272 +1,326 @@
-"""Exploration run of 2026-11-26 (issue 13): expert GEMM variants on the sorted-rows TMA path, against
-the kernels of commit 9f63f75 (two accumulators, one program per tile). Its output is
-docs/benchmarks/moe_prefill_gemms_explore.json; the script was rewritten for the kernels that came
-out of it (bench_moe_prefill_gemms.py at the next commit).
+"""The two expert GEMMs of the MoE prefill path, alone, against their earlier form and cuBLAS (issue 13).
 
+At prefill sizes `triton_moe_experts` copies each (token, expert) pair's row into expert order, padded
+to 128-row blocks (kernels.gather_kernel), and multiplies with every operand loaded by TMA
+descriptor. This script times those two GEMMs one by one (CUDA-graph replays,
+triton.testing.do_bench_cudagraph), each variant checked against the shipped kernel's output:
 
+- `current`: kernels.up_sorted_kernel / down_sorted_kernel at tuning.moe_config's config (persistent,
+  one program per SM, loop flattened; up: gate and up halves in one [128, 2 x up_n] product);
+- `current, not flattened`: the same kernels with the tile loop's flatten off (inline copies);
+- `two accumulators (before)`: the kernels before 2026-11-26 (one program per tile; up: gate and up
+  in two [128, 64] accumulators, two products per k-step over the same input tile; down 128 x 128);
+- `row-interleaved weights`: gate and up rows interleaved once in memory (row 2j gate j, 2j + 1 up j),
+  one product, one program per tile (the first form of the single product that was tried);
+- `cuBLAS dense`: torch.mm on the same padded [slots, H] x [H, 2I] and [slots, I] x [I, H]: what a
+  tuned dense GEMM reaches on this many rows (the padding costs it as much as us).
 
-Per shape: the layout + gather of the shipped op, then each GEMM variant timed alone (CUDA-graph
-replay, do_bench_cudagraph), checked against the shipped kernel's output. TFLOP/s on useful rows and
-on padded slots. cuBLAS on the same padded [slots, H] x [H, 2I] and [slots, I] x [I, H] as a ceiling.
+TFLOP/s are given on the useful rows (the pairs) and on the padded slots; the padding fraction
+depends on rows per expert (uniform random routing here: V2-Lite 192 rows per expert at T = 2048,
+2 blocks of 128 = 25% padding; GLM-4.7-Flash 128 rows, 31%).
 
-Variants:
-- up0 / down0: shipped kernels (up: two 128x64 accumulators, down 128x128).
-- upIL[BN,BK,st]: gate/up rows interleaved once (row 2j gate j, 2j+1 up j), one dot of [BM, 2BN]
-  then split: one A read per k-step instead of two.
-- upIL-P[...]: the same, persistent (grid = SMs, tiles row-block-major), optional flatten / WS.
-- downP: persistent down.
+    python benchmarks/bench_moe_prefill_gemms.py --out /tmp/mpg [--tokens 2048,4096]
+    python benchmarks/bench_moe_prefill_gemms.py --render docs/benchmarks/moe_prefill_gemms.json
 """
-import sys, json, traceback
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
 import torch
-import triton
-import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
-sys.path.insert(0, ".")
-from autodeploy_mla.custom_ops.moe import kernels as K
-from autodeploy_mla.custom_ops.moe.ops import expert_layout
-from autodeploy_mla.custom_ops.moe.tuning import moe_config
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 
-SHAPES = {"v2_lite": (64, 6, 2048, 1408), "glm_4_7_flash": (64, 4, 2048, 1536)}
+SHAPES = {"v2_lite": (64, 6, 2048, 1408), "glm_4_7_flash": (64, 4, 2048, 1536)}  # E, top-k, H, I
 
 
-@triton.jit
-def up_il_kernel(XS_DESC, W_DESC, BLOCK_EXPERT, OUT, K, N, stride_ot,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    e = tl.load(BLOCK_EXPERT + pid_m)
-    if e < 0:
-        return
-    m0 = pid_m * BLOCK_M
-    row = e * 2 * N + pid_n * 2 * BLOCK_N
-    acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        a = XS_DESC.load([m0, k0])
-        w = W_DESC.load([row, k0])
-        acc = tl.dot(a, tl.trans(w), acc)
-    g, u = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
-    h = g / (1.0 + tl.exp(-g)) * u
-    slots = m0 + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    tl.store(OUT + slots.to(tl.int64)[:, None] * stride_ot + offs_n[None, :], h.to(OUT.dtype.element_ty),
-             mask=(offs_n < N)[None, :])
+def _kernels():
+    """The inline comparison kernels (defined on first use: triton is only needed to run)."""
+    import triton
+    import triton.language as tl
 
-
-@triton.jit
-def up_il_persist_kernel(XS_DESC, W_DESC, O_DESC, BLOCK_EXPERT, NUM_BLOCKS, K, N, n_tiles_n,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         NUM_SMS: tl.constexpr, FLAT: tl.constexpr, WS: tl.constexpr):
-    pid = tl.program_id(0)
-    total = tl.load(NUM_BLOCKS) * n_tiles_n
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    for tile in tl.range(pid, total, NUM_SMS, flatten=FLAT, warp_specialize=WS):
-        pid_m = tile // n_tiles_n
-        pid_n = tile % n_tiles_n
+    @triton.jit
+    def up_two_acc(XS_DESC, W_DESC, BLOCK_EXPERT, OUT, K, N, stride_ot,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
         e = tl.load(BLOCK_EXPERT + pid_m)
+        if e < 0:
+            return
+        m0 = pid_m * BLOCK_M
+        row_g = e * 2 * N + pid_n * BLOCK_N
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            a = XS_DESC.load([m0, k0])
+            acc_g = tl.dot(a, tl.trans(W_DESC.load([row_g, k0])), acc_g)
+            acc_u = tl.dot(a, tl.trans(W_DESC.load([row_g + N, k0])), acc_u)
+        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        slots = m0 + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        tl.store(OUT + slots.to(tl.int64)[:, None] * stride_ot + offs_n[None, :], h.to(OUT.dtype.element_ty),
+                 mask=(offs_n < N)[None, :])
+
+    @triton.jit
+    def up_row_interleaved(XS_DESC, W_DESC, BLOCK_EXPERT, OUT, K, N, stride_ot,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        e = tl.load(BLOCK_EXPERT + pid_m)
+        if e < 0:
+            return
         m0 = pid_m * BLOCK_M
         row = e * 2 * N + pid_n * 2 * BLOCK_N
         acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
-        for ki in range(k_tiles):
-            a = XS_DESC.load([m0, ki * BLOCK_K])
-            w = W_DESC.load([row, ki * BLOCK_K])
-            acc = tl.dot(a, tl.trans(w), acc)
+        for k0 in range(0, K, BLOCK_K):
+            acc = tl.dot(XS_DESC.load([m0, k0]), tl.trans(W_DESC.load([row, k0])), acc)
         g, u = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
         h = g / (1.0 + tl.exp(-g)) * u
-        O_DESC.store([m0, pid_n * BLOCK_N], h.to(O_DESC.dtype))
-
-
-@triton.jit
-def up_persist_kernel(XS_DESC, W_DESC, O_DESC, BLOCK_EXPERT, NUM_BLOCKS, K, N, n_tiles_n,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      NUM_SMS: tl.constexpr, FLAT: tl.constexpr, WS: tl.constexpr):
-    """Shipped layout (gate rows, then up rows), two accumulators, persistent."""
-    pid = tl.program_id(0)
-    total = tl.load(NUM_BLOCKS) * n_tiles_n
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    for tile in tl.range(pid, total, NUM_SMS, flatten=FLAT, warp_specialize=WS):
-        pid_m = tile // n_tiles_n
-        pid_n = tile % n_tiles_n
-        e = tl.load(BLOCK_EXPERT + pid_m)
-        m0 = pid_m * BLOCK_M
-        row = e * 2 * N + pid_n * BLOCK_N
-        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for ki in range(k_tiles):
-            a = XS_DESC.load([m0, ki * BLOCK_K])
-            wg = W_DESC.load([row, ki * BLOCK_K])
-            wu = W_DESC.load([row + N, ki * BLOCK_K])
-            acc_g = tl.dot(a, tl.trans(wg), acc_g)
-            acc_u = tl.dot(a, tl.trans(wu), acc_u)
-        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-        O_DESC.store([m0, pid_n * BLOCK_N], h.to(O_DESC.dtype))
-
-
-@triton.jit
-def down_persist_kernel(A_DESC, W_DESC, SORTED, BLOCK_EXPERT, NUM_BLOCKS, TOPK_W, OUT, n_pairs, K, N, stride_ot,
-                        n_tiles_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        NUM_SMS: tl.constexpr, FLAT: tl.constexpr, WS: tl.constexpr):
-    pid = tl.program_id(0)
-    total = tl.load(NUM_BLOCKS) * n_tiles_n
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    for tile in tl.range(pid, total, NUM_SMS, flatten=FLAT, warp_specialize=WS):
-        pid_m = tile // n_tiles_n
-        pid_n = tile % n_tiles_n
-        e = tl.load(BLOCK_EXPERT + pid_m)
-        m0 = pid_m * BLOCK_M
-        row = e * N + pid_n * BLOCK_N
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for ki in range(k_tiles):
-            a = A_DESC.load([m0, ki * BLOCK_K])
-            w = W_DESC.load([row, ki * BLOCK_K])
-            acc = tl.dot(a, tl.trans(w), acc)
         slots = m0 + tl.arange(0, BLOCK_M)
-        pairs = tl.load(SORTED + slots)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        tl.store(OUT + slots.to(tl.int64)[:, None] * stride_ot + offs_n[None, :], h.to(OUT.dtype.element_ty),
+                 mask=(offs_n < N)[None, :])
+
+    @triton.jit
+    def up_not_flat(XS_DESC, W_DESC, BLOCK_EXPERT, NUM_BLOCKS, O_DESC, K, N,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_PROGRAMS: tl.constexpr):
+        n_tiles_n = tl.cdiv(N, BLOCK_N)
+        total = tl.load(NUM_BLOCKS) * n_tiles_n
+        for tile in tl.range(tl.program_id(0), total, NUM_PROGRAMS):
+            pid_m = tile // n_tiles_n
+            pid_n = tile % n_tiles_n
+            e = tl.load(BLOCK_EXPERT + pid_m)
+            m0 = pid_m * BLOCK_M
+            acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
+            for ki in range(tl.cdiv(K, BLOCK_K)):
+                w = W_DESC.load([e * 2, pid_n * BLOCK_N, ki * BLOCK_K]).reshape([2 * BLOCK_N, BLOCK_K])
+                acc = tl.dot(XS_DESC.load([m0, ki * BLOCK_K]), tl.trans(w), acc)
+            g, u = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, BLOCK_N]), [0, 2, 1]))
+            O_DESC.store([m0, pid_n * BLOCK_N], (g / (1.0 + tl.exp(-g)) * u).to(O_DESC.dtype))
+
+    @triton.jit
+    def down_grid(A_DESC, W_DESC, SORTED, BLOCK_EXPERT, TOPK_W, OUT, n_pairs, K, N, stride_ot,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        e = tl.load(BLOCK_EXPERT + pid_m)
+        if e < 0:
+            return
+        m0 = pid_m * BLOCK_M
+        row_w = e * N + pid_n * BLOCK_N
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            acc = tl.dot(A_DESC.load([m0, k0]), tl.trans(W_DESC.load([row_w, k0])), acc)
+        pairs = tl.load(SORTED + m0 + tl.arange(0, BLOCK_M))
         rmask = pairs < n_pairs
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         wt = tl.load(TOPK_W + pairs, mask=rmask, other=0.0).to(tl.float32)
         tl.store(OUT + pairs.to(tl.int64)[:, None] * stride_ot + offs_n[None, :],
                  (acc * wt[:, None]).to(OUT.dtype.element_ty), mask=rmask[:, None] & (offs_n < N)[None, :])
 
-
-def bench(fn):
-    return triton.testing.do_bench_cudagraph(fn, rep=60)
+    return up_two_acc, up_row_interleaved, up_not_flat, down_grid
 
 
-def main(out_path):
+def bench_shape(name: str, t: int) -> dict[str, Any]:
+    import triton
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from autodeploy_mla.custom_ops.moe import kernels as K
+    from autodeploy_mla.custom_ops.moe.ops import _persistent_programs, expert_layout
+    from autodeploy_mla.custom_ops.moe.tuning import moe_config
+
+    up_two_acc, up_row_interleaved, up_not_flat, down_grid = _kernels()
+    e, k, h, i = SHAPES[name]
     dev = torch.device("cuda")
-    nsm = torch.cuda.get_device_properties(dev).multi_processor_count
-    rows = []
-    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=dev))
-    for name, (E, k, H, I) in SHAPES.items():
-        for T in (2048, 512, 4096):
-            g = torch.Generator(device=dev).manual_seed(0)
-            w_up = (torch.randn(E, 2 * I, H, device=dev, generator=g) / H ** 0.5).to(torch.bfloat16)
-            w_down = (torch.randn(E, H, I, device=dev, generator=g) / I ** 0.5).to(torch.bfloat16)
-            w_il = torch.stack([w_up[:, :I], w_up[:, I:]], dim=2).reshape(E, 2 * I, H).contiguous()
-            x = torch.randn(T, H, device=dev, generator=g).to(torch.bfloat16)
-            scores = torch.rand(T, E, device=dev, generator=g)
-            wts, ids = torch.topk(scores.softmax(-1), k)
-            n = T * k
-            cfg = moe_config(n, E, H, I, torch.bfloat16, True)
-            if not cfg.sorted_tma:
-                from autodeploy_mla.custom_ops.moe.tuning import MoEConfig
-                cfg = MoEConfig(block_m=128, up_n=64, up_k=64, down_n=128, down_k=64, num_warps=8, num_stages=3, sorted_tma=True)
-            bm = cfg.block_m
-            sp, be = expert_layout(ids.reshape(-1), E, cfg)
-            mb = be.shape[0]
-            nblk = (be >= 0).sum().to(torch.int32).reshape(1)
-            used = int(nblk.item())
-            xs = torch.empty(mb * bm, H, dtype=x.dtype, device=dev)
-            K.gather_kernel[(mb, H // 128)](x, sp, be, xs, n, H, x.stride(0), TOP_K=k, BLOCK_M=bm, BLOCK_H=128)
-            wflat = wts.reshape(-1).contiguous()
-            inter0 = torch.zeros(mb * bm, I, dtype=x.dtype, device=dev)
-            flop_up_useful = 2 * n * H * 2 * I
-            flop_up_pad = 2 * used * bm * H * 2 * I
-            flop_dn_useful = 2 * n * I * H
-            flop_dn_pad = 2 * used * bm * I * H
-            res = {"shape": name, "T": T, "pairs": n, "blocks_used": used, "slots": used * bm,
-                   "pad_frac": 1 - n / (used * bm), "up": {}, "down": {}}
+    g = torch.Generator(device=dev).manual_seed(t)
+    w_up = (torch.randn(e, 2 * i, h, device=dev, generator=g) / h ** 0.5).to(torch.bfloat16)
+    w_down = (torch.randn(e, h, i, device=dev, generator=g) / i ** 0.5).to(torch.bfloat16)
+    w_il = torch.stack([w_up[:, :i], w_up[:, i:]], dim=2).reshape(e, 2 * i, h).contiguous()
+    x = torch.randn(t, h, device=dev, generator=g).to(torch.bfloat16)
+    wts, ids = torch.topk(torch.rand(t, e, device=dev, generator=g).softmax(-1), k)
+    n = t * k
+    cfg = moe_config(n, e, h, i, torch.bfloat16, True)
+    if not cfg.sorted_tma:
+        raise SystemExit(f"{name} T={t}: the op does not take the sorted-rows path here (avg rows per expert too few)")
+    bm = cfg.block_m
+    lay = expert_layout(ids.reshape(-1), e, cfg)
+    mb = lay.block_expert.shape[0]
+    used = int(lay.num_blocks.item())
+    xs = torch.empty(mb * bm, h, dtype=x.dtype, device=dev)
+    K.gather_kernel[(mb, h // 128)](x, lay.sorted_pairs, lay.block_expert, xs, n, h, x.stride(0), TOP_K=k,
+                                    BLOCK_M=bm, BLOCK_H=128)
+    wflat = wts.reshape(-1).contiguous()
+    valid = lay.sorted_pairs < n
+    flops = {"up": (2 * n * h * 2 * i, 2 * used * bm * h * 2 * i), "down": (2 * n * i * h, 2 * used * bm * i * h)}
+    row: dict[str, Any] = {"shape": name, "tokens": t, "pairs": n, "blocks_used": used, "slots": used * bm,
+                           "pad_frac": 1 - n / (used * bm), "config": list(cfg.__dict__.values()),
+                           "up": {}, "down": {}}
 
-            def rec(kind, vname, fn, check):
-                try:
-                    fn(); torch.cuda.synchronize()
-                    err = check()
-                    ms = bench(fn)
-                    fu, fp = (flop_up_useful, flop_up_pad) if kind == "up" else (flop_dn_useful, flop_dn_pad)
-                    res[kind][vname] = {"us": ms * 1e3, "tflops_useful": fu / ms / 1e9, "tflops_padded": fp / ms / 1e9,
-                                        "err": err}
-                    print(f"{name} T={T} {kind} {vname}: {ms*1e3:.1f} us  useful {fu/ms/1e9:.0f}  padded {fp/ms/1e9:.0f} TFLOP/s  err {err:.1e}", flush=True)
-                except Exception as exc:  # noqa: BLE001
-                    res[kind][vname] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
-                    print(f"{name} T={T} {kind} {vname}: ERROR {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+    def rec(kind: str, vname: str, fn: Callable[[], Any], err: Callable[[], float]) -> None:
+        try:
+            fn()
+            torch.cuda.synchronize()
+            e_ = err()
+            ms = triton.testing.do_bench_cudagraph(fn, rep=60)
+            fu, fp = flops[kind]
+            row[kind][vname] = {"us": ms * 1e3, "tflops_useful": fu / ms / 1e9, "tflops_padded": fp / ms / 1e9,
+                                "rel_err": e_}
+            print(f"{name} T={t} {kind:4s} {vname:28s} {ms * 1e3:7.1f} us  useful {fu / ms / 1e9:4.0f}  "
+                  f"padded {fp / ms / 1e9:4.0f} TFLOP/s  err {e_:.1e}", flush=True)
+        except Exception as exc:  # noqa: BLE001 - a variant may not compile; record it
+            row[kind][vname] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+            print(f"{name} T={t} {kind} {vname}: {row[kind][vname]['error']}", flush=True)
 
-            # ---- up
-            xs_d = TensorDescriptor.from_tensor(xs, [bm, cfg.up_k])
-            wu_d = TensorDescriptor.from_tensor(w_up.view(E * 2 * I, H), [cfg.up_n, cfg.up_k])
+    # ---- up: the current kernel first (the reference of the others)
+    inter = torch.zeros(mb * bm, i, dtype=x.dtype, device=dev)
+    progs = _persistent_programs(dev, mb * -(-i // cfg.up_n))
+    xs_d = TensorDescriptor.from_tensor(xs, [bm, cfg.up_k])
+    wu3_d = TensorDescriptor.from_tensor(w_up.view(e * 2, i, h), [2, cfg.up_n, cfg.up_k])
+    out_d = TensorDescriptor.from_tensor(inter, [bm, cfg.up_n])
 
-            def up0():
-                K.up_sorted_kernel[(I // cfg.up_n, mb)](xs_d, wu_d, be, inter0, H, I, inter0.stride(0),
-                                                        BLOCK_M=bm, BLOCK_N=cfg.up_n, BLOCK_K=cfg.up_k, DOT_PREC="tf32",
-                                                        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-            up0(); torch.cuda.synchronize()
-            ref_inter = inter0.clone()
-            valid = (sp < n)
-            scale = ref_inter[valid].float().abs().max().item()
+    def up_current():
+        K.up_sorted_kernel[(progs,)](xs_d, wu3_d, lay.block_expert, lay.num_blocks, out_d, h, i, BLOCK_M=bm,
+                                     BLOCK_N=cfg.up_n, BLOCK_K=cfg.up_k, NUM_PROGRAMS=progs, DOT_PREC="tf32",
+                                     num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    up_current()
+    torch.cuda.synchronize()
+    ref = inter.clone()
+    scale = ref[valid].float().abs().max().item()
 
-            def chk_up(buf):
-                return lambda: ((buf[valid].float() - ref_inter[valid].float()).abs().max().item() / scale)
-            rec("up", "up0 (shipped)", up0, chk_up(inter0))
-            # cuBLAS ceiling on the padded slots
-            xs_used = xs[: used * bm]
-            wt_up = w_up[0].t().contiguous()
-            rec("up", "cublas dense [slots,H]x[H,2I]", lambda: torch.mm(xs_used, wt_up), lambda: 0.0)
-            for (bn, bk, st, wp) in [(64, 64, 3, 8), (64, 64, 4, 8), (128, 64, 3, 8), (64, 128, 3, 8), (128, 64, 4, 8)]:
-                buf = torch.zeros_like(inter0)
-                xd = TensorDescriptor.from_tensor(xs, [bm, bk])
-                wd = TensorDescriptor.from_tensor(w_il.view(E * 2 * I, H), [2 * bn, bk])
+    def up_err(buf: torch.Tensor) -> Callable[[], float]:
+        return lambda: (buf[valid].float() - ref[valid].float()).abs().max().item() / scale
 
-                def f(bn=bn, bk=bk, st=st, wp=wp, buf=buf, xd=xd, wd=wd):
-                    up_il_kernel[(I // bn, mb)](xd, wd, be, buf, H, I, buf.stride(0), BLOCK_M=bm, BLOCK_N=bn,
-                                                BLOCK_K=bk, num_warps=wp, num_stages=st)
-                rec("up", f"upIL[bn{bn},bk{bk},st{st},w{wp}]", f, chk_up(buf))
-            for (il, bn, bk, st, flat, ws) in [(1, 64, 64, 3, False, False), (1, 64, 64, 3, True, False),
-                                               (1, 64, 64, 3, False, True), (1, 128, 64, 3, False, False),
-                                               (1, 128, 64, 3, True, False), (0, 64, 64, 3, False, False),
-                                               (0, 64, 64, 3, True, False), (0, 64, 64, 3, False, True),
-                                               (1, 64, 64, 4, True, False)]:
-                buf = torch.zeros_like(inter0)
-                xd = TensorDescriptor.from_tensor(xs, [bm, bk])
-                od = TensorDescriptor.from_tensor(buf, [bm, bn])
-                if il:
-                    wd = TensorDescriptor.from_tensor(w_il.view(E * 2 * I, H), [2 * bn, bk])
-                    kern = up_il_persist_kernel
-                else:
-                    wd = TensorDescriptor.from_tensor(w_up.view(E * 2 * I, H), [bn, bk])
-                    kern = up_persist_kernel
+    rec("up", "current", up_current, up_err(inter))
+    buf1 = torch.zeros_like(inter)
+    out1_d = TensorDescriptor.from_tensor(buf1, [bm, cfg.up_n])
+    rec("up", "current, not flattened",
+        lambda: up_not_flat[(progs,)](xs_d, wu3_d, lay.block_expert, lay.num_blocks, out1_d, h, i, BLOCK_M=bm,
+                                      BLOCK_N=cfg.up_n, BLOCK_K=cfg.up_k, NUM_PROGRAMS=progs,
+                                      num_warps=cfg.num_warps, num_stages=cfg.num_stages), up_err(buf1))
+    buf2 = torch.zeros_like(inter)
+    xs64 = TensorDescriptor.from_tensor(xs, [bm, 64])
+    w2_d = TensorDescriptor.from_tensor(w_up.view(e * 2 * i, h), [64, 64])
+    rec("up", "two accumulators (before)",
+        lambda: up_two_acc[(i // 64, mb)](xs64, w2_d, lay.block_expert, buf2, h, i, buf2.stride(0), BLOCK_M=bm,
+                                          BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=3), up_err(buf2))
+    buf3 = torch.zeros_like(inter)
+    wil_d = TensorDescriptor.from_tensor(w_il.view(e * 2 * i, h), [256, 64])
+    rec("up", "row-interleaved weights",
+        lambda: up_row_interleaved[(i // 128, mb)](xs64, wil_d, lay.block_expert, buf3, h, i, buf3.stride(0),
+                                                   BLOCK_M=bm, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
+        up_err(buf3))
+    xs_used, w0 = xs[: used * bm], w_up[0].t().contiguous()
+    rec("up", "cuBLAS dense", lambda: torch.mm(xs_used, w0), lambda: 0.0)
 
-                def f(kern=kern, bn=bn, bk=bk, st=st, flat=flat, ws=ws, xd=xd, wd=wd, od=od):
-                    kern[(nsm,)](xd, wd, od, be, nblk, H, I, I // bn, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                                 NUM_SMS=nsm, FLAT=flat, WS=ws, num_warps=8, num_stages=st)
-                rec("up", f"up{'IL' if il else ''}-P[bn{bn},bk{bk},st{st},flat{int(flat)},ws{int(ws)}]", f, chk_up(buf))
+    # ---- down
+    pair = torch.zeros(n, h, dtype=x.dtype, device=dev)
+    progs_d = _persistent_programs(dev, mb * -(-h // cfg.down_n))
+    a_d = TensorDescriptor.from_tensor(ref, [bm, cfg.down_k])
+    wd_d = TensorDescriptor.from_tensor(w_down.view(e * h, i), [cfg.down_n, cfg.down_k])
 
-            # ---- down
-            pair0 = torch.zeros(n, H, dtype=x.dtype, device=dev)
-            a_d = TensorDescriptor.from_tensor(ref_inter, [bm, cfg.down_k])
-            wdd = TensorDescriptor.from_tensor(w_down.view(E * H, I), [cfg.down_n, cfg.down_k])
+    def down_current():
+        K.down_sorted_kernel[(progs_d,)](a_d, wd_d, lay.sorted_pairs, lay.block_expert, lay.num_blocks, wflat, pair,
+                                         n, i, h, pair.stride(0), BLOCK_M=bm, BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k,
+                                         NUM_PROGRAMS=progs_d, DOT_PREC="tf32", num_warps=cfg.num_warps,
+                                         num_stages=cfg.num_stages)
+    down_current()
+    torch.cuda.synchronize()
+    dref = pair.clone()
+    dscale = dref.float().abs().max().item()
+    rec("down", "current", down_current, lambda: (pair.float() - dref.float()).abs().max().item() / dscale)
+    dbuf = torch.zeros_like(pair)
+    a64 = TensorDescriptor.from_tensor(ref, [bm, 64])
+    wd128 = TensorDescriptor.from_tensor(w_down.view(e * h, i), [128, 64])
+    rec("down", "grid 128 x 128 (before)",
+        lambda: down_grid[(h // 128, mb)](a64, wd128, lay.sorted_pairs, lay.block_expert, wflat, dbuf, n, i, h,
+                                          dbuf.stride(0), BLOCK_M=bm, BLOCK_N=128, BLOCK_K=64, num_warps=8,
+                                          num_stages=3),
+        lambda: (dbuf.float() - dref.float()).abs().max().item() / dscale)
+    inter_used, wd0 = ref[: used * bm], w_down[0].t().contiguous()
+    rec("down", "cuBLAS dense", lambda: torch.mm(inter_used, wd0), lambda: 0.0)
+    return row
 
-            def dn0():
-                K.down_sorted_kernel[(H // cfg.down_n, mb)](a_d, wdd, sp, be, wflat, pair0, n, I, H, pair0.stride(0),
-                                                            BLOCK_M=bm, BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k,
-                                                            DOT_PREC="tf32", num_warps=cfg.num_warps,
-                                                            num_stages=cfg.num_stages)
-            dn0(); torch.cuda.synchronize()
-            ref_pair = pair0.clone()
-            dscale = ref_pair.float().abs().max().item()
-            rec("down", "down0 (shipped)", dn0, lambda: 0.0)
-            inter_used = ref_inter[: used * bm]
-            wt_dn = w_down[0].t().contiguous()
-            rec("down", "cublas dense [slots,I]x[I,H]", lambda: torch.mm(inter_used, wt_dn), lambda: 0.0)
-            for (bn, bk, st, flat, ws) in [(128, 64, 3, False, False), (128, 64, 3, True, False), (128, 64, 3, False, True),
-                                           (256, 64, 3, True, False), (128, 64, 4, True, False), (128, 128, 3, True, False)]:
-                buf = torch.zeros_like(pair0)
-                ad = TensorDescriptor.from_tensor(ref_inter, [bm, bk])
-                wd = TensorDescriptor.from_tensor(w_down.view(E * H, I), [bn, bk])
 
-                def f(bn=bn, bk=bk, st=st, flat=flat, ws=ws, buf=buf, ad=ad, wd=wd):
-                    down_persist_kernel[(nsm,)](ad, wd, sp, be, nblk, wflat, buf, n, I, H, buf.stride(0), H // bn,
-                                                BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, NUM_SMS=nsm, FLAT=flat, WS=ws,
-                                                num_warps=8, num_stages=st)
-                rec("down", f"downP[bn{bn},bk{bk},st{st},flat{int(flat)},ws{int(ws)}]", f,
-                    lambda buf=buf: (buf.float() - ref_pair.float()).abs().max().item() / dscale)
-            # other pieces of the op, for the budget
-            rec("up", "gather_kernel", lambda: K.gather_kernel[(mb, H // 128)](x, sp, be, xs, n, H, x.stride(0), TOP_K=k,
-                                                                               BLOCK_M=bm, BLOCK_H=128), lambda: 0.0)
-            rows.append(res)
-            print(json.dumps({k2: v for k2, v in res.items() if k2 not in ("up", "down")}), flush=True)
-    json.dump({"device": torch.cuda.get_device_name(), "nsm": nsm, "triton": triton.__version__, "rows": rows},
-              open(out_path, "w"), indent=1)
+def render(path: Path) -> None:
+    data = json.loads(path.read_text())
+    m = data["meta"]
+    out = ["# MoE prefill: the two expert GEMMs alone (sorted rows, TMA operands)", "",
+           f"Machine: {m['gpu']}, torch {m['torch']}, triton {m['triton']}, {m['date']}.", "",
+           f"Command: `{m['command']}`", "",
+           "µs per call (CUDA-graph replays); TFLOP/s on the useful rows / on the padded 128-row slots; "
+           "rel err against the current kernel.", "",
+           "| shape | T | pad | GEMM | variant | µs | TFLOP/s useful | TFLOP/s padded | vs current | rel err |",
+           "|---|---:|---:|---|---|---:|---:|---:|---:|---:|"]
+    for r in data["rows"]:
+        for kind in ("up", "down"):
+            cur = r[kind].get("current", {}).get("us")
+            for vn, v in r[kind].items():
+                if "us" not in v:
+                    out.append(f"| {r['shape']} | {r['tokens']} | {r['pad_frac']:.0%} | {kind} | {vn} | error: "
+                               f"{v['error'][:80]} | | | | |")
+                    continue
+                rel = f"{v['us'] / cur:.2f}x" if cur else "-"
+                out.append(f"| {r['shape']} | {r['tokens']} | {r['pad_frac']:.0%} | {kind} | {vn} | {v['us']:.1f} | "
+                           f"{v['tflops_useful']:.0f} | {v['tflops_padded']:.0f} | {rel} | {v['rel_err']:.1e} |")
+    path.with_suffix(".md").write_text("\n".join(out) + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    rows = data["rows"]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, kind in zip(axes, ("up", "down")):
+        names = list(dict.fromkeys(vn for r in rows for vn, v in r[kind].items() if "us" in v))
+        width = 0.8 / max(1, len(names))
+        for j, vn in enumerate(names):
+            ax.bar([x + j * width for x in range(len(rows))],
+                   [r[kind].get(vn, {}).get("tflops_useful", 0) for r in rows], width, label=vn)
+        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(rows))])
+        ax.set_xticklabels([f"{r['shape']}\nT={r['tokens']}" for r in rows], fontsize=8)
+        ax.set_ylabel("TFLOP/s on useful rows")
+        ax.set_title(f"{kind} GEMM")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path.with_suffix(".png"), dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--render", type=Path)
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--tokens", default="2048,4096")
+    args = ap.parse_args()
+    if args.render:
+        render(args.render)
+        return
+    if args.out is None:
+        ap.error("--out is required (or --render)")
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_moe_prefill_gemms.py times CUDA kernels: no CUDA device here")
+    import datetime
+
+    import triton
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    rows = [bench_shape(s, int(t)) for s in args.shapes.split(",") for t in args.tokens.split(",")]
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "moe_prefill_gemms.json"
+    meta = {"command": "python " + " ".join(sys.argv), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "triton": triton.__version__, "python": platform.python_version(), "date": str(datetime.date.today())}
+    path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    render(path)
+    print(path.with_suffix(".md").read_text())
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main()

@@ -95,20 +95,51 @@ def test_expert_layout_equals_the_reference(n, e, bm, chunked):
     ids = torch.randint(0, e, (n,), generator=torch.Generator().manual_seed(n + e))
     kw = dict(block_m=bm, up_n=16, up_k=16, down_n=16, down_k=16, num_warps=1, num_stages=1)
     cfg = _ChunkOf16(**kw) if chunked else MoEConfig(**kw)
-    sorted_pairs, block_expert = expert_layout(ids, e, cfg)
+    sorted_pairs, block_expert, num_blocks = expert_layout(ids, e, cfg)
     want_pairs, want_blocks = _layout_reference(ids.tolist(), e, bm, block_expert.shape[0])
     assert sorted_pairs.tolist() == want_pairs
     assert block_expert.tolist() == want_blocks
+    assert num_blocks.tolist() == [sum(b >= 0 for b in want_blocks)]
 
 
 _LAYOUT_COMPILE_CHECK = """
 from autodeploy_mla.custom_ops.moe import kernels as K
 sig = {"IDS": "*i64", "PARTIAL": "*i32", "n_pairs": "i32", "E_P2": "constexpr", "CHUNK": "constexpr"}
 compile_sm90(K.count_kernel, sig, {"E_P2": 64, "CHUNK": 128})
-sig = {"IDS": "*i64", "PARTIAL": "*i32", "SORTED": "*i32", "BLOCK_EXPERT": "*i32", "n_pairs": "i32",
+sig = {"IDS": "*i64", "PARTIAL": "*i32", "SORTED": "*i32", "BLOCK_EXPERT": "*i32", "NUM_BLOCKS": "*i32", "n_pairs": "i32",
        "num_chunks": "i32", "max_blocks": "i32", "E_P2": "constexpr", "BLOCK_M": "constexpr", "CHUNK": "constexpr",
        "ROWS": "constexpr"}
 compile_sm90(K.place_kernel, sig, {"E_P2": 64, "BLOCK_M": 16, "CHUNK": 128, "ROWS": 64})
+print("compiled")
+"""
+
+# The prefill GEMMs at the shipped config (tuning.moe_config for T=2048), bf16, 8 warps, 3 stages.
+_SORTED_COMPILE_CHECK = """
+import re
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from autodeploy_mla.custom_ops.moe import kernels as K
+from autodeploy_mla.custom_ops.moe.tuning import moe_config
+import torch
+c = moe_config(2048 * 6, 64, 2048, 1408, torch.bfloat16, True)
+assert c.sorted_tma
+opts = {"num_warps": c.num_warps, "num_stages": c.num_stages}
+def build(fn, sig, cx):
+    k = triton.compile(ASTSource(fn, sig, constexprs=cx), target=GPUTarget("cuda", 90, 32), options=opts)
+    assert "cubin" in k.asm
+    return k.asm["ttgir"]
+cx = {"BLOCK_M": c.block_m, "BLOCK_N": c.up_n, "BLOCK_K": c.up_k, "NUM_PROGRAMS": 132, "DOT_PREC": "tf32"}
+sig = {"XS_DESC": f"tensordesc<bf16[{c.block_m},{c.up_k}]>", "W_DESC": f"tensordesc<bf16[2,{c.up_n},{c.up_k}]>",
+       "BLOCK_EXPERT": "*i32", "NUM_BLOCKS": "*i32", "O_DESC": f"tensordesc<bf16[{c.block_m},{c.up_n}]>",
+       "K": "i32", "N": "i32", **{k: "constexpr" for k in cx}}
+up = build(K.up_sorted_kernel, sig, cx)
+# one [BLOCK_M, 2 x up_n] wgmma per k-step, its weight operand straight from shared memory
+print("up wgmma", len(re.findall("warp_group_dot ", up)), "reshape", "memdesc_reshape" in up)
+cx = {"BLOCK_M": c.block_m, "BLOCK_N": c.down_n, "BLOCK_K": c.down_k, "NUM_PROGRAMS": 132, "DOT_PREC": "tf32"}
+sig = {"A_DESC": f"tensordesc<bf16[{c.block_m},{c.down_k}]>", "W_DESC": f"tensordesc<bf16[{c.down_n},{c.down_k}]>",
+       "SORTED": "*i32", "BLOCK_EXPERT": "*i32", "NUM_BLOCKS": "*i32", "TOPK_W": "*bf16", "OUT": "*bf16",
+       "n_pairs": "i32", "K": "i32", "N": "i32", "stride_ot": "i32", **{k: "constexpr" for k in cx}}
+build(K.down_sorted_kernel, sig, cx)
 print("compiled")
 """
 
@@ -121,6 +152,19 @@ def test_layout_kernels_compile_for_sm90_without_a_gpu(tmp_path):
         pytest.skip(why)
     out = run_sm90_compile_check(_LAYOUT_COMPILE_CHECK, tmp_path)
     assert out.returncode == 0 and "compiled" in out.stdout, out.stderr[-3000:]
+
+
+def test_sorted_prefill_gemms_compile_for_sm90_without_a_gpu(tmp_path):
+    """The persistent prefill GEMMs at the shipped config through Triton's compiler to SM90 cubins:
+    the up kernel's weight box ([2, up_n, up_k], gate and up halves) reaches the wgmma as a shared
+    memory view (memdesc_reshape), not through registers."""
+    from autodeploy_mla.testing.sm90_compile import run_sm90_compile_check, sm90_backend_missing
+
+    if why := sm90_backend_missing():
+        pytest.skip(why)
+    out = run_sm90_compile_check(_SORTED_COMPILE_CHECK, tmp_path)
+    assert out.returncode == 0 and "compiled" in out.stdout, out.stderr[-3000:]
+    assert "reshape True" in out.stdout, out.stdout
 
 
 def test_triton_is_deterministic_and_block_sizes_agree():

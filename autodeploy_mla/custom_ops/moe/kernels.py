@@ -6,8 +6,9 @@ Four kernels over the step's `n = T * top_k` (token, expert) pairs, pair `i` bei
   per expert per chunk; then every program sums those counts, pads each expert's count up to a
   multiple of BLOCK_M, lays the experts out one after another in that padded order and writes its
   chunk's `sorted_pairs[slot]` (the pair in each slot; `n` in padding slots) and its share of
-  `block_expert[b]` (the expert of each BLOCK_M-row block, -1 past the last). Ranks within an
-  expert come from one-hot prefix sums, not atomics, so the layout is deterministic.
+  `block_expert[b]` (the expert of each BLOCK_M-row block, -1 past the last); program 0 also writes
+  the number of blocks in use. Ranks within an expert come from one-hot prefix sums, not atomics,
+  so the layout is deterministic.
 - `up_kernel`: one program per (BLOCK_N columns of the intermediate, row block), columns fastest so
   that a block's gathered rows are re-read from L2, not HBM, by its column tiles: gathers its rows of
   the input by token, multiplies by the expert's gate and up rows (two accumulators over the same
@@ -17,7 +18,8 @@ Four kernels over the step's `n = T * top_k` (token, expert) pairs, pair `i` bei
   sums over top_k in fp32.
 
 Grids are static for a given T (row blocks: the bound `cdiv(n, BLOCK_M) + min(E, n)`; programs past
-the last real block return at once), so the op is CUDA-graph safe. Weights are read through their
+the last real block return at once; the persistent prefill kernels below read the blocks in use from
+the device), so the op is CUDA-graph safe. Weights are read through their
 strides: `[E, out, in]` as HF stores them or any transposed view.
 """
 
@@ -45,7 +47,7 @@ def count_kernel(
 
 @triton.jit(do_not_specialize=["n_pairs", "num_chunks", "max_blocks"])
 def place_kernel(
-    IDS, PARTIAL, SORTED, BLOCK_EXPERT,
+    IDS, PARTIAL, SORTED, BLOCK_EXPERT, NUM_BLOCKS,
     n_pairs, num_chunks, max_blocks,
     E_P2: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, ROWS: tl.constexpr,
 ):
@@ -66,6 +68,8 @@ def place_kernel(
     ends = tl.cumsum(padded, axis=0)
     starts = ends - padded
     total = tl.sum(padded, axis=0)
+    if c == 0:
+        tl.store(NUM_BLOCKS, total // BLOCK_M)  # blocks that hold an expert: 0 .. NUM_BLOCKS - 1
 
     # this chunk's pairs: slot = expert start + pairs of that expert in earlier chunks + rank here
     # (programs past the last chunk find no pairs: every load is masked off)
@@ -183,8 +187,11 @@ def down_kernel(
 # At hundreds of rows per expert the GEMMs are compute-bound and the gathered row loads above keep
 # them from TMA: `gather_kernel` first copies each slot's token row into a sorted [slots, H] buffer
 # (zeros in padding slots), so every operand of both GEMMs is a plain 2-d tile that a tensor
-# descriptor (TMA on SM90) loads. Weights are read as 2-d [E * rows, in] views: expert e's tile
-# starts at row e * rows.
+# descriptor (TMA on SM90) loads. The down weights are read as a 2-d [E * H, I] view (expert e's
+# tile starts at row e * H), the up weights as [E * 2, I, H] (gate and up halves side by side).
+# Both GEMMs are persistent (one program per SM walking the tiles, the loop flattened so the next
+# tile's loads overlap this tile's epilogue): H200, T = 2048, V2-Lite up 348 -> 317 us, down 182
+# -> 172 us (docs/benchmarks/moe_prefill_gemms.md).
 @triton.jit(do_not_specialize=["n_pairs"])
 def gather_kernel(
     X, SORTED, BLOCK_EXPERT, XS,
@@ -207,55 +214,61 @@ def gather_kernel(
 
 @triton.jit
 def up_sorted_kernel(
-    XS_DESC, W_DESC, BLOCK_EXPERT, OUT,
-    K, N, stride_ot,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr,
+    XS_DESC, W_DESC, BLOCK_EXPERT, NUM_BLOCKS, O_DESC,
+    K, N,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
-    """OUT[slot, n] = act(xs[slot] . W[e, n]) * (xs[slot] . W[e, N + n]), all operands by descriptor."""
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    e = tl.load(BLOCK_EXPERT + pid_m)
-    if e < 0:
-        return
-    m0 = pid_m * BLOCK_M
-    row_g = e * 2 * N + pid_n * BLOCK_N
-    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        a = XS_DESC.load([m0, k0])
-        wg = W_DESC.load([row_g, k0])
-        wu = W_DESC.load([row_g + N, k0])
-        acc_g += _dot(a, tl.trans(wg), DOT_PREC)
-        acc_u += _dot(a, tl.trans(wu), DOT_PREC)
-    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # silu(gate) * up
-    slots = m0 + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    o_ptr = OUT + slots.to(tl.int64)[:, None] * stride_ot + offs_n[None, :]
-    tl.store(o_ptr, h.to(OUT.dtype.element_ty), mask=(offs_n < N)[None, :])
+    """OUT[slot, n] = act(xs[slot] . W[e, n]) * (xs[slot] . W[e, N + n]), all operands by descriptor.
+
+    Persistent: NUM_PROGRAMS programs walk the used row blocks' tiles (row block by row block, so a
+    block's rows stay in L2 across its column tiles). W_DESC views w_up as [E * 2, I, H] with a
+    [2, BLOCK_N, BLOCK_K] box: one load brings the gate rows and the matching up rows, which one
+    [BLOCK_M, 2 * BLOCK_N] product multiplies (the input tile is read once per k-step, not twice);
+    the two halves of the accumulator are then split in registers."""
+    n_tiles_n = tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    total = tl.load(NUM_BLOCKS) * n_tiles_n
+    for tile in tl.range(tl.program_id(0), total, NUM_PROGRAMS, flatten=True):
+        pid_m = tile // n_tiles_n
+        pid_n = tile % n_tiles_n
+        e = tl.load(BLOCK_EXPERT + pid_m)
+        m0 = pid_m * BLOCK_M
+        acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
+        for ki in range(k_tiles):
+            a = XS_DESC.load([m0, ki * BLOCK_K])
+            w = W_DESC.load([e * 2, pid_n * BLOCK_N, ki * BLOCK_K]).reshape([2 * BLOCK_N, BLOCK_K])
+            acc += _dot(a, tl.trans(w), DOT_PREC)
+        gate, up = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, BLOCK_N]), [0, 2, 1]))
+        h = gate / (1.0 + tl.exp(-gate)) * up  # silu(gate) * up
+        O_DESC.store([m0, pid_n * BLOCK_N], h.to(O_DESC.dtype))
 
 
 @triton.jit(do_not_specialize=["n_pairs"])
 def down_sorted_kernel(
-    A_DESC, W_DESC, SORTED, BLOCK_EXPERT, TOPK_W, OUT,
+    A_DESC, W_DESC, SORTED, BLOCK_EXPERT, NUM_BLOCKS, TOPK_W, OUT,
     n_pairs, K, N, stride_ot,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
-    """OUT[pair, n] = weight[pair] * (A[slot] . W[e, n]), operands by descriptor."""
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    e = tl.load(BLOCK_EXPERT + pid_m)
-    if e < 0:
-        return
-    m0 = pid_m * BLOCK_M
-    row_w = e * N + pid_n * BLOCK_N
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        a = A_DESC.load([m0, k0])
-        w = W_DESC.load([row_w, k0])
-        acc += _dot(a, tl.trans(w), DOT_PREC)
-    _, pairs, rmask = _block_pairs(SORTED, pid_m, n_pairs, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    _store_weighted(acc, TOPK_W, OUT, pairs, rmask, offs_n, offs_n < N, stride_ot)
+    """OUT[pair, n] = weight[pair] * (A[slot] . W[e, n]), operands by descriptor; persistent as above."""
+    n_tiles_n = tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    total = tl.load(NUM_BLOCKS) * n_tiles_n
+    for tile in tl.range(tl.program_id(0), total, NUM_PROGRAMS, flatten=True):
+        pid_m = tile // n_tiles_n
+        pid_n = tile % n_tiles_n
+        e = tl.load(BLOCK_EXPERT + pid_m)
+        m0 = pid_m * BLOCK_M
+        row_w = e * N + pid_n * BLOCK_N
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for ki in range(k_tiles):
+            a = A_DESC.load([m0, ki * BLOCK_K])
+            w = W_DESC.load([row_w, ki * BLOCK_K])
+            acc += _dot(a, tl.trans(w), DOT_PREC)
+        _, pairs, rmask = _block_pairs(SORTED, pid_m, n_pairs, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        _store_weighted(acc, TOPK_W, OUT, pairs, rmask, offs_n, offs_n < N, stride_ot)
 
 
 @triton.jit

@@ -22,7 +22,7 @@ Launch configs: `tuning.moe_config`.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -102,13 +102,13 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     bm = cfg.block_m
     dev = x.device
     wts = topk_weights.reshape(-1)
-    sorted_pairs, block_expert = expert_layout(topk_ids.reshape(-1), e, cfg)
+    layout = expert_layout(topk_ids.reshape(-1), e, cfg)
+    sorted_pairs, block_expert = layout.sorted_pairs, layout.block_expert
     max_blocks = block_expert.shape[0]
     prec = dot_precision(x.dtype)
     inter = torch.empty(max_blocks * bm, i, dtype=x.dtype, device=dev)
     if cfg.sorted_tma and sorted_tma_ok(x, w_up, w_down):
-        pair_out = _sorted_tma_gemms(x, w_up, w_down, wts, sorted_pairs, block_expert, inter, cfg, n, k, h, i,
-                                     max_blocks, prec)
+        pair_out = _sorted_tma_gemms(x, w_up, w_down, wts, layout, inter, cfg, n, k, h, i, prec)
         return _sum_over_topk(pair_out, t, k, h)
     K.up_kernel[(-(-i // cfg.up_n), max_blocks)](
         x, w_up, sorted_pairs, block_expert, inter, n, h, i,
@@ -124,12 +124,18 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     return _sum_over_topk(pair_out, t, k, h)
 
 
-def expert_layout(ids: torch.Tensor, num_experts: int, cfg: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (token, k) pairs of `ids` ([n] expert ids) in expert order, in row blocks of cfg.block_m:
-    (sorted_pairs [max_blocks * block_m]: a pair index per slot, n in padding slots; block_expert
-    [max_blocks]: each block's expert, -1 past the last). Two kernels, static grids, no host sync:
-    per-chunk expert counts, then every program sums them and places its chunk's pairs and its
-    share of the padding blocks."""
+class ExpertLayout(NamedTuple):
+    """The step's (token, k) pairs in expert order, in row blocks of `block_m` (kernels.place_kernel)."""
+
+    sorted_pairs: torch.Tensor  # [max_blocks * block_m] int32: a pair index per slot, n in padding slots
+    block_expert: torch.Tensor  # [max_blocks] int32: each block's expert, -1 past the last block in use
+    num_blocks: torch.Tensor  # [1] int32: blocks in use (on the device: the op never reads it on the host)
+
+
+def expert_layout(ids: torch.Tensor, num_experts: int, cfg: MoEConfig) -> ExpertLayout:
+    """The (token, k) pairs of `ids` ([n] expert ids) in expert order, in row blocks of cfg.block_m.
+    Two kernels, static grids, no host sync: per-chunk expert counts, then every program sums them
+    and places its chunk's pairs and its share of the padding blocks."""
     n, bm = ids.shape[0], cfg.block_m
     e_p2 = pow2(num_experts, lo=2)
     chunk = cfg.align_chunk(e_p2)
@@ -138,11 +144,12 @@ def expert_layout(ids: torch.Tensor, num_experts: int, cfg: MoEConfig) -> tuple[
     partial = torch.empty(num_chunks, e_p2, dtype=torch.int32, device=ids.device)
     sorted_pairs = torch.empty(max_blocks * bm, dtype=torch.int32, device=ids.device)
     block_expert = torch.empty(max_blocks, dtype=torch.int32, device=ids.device)
+    num_blocks = torch.empty(1, dtype=torch.int32, device=ids.device)
     K.count_kernel[(num_chunks,)](ids, partial, n, E_P2=e_p2, CHUNK=chunk)
-    K.place_kernel[(max(num_chunks, max_blocks),)](ids, partial, sorted_pairs, block_expert, n, num_chunks,
-                                                   max_blocks, E_P2=e_p2, BLOCK_M=bm, CHUNK=chunk,
+    K.place_kernel[(max(num_chunks, max_blocks),)](ids, partial, sorted_pairs, block_expert, num_blocks, n,
+                                                   num_chunks, max_blocks, E_P2=e_p2, BLOCK_M=bm, CHUNK=chunk,
                                                    ROWS=cfg.align_rows(e_p2))
-    return sorted_pairs, block_expert
+    return ExpertLayout(sorted_pairs, block_expert, num_blocks)
 
 
 def _sum_over_topk(pair_out: torch.Tensor, t: int, k: int, h: int) -> torch.Tensor:
@@ -167,30 +174,43 @@ def sorted_tma_ok(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> 
                for t in (w_up, w_down)) and (x.shape[1] * es) % 16 == 0
 
 
-def _sorted_tma_gemms(x, w_up, w_down, wts, sorted_pairs, block_expert, inter, cfg: MoEConfig, n: int, k: int,
-                      h: int, i: int, max_blocks: int, prec: str) -> torch.Tensor:
-    """Both GEMMs over rows copied into expert order (kernels.gather_kernel), operands by descriptor."""
+def _persistent_programs(device: torch.device, tiles: int) -> int:
+    """Programs of a persistent GEMM: one per SM (fewer when there are fewer tiles); the interpreter
+    (CPU tests) gets one per tile."""
+    if device.type != "cuda":
+        return max(1, tiles)
+    return max(1, min(torch.cuda.get_device_properties(device).multi_processor_count, tiles))
+
+
+def _sorted_tma_gemms(x, w_up, w_down, wts, layout: ExpertLayout, inter, cfg: MoEConfig, n: int, k: int,
+                      h: int, i: int, prec: str) -> torch.Tensor:
+    """Both GEMMs over rows copied into expert order (kernels.gather_kernel), operands by descriptor,
+    persistent over the blocks in use (`layout.num_blocks`, read on the device)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     bm = cfg.block_m
     e = w_up.shape[0]
+    max_blocks = layout.block_expert.shape[0]
     xs = torch.empty(max_blocks * bm, h, dtype=x.dtype, device=x.device)
     block_h = 128
-    K.gather_kernel[(max_blocks, -(-h // block_h))](x, sorted_pairs, block_expert, xs, n, h, x.stride(0),
-                                                    TOP_K=k, BLOCK_M=bm, BLOCK_H=block_h)
+    K.gather_kernel[(max_blocks, -(-h // block_h))](x, layout.sorted_pairs, layout.block_expert, xs, n, h,
+                                                    x.stride(0), TOP_K=k, BLOCK_M=bm, BLOCK_H=block_h)
     xs_d = TensorDescriptor.from_tensor(xs, [bm, cfg.up_k])
-    wu_d = TensorDescriptor.from_tensor(w_up.view(e * 2 * i, h), [cfg.up_n, cfg.up_k])
-    K.up_sorted_kernel[(-(-i // cfg.up_n), max_blocks)](
-        xs_d, wu_d, block_expert, inter, h, i, inter.stride(0),
-        BLOCK_M=bm, BLOCK_N=cfg.up_n, BLOCK_K=cfg.up_k, DOT_PREC=prec,
+    wu_d = TensorDescriptor.from_tensor(w_up.view(e * 2, i, h), [2, cfg.up_n, cfg.up_k])
+    out_d = TensorDescriptor.from_tensor(inter, [bm, cfg.up_n])
+    progs = _persistent_programs(x.device, max_blocks * -(-i // cfg.up_n))
+    K.up_sorted_kernel[(progs,)](
+        xs_d, wu_d, layout.block_expert, layout.num_blocks, out_d, h, i,
+        BLOCK_M=bm, BLOCK_N=cfg.up_n, BLOCK_K=cfg.up_k, NUM_PROGRAMS=progs, DOT_PREC=prec,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     a_d = TensorDescriptor.from_tensor(inter, [bm, cfg.down_k])
     wd_d = TensorDescriptor.from_tensor(w_down.view(e * h, i), [cfg.down_n, cfg.down_k])
     pair_out = torch.empty(n, h, dtype=x.dtype, device=x.device)
-    K.down_sorted_kernel[(-(-h // cfg.down_n), max_blocks)](
-        a_d, wd_d, sorted_pairs, block_expert, wts, pair_out, n, i, h, pair_out.stride(0),
-        BLOCK_M=bm, BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k, DOT_PREC=prec,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    progs = _persistent_programs(x.device, max_blocks * -(-h // cfg.down_n))
+    K.down_sorted_kernel[(progs,)](
+        a_d, wd_d, layout.sorted_pairs, layout.block_expert, layout.num_blocks, wts, pair_out, n, i, h,
+        pair_out.stride(0), BLOCK_M=bm, BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k, NUM_PROGRAMS=progs,
+        DOT_PREC=prec, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return pair_out
 
 

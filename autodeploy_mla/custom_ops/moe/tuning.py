@@ -16,7 +16,7 @@ import torch
 @dataclass(frozen=True)
 class MoEConfig:
     block_m: int
-    up_n: int
+    up_n: int  # intermediate columns per tile (the sorted-rows up GEMM multiplies gate and up: 2 x up_n)
     up_k: int
     down_n: int
     down_k: int
@@ -48,5 +48,7 @@ def moe_config(n_pairs: int, num_experts: int, hidden: int, inter: int, dtype: t
     if avg <= 48:  # T=512: 0.314 vs 0.405 ms (V2-Lite), 5.90 vs 6.28 ms (V3) against 16/32-row blocks
         return MoEConfig(block_m=64, up_n=64, up_k=64, down_n=128, down_k=64, num_warps=4, num_stages=3)
     # T=2048: rows copied into expert order, operands by TMA: 0.554 vs 0.598 ms (V2-Lite), 0.482 vs
-    # 0.498 ms (GLM) against the gathered loads (2026-11-24 sweep)
-    return MoEConfig(block_m=128, up_n=64, up_k=64, down_n=128, down_k=64, num_warps=8, num_stages=3, sorted_tma=True)
+    # 0.498 ms (GLM) against the gathered loads (2026-11-24 sweep). Persistent GEMMs with the gate and
+    # up halves in one [128, 2 x 128] product and 128 x 256 down tiles (2026-11-26 variants,
+    # docs/benchmarks/moe_prefill_gemms.md): up 348 -> 317 us, down 182 -> 172 us (V2-Lite T=2048)
+    return MoEConfig(block_m=128, up_n=128, up_k=64, down_n=256, down_k=64, num_warps=8, num_stages=3, sorted_tma=True)
