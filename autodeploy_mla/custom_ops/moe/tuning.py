@@ -50,5 +50,7 @@ def moe_config(n_pairs: int, num_experts: int, hidden: int, inter: int, dtype: t
     # T=2048: rows copied into expert order, operands by TMA: 0.554 vs 0.598 ms (V2-Lite), 0.482 vs
     # 0.498 ms (GLM) against the gathered loads (2026-11-24 sweep). Persistent GEMMs with the gate and
     # up halves in one [128, 2 x 128] product and 128 x 256 down tiles (2026-11-26 variants,
-    # docs/benchmarks/moe_prefill_gemms.md): up 348 -> 317 us, down 182 -> 172 us (V2-Lite T=2048)
-    return MoEConfig(block_m=128, up_n=128, up_k=64, down_n=256, down_k=64, num_warps=8, num_stages=3, sorted_tma=True)
+    # docs/benchmarks/moe_prefill_gemms.md): up 351 -> 320 us, down 186 -> 176 us (V2-Lite T=2048);
+    # then 4 stages instead of 3 (whole op, same day): V2-Lite 547 -> 519 us, GLM 466 -> 447 us at
+    # T=2048, equal at 1024; 64-row blocks (less padding) 7-25% slower at every size (moe.md)
+    return MoEConfig(block_m=128, up_n=128, up_k=64, down_n=256, down_k=64, num_warps=8, num_stages=4, sorted_tma=True)
