@@ -359,6 +359,40 @@ def test_fallback_runs_in_its_own_session(fake_fi):
     assert res.session.stats()["fallback_session"] == {"torch": torch_sess.stats()}
 
 
+@pytest.mark.parametrize("backend", ["flashinfer_mla", "flashinfer_trtllm_mla"])
+def test_fallback_session_is_prepared_once_per_handed_step(fake_fi, monkeypatch, backend):
+    """A step handed to the Triton fallback prepares Triton's session once (its host shape for all
+    layers): the op then takes the session's step and shares its launch plans instead of re-reading
+    the host metadata and re-making the plans in every layer. Decode steps FlashInfer runs itself
+    leave the fallback session alone."""
+    from autodeploy_mla.custom_ops.triton_mla import op as triton_op
+
+    trtllm = backend == "flashinfer_trtllm_mla"
+    fake_fi(sm=(10, 0) if trtllm else (9, 0))
+    made = []
+    real = triton_op.StepShape.from_host.__func__
+
+    def counting(cls, *a, **kw):
+        made.append(kw.get("static", False))
+        return real(cls, *a, **kw)
+
+    monkeypatch.setattr(triton_op.StepShape, "from_host", classmethod(counting))
+    sch = [{0: 9, 1: 5}, {0: 1, 1: 1}]  # a prefill step (handed over), then a decode step (FlashInfer's)
+    page = 32 if trtllm else 16
+    fake = Target.detect("cpu", page)  # the fake's GPU, with Triton (interpreted here) installed
+    target = Target(fake.device, {**fake.versions, "triton": "3.6.0"}, page)
+    policy = ft.TrtllmPolicy(fallback_order=("triton",)) if trtllm else \
+        FlashInferPolicy(prefill="fallback", fallback_order=("triton",))
+    res = run_scenario(backend, DS16, sch, policy=policy, page_size=page, dtype=BF16, target=target)
+    assert res.max_rel_error() < 1e-2
+    tri = res.session.fallback_sessions["triton"]
+    assert isinstance(tri, triton_op.TritonMLASession)
+    assert tri.step is not None and tri.step.key[:3] == (2, 14, 0)  # prepared for the prefill step
+    assert tri.plans, "the op's launch plans went to the prepared session (shared by a step's layers)"
+    assert len(made) == 1  # prepare read the host shape; the op call did not read it again
+    assert res.session.fallback_steps == 1
+
+
 def _facts(expanded_overhead_us: float) -> PrefillCostFacts:
     """Both paths at 1 TFLOP/s; absorbed costs 100 us per call, expanded `expanded_overhead_us`."""
     return PrefillCostFacts(PathCost(1.0, 1.0, 100.0), PathCost(1.0, 1.0, expanded_overhead_us), "test")

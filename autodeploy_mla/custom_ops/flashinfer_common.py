@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 import torch
 
-from .backend_registry import BackendSession, MLABackend, SessionSpec
+from .backend_registry import BackendSession, MLABackend, SessionSpec, StepDescriptor, StepMetadata
 from .cache_format import cache_dtype_name
 from .fallback import Fallback, fallback_sessions, resolve_fallback
 from .flashinfer_metadata import StepCounts
@@ -101,6 +101,14 @@ class FlashInferSession(BackendSession):
 
     def fallback_session(self, fb: Fallback) -> Optional[BackendSession]:
         return self.fallback_sessions.get(fb.name)
+
+    def prepare_fallback_sessions(self, meta: StepMetadata, step: StepDescriptor) -> None:
+        """Prepare the fallback backend's session for a step this session hands (in part) to it: once
+        for all layers, as the runner prepares the sessions of the backends it calls itself. Without it
+        Triton's op, given a session it cannot trust for this step, re-read the step's host metadata and
+        re-made its launch plans in every layer."""
+        for sess in self.fallback_sessions.values():
+            sess.prepare(meta, step)
 
     def fallback_stats(self) -> dict[str, Any]:
         """The fallback session's own stats by backend name (e.g. Triton's FA3 prefill calls), or why none."""

@@ -33,7 +33,8 @@ on the fallback's expanded path is lower than on FlashInfer's absorbed path, fro
 under the node's dims and each path's measured throughput (prefill_cost.py; fit to
 docs/benchmarks/flashinfer_plan.md) when the fallback is Triton. Decode-only steps always use FlashInfer.
 The fallback op runs inside the fallback backend's own session for this model (`fallback_sessions`):
-Triton keeps its step plans and its FA3 prefill wrapper there.
+Triton keeps its step plans and its FA3 prefill wrapper there, and `prepare` prepares that session
+for every step it hands over, so Triton reads the step's host shape once, not in every layer.
 
 CUDA graphs. Decode-only steps that a whole-graph decode CUDA graph may replay — those the model
 runner marks `StepDescriptor.cuda_graph` (a decode batch padded to one of its token buckets), or
@@ -290,6 +291,7 @@ class FlashInferMLASession(FlashInferSession):
         if plan.fallback:
             self.fallback_steps += 1
             self.routed_steps += routed
+            self.prepare_fallback_sessions(meta, step)
 
     def step_for(self, key: PlanKey, batch_info_host: torch.Tensor) -> StepPlan:
         self.require_config(key)

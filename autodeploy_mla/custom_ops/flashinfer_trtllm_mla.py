@@ -116,6 +116,7 @@ class TrtllmMLASession(FlashInferSession):
             self.decode_steps += 1
         elif self.configs and counts.num_seqs:
             self.fallback_steps += 1
+            self.prepare_fallback_sessions(meta, step)
         self.counts = counts
 
     def check_step(self, key: PlanKey, batch_info_host: torch.Tensor) -> StepCounts:
