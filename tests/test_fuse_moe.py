@@ -113,7 +113,7 @@ compile_sm90(K.place_kernel, sig, {"E_P2": 64, "BLOCK_M": 16, "CHUNK": 128, "ROW
 print("compiled")
 """
 
-# The prefill GEMMs at the shipped config (tuning.moe_config for T=2048), bf16, 8 warps, 3 stages.
+# The prefill GEMMs at the shipped config (tuning.moe_config for T=2048: its tiles, warps and stages), bf16.
 _SORTED_COMPILE_CHECK = """
 import re
 from triton.backends.compiler import GPUTarget

@@ -190,8 +190,8 @@ def down_kernel(
 # descriptor (TMA on SM90) loads. The down weights are read as a 2-d [E * H, I] view (expert e's
 # tile starts at row e * H), the up weights as [E * 2, I, H] (gate and up halves side by side).
 # Both GEMMs are persistent (one program per SM walking the tiles, the loop flattened so the next
-# tile's loads overlap this tile's epilogue): H200, T = 2048, V2-Lite up 348 -> 317 us, down 182
-# -> 172 us (docs/benchmarks/moe_prefill_gemms.md).
+# tile's loads overlap this tile's epilogue): H200, T = 2048, V2-Lite up 351 -> 320 us, down 186
+# -> 176 us (docs/benchmarks/moe_prefill_gemms.md).
 @triton.jit(do_not_specialize=["n_pairs"])
 def gather_kernel(
     X, SORTED, BLOCK_EXPERT, XS,

@@ -52,5 +52,6 @@ def moe_config(n_pairs: int, num_experts: int, hidden: int, inter: int, dtype: t
     # up halves in one [128, 2 x 128] product and 128 x 256 down tiles (2026-11-26 variants,
     # docs/benchmarks/moe_prefill_gemms.md): up 351 -> 320 us, down 186 -> 176 us (V2-Lite T=2048);
     # then 4 stages instead of 3 (whole op, same day): V2-Lite 547 -> 519 us, GLM 466 -> 447 us at
-    # T=2048, equal at 1024; 64-row blocks (less padding) 7-25% slower at every size (moe.md)
+    # T=2048, equal at 1024; 64-row blocks (less padding) slower at every size, the best of them by
+    # 2-16% (docs/moe.md)
     return MoEConfig(block_m=128, up_n=128, up_k=64, down_n=256, down_k=64, num_warps=8, num_stages=4, sorted_tma=True)

@@ -9,6 +9,12 @@ per head ([k_nope | k_pe]) and q as one [T, N, Dn + Dr] tensor (`pack_heads_kern
 each), and passes V as a strided view of the expansion GEMM's output (the kernels take row and head
 strides). With that packing the whole op beats our kernel from 1024 new tokens (N 16: 0.92x at 1024,
 0.87x at 2048; GLM 0.92x, 0.84x), so "auto" takes FA3 from tuning.FA3_PREFILL_MIN_TOKENS = 1024.
+
+`Fa3Prefill` is per-model state (the Triton session owns one): a FlashInfer workspace and wrapper,
+planned once per step (the plan depends on the step's sequence lengths only, so every layer of a
+step reuses it). Planning stages FlashInfer's schedule in a pinned host buffer copied to the device
+asynchronously; a re-plan first waits for the previous plan's copy (an event), as the FlashInfer MLA
+backend does.
 """
 
 from __future__ import annotations
