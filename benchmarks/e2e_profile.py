@@ -189,6 +189,34 @@ def profile_prefill(om, tokens: int, steps: int = 2) -> dict[str, Any]:
             "gap_sites": gap_sites(prof, steps)}
 
 
+def inductor_launch_configs(pattern: str, modules: Any = None) -> list[dict[str, Any]]:
+    """The launch config each loaded Inductor Triton kernel whose name matches `pattern` settled on
+    (after its autotuning, once it has run): name, size hints, the candidate configs and the chosen
+    one(s). Reads torch._inductor's PyCodeCache (`modules`: a list of modules, for tests)."""
+    if modules is None:
+        from torch._inductor.codecache import PyCodeCache
+
+        modules = list(PyCodeCache.modules)
+    rx = re.compile(pattern)
+    out, seen = [], set()
+    for mod in modules:
+        for attr, obj in vars(mod).items():
+            fn = getattr(obj, "fn", None)
+            if not hasattr(obj, "launchers") or fn is None or not rx.search(attr) or id(obj) in seen:
+                continue
+            seen.add(id(obj))
+
+            def cfg(c: Any) -> dict[str, Any]:
+                return {**getattr(c, "kwargs", {}), "num_warps": getattr(c, "num_warps", None),
+                        "num_stages": getattr(c, "num_stages", None)}
+
+            out.append({"name": attr, "module": getattr(mod, "__file__", ""),
+                        "size_hints": getattr(obj, "size_hints", None),
+                        "candidates": [cfg(c) for c in getattr(obj, "configs", [])],
+                        "chosen": [cfg(getattr(ln, "config", None)) for ln in obj.launchers]})
+    return out
+
+
 def print_case(title: str, r: dict[str, Any]) -> None:
     print(f"\n## {title}: wall {r['wall_ms_per_step']:.2f} ms/step, kernels {r['kernel_ms_per_step']:.2f} ms "
           f"({r['kernels_per_step']:.0f} per step)")
@@ -281,6 +309,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--set", action="append", default=[], metavar="PASS.OPTION=JSON",
                     help="pass options for the build, e.g. --set fuse_moe.enabled=false")
+    ap.add_argument("--inductor-kernels", default="", metavar="REGEX",
+                    help="after each model's cases, record the launch configs Inductor's Triton kernels "
+                         "whose names match settled on (e.g. 'silu'): run['inductor_kernels']")
     args = ap.parse_args()
     if args.render:
         render(args.render)
@@ -311,8 +342,13 @@ def main() -> None:
                 r = profile_prefill(om, t)
                 run["cases"][f"prefill_{t}"] = r
                 print_case(f"{name}/{variant} prefill {t}", r)
+            if args.inductor_kernels:
+                run["inductor_kernels"] = inductor_launch_configs(args.inductor_kernels)
+                for k in run["inductor_kernels"]:
+                    print(f"inductor kernel {k['name']}: size hints {k['size_hints']}, chosen {k['chosen']}, "
+                          f"of {len(k['candidates'])} candidates ({k['module']})")
             data["runs"].append(run)
-            (args.out / "e2e_profile.json").write_text(json.dumps(data, indent=1))
+            (args.out / "e2e_profile.json").write_text(json.dumps(data, indent=1, default=str))
             render(args.out / "e2e_profile.json")
             del om
             torch.cuda.empty_cache()

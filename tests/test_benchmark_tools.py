@@ -1,0 +1,33 @@
+"""Helpers of the benchmark scripts that run without a GPU."""
+
+from __future__ import annotations
+
+import sys
+import types
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+
+def test_inductor_launch_configs_reads_the_chosen_config():
+    """e2e_profile --inductor-kernels: per matching Inductor kernel, its size hints, its candidate
+    configs and the config its launcher runs (what autotuning settled on); other kernels and objects
+    without launchers are skipped, and a kernel held by two modules is listed once."""
+    from e2e_profile import inductor_launch_configs
+
+    def config(xblock, warps):
+        return types.SimpleNamespace(kwargs={"XBLOCK": xblock}, num_warps=warps, num_stages=1)
+
+    silu = types.SimpleNamespace(fn=lambda: None, size_hints={"x": 8192}, configs=[config(256, 4), config(128, 4)],
+                                 launchers=[types.SimpleNamespace(config=config(128, 4))])
+    norm = types.SimpleNamespace(fn=lambda: None, size_hints={"x": 2048}, configs=[config(64, 1)], launchers=[])
+    mod_a = types.SimpleNamespace(__file__="/tmp/a.py", triton_poi_fused_mul_silu_slice_2=silu,
+                                  triton_red_fused_rsqrt_0=norm, helper=object())
+    mod_b = types.SimpleNamespace(__file__="/tmp/b.py", triton_poi_fused_mul_silu_slice_2=silu)
+    got = inductor_launch_configs("silu", [mod_a, mod_b])
+    assert got == [{"name": "triton_poi_fused_mul_silu_slice_2", "module": "/tmp/a.py", "size_hints": {"x": 8192},
+                    "candidates": [{"XBLOCK": 256, "num_warps": 4, "num_stages": 1},
+                                   {"XBLOCK": 128, "num_warps": 4, "num_stages": 1}],
+                    "chosen": [{"XBLOCK": 128, "num_warps": 4, "num_stages": 1}]}]
+    assert [k["name"] for k in inductor_launch_configs("triton_", [mod_a])] == [
+        "triton_poi_fused_mul_silu_slice_2", "triton_red_fused_rsqrt_0"]
