@@ -441,21 +441,34 @@ def test_gpu_capture_failure_falls_back_to_eager_and_generation_is_unchanged():
     assert om.generate(prompts, max_new_tokens=8) == got
 
 
+def _fa3_calls(runner) -> int:
+    """FA3 prefill calls of the runner's Triton sessions (its own, or a FlashInfer backend's fallback)."""
+    from autodeploy_mla.custom_ops.triton_mla.op import TritonMLASession
+
+    sessions = list(runner.sessions.values())
+    sessions += [f for s in runner.sessions.values() for f in getattr(s, "fallback_sessions", {}).values()]
+    return sum(s.fa3.calls for s in sessions if isinstance(s, TritonMLASession) and s.fa3 is not None)
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [300, 1100])
 @pytest.mark.parametrize("backend", ["flashinfer_mla", "triton"])
-def test_gpu_queued_prefill_steps_never_wait_for_the_device(backend):
+def test_gpu_queued_prefill_steps_never_wait_for_the_device(backend, tokens):
     """Piecewise prefill steps (eager attention op between graph pieces) queued back to back make
     no synchronising CUDA call: the host prepares and launches step i+1 while the GPU runs step i
     (torch's sync debug mode raises on any). Real MLA dims (R 512, Dr 64, N 16); 300-token steps,
-    above the mixed-graph limit, so every layer runs the eager op."""
+    above the mixed-graph limit, so every layer runs the eager op; 1100-token steps take FlashInfer's
+    FA3 for the expanded attention where it is installed (tuning.FA3_PREFILL_MIN_TOKENS), whose plan
+    must not wait for the device either."""
     if backend not in all_backends():
         pytest.skip(f"{backend} not registered")
-    over = ["model.device=cuda", "model.dtype=bfloat16", "runtime.page_size=64", "runtime.max_seq_len=1024",
-            "runtime.max_batch_size=4", "runtime.max_num_tokens=512", "model.hf_config.kv_lora_rank=512",
+    over = ["model.device=cuda", "model.dtype=bfloat16", "runtime.page_size=64", "runtime.max_seq_len=2048",
+            "runtime.max_batch_size=4", f"runtime.max_num_tokens={512 if tokens < 512 else 2048}",
+            "model.hf_config.kv_lora_rank=512",
             "model.hf_config.qk_rope_head_dim=64", "model.hf_config.qk_nope_head_dim=128",
             "model.hf_config.v_head_dim=128", "model.hf_config.num_attention_heads=16",
             "model.hf_config.num_key_value_heads=16", "model.hf_config.hidden_size=512",
-            "model.hf_config.num_hidden_layers=3", "model.hf_config.max_position_embeddings=1024",
+            "model.hf_config.num_hidden_layers=3", "model.hf_config.max_position_embeddings=2048",
             f"transforms.insert_cached_mla_attention.backend={backend}"]
     try:
         om = optimize("deepseek_v2", overrides=over)
@@ -463,7 +476,7 @@ def test_gpu_queued_prefill_steps_never_wait_for_the_device(backend):
         pytest.skip(f"{backend} cannot build here: {e}")
     om.warmup()
     r = om.runner
-    ids = [2 + (7 * i) % (om.vocab_size - 2) for i in range(300)]
+    ids = [2 + (7 * i) % (om.vocab_size - 2) for i in range(tokens)]
     for check in (False, True):  # the first round compiles / plans for the first time
         launched = []
         if check:
@@ -478,3 +491,12 @@ def test_gpu_queued_prefill_steps_never_wait_for_the_device(backend):
             got = [r.collect(s) for s in launched]
         assert len(got) == 3 and got[0] == got[1] == got[2]  # same prompt, same pages: same greedy pick
     assert r.piecewise.stats["piecewise"] + r.piecewise.stats["eager"] >= 6  # never a whole-step graph
+    from autodeploy_mla.custom_ops import MLADims
+    from autodeploy_mla.custom_ops.triton_mla import tuning
+    from autodeploy_mla.custom_ops.triton_mla.fa3_prefill import fa3_unavailable
+
+    dims = MLADims(16, 128, 64, 128, 512)  # the model's heads, as set above
+    handed = backend == "triton" or any(getattr(s, "fallback_steps", 0) for s in r.sessions.values())
+    if handed and tokens >= tuning.FA3_PREFILL_MIN_TOKENS and \
+            not fa3_unavailable(dims, torch.bfloat16, torch.device("cuda")):
+        assert _fa3_calls(r) > 0, "the long steps should have taken FA3 (and been checked for syncs)"
