@@ -213,6 +213,14 @@ def gather_kernel(
 
 
 @triton.jit
+def _tile_of(tile, n_tiles_n, BLOCK_EXPERT, BLOCK_M: tl.constexpr):
+    """(row block, column tile, expert, first slot) of a persistent GEMM's tile number: tiles run row
+    block by row block, so a block's rows stay in L2 across its column tiles."""
+    pid_m = tile // n_tiles_n
+    return pid_m, tile % n_tiles_n, tl.load(BLOCK_EXPERT + pid_m), pid_m * BLOCK_M
+
+
+@triton.jit
 def up_sorted_kernel(
     XS_DESC, W_DESC, BLOCK_EXPERT, NUM_BLOCKS, O_DESC,
     K, N,
@@ -230,10 +238,7 @@ def up_sorted_kernel(
     k_tiles = tl.cdiv(K, BLOCK_K)
     total = tl.load(NUM_BLOCKS) * n_tiles_n
     for tile in tl.range(tl.program_id(0), total, NUM_PROGRAMS, flatten=True):
-        pid_m = tile // n_tiles_n
-        pid_n = tile % n_tiles_n
-        e = tl.load(BLOCK_EXPERT + pid_m)
-        m0 = pid_m * BLOCK_M
+        pid_m, pid_n, e, m0 = _tile_of(tile, n_tiles_n, BLOCK_EXPERT, BLOCK_M)
         acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
         for ki in range(k_tiles):
             a = XS_DESC.load([m0, ki * BLOCK_K])
@@ -256,10 +261,7 @@ def down_sorted_kernel(
     k_tiles = tl.cdiv(K, BLOCK_K)
     total = tl.load(NUM_BLOCKS) * n_tiles_n
     for tile in tl.range(tl.program_id(0), total, NUM_PROGRAMS, flatten=True):
-        pid_m = tile // n_tiles_n
-        pid_n = tile % n_tiles_n
-        e = tl.load(BLOCK_EXPERT + pid_m)
-        m0 = pid_m * BLOCK_M
+        pid_m, pid_n, e, m0 = _tile_of(tile, n_tiles_n, BLOCK_EXPERT, BLOCK_M)
         row_w = e * N + pid_n * BLOCK_N
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for ki in range(k_tiles):
