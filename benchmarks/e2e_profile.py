@@ -207,13 +207,17 @@ def inductor_launch_configs(pattern: str, modules: Any = None) -> list[dict[str,
             seen.add(id(obj))
 
             def cfg(c: Any) -> dict[str, Any]:
-                return {**getattr(c, "kwargs", {}), "num_warps": getattr(c, "num_warps", None),
+                return {**(getattr(c, "kwargs", None) or {}), "num_warps": getattr(c, "num_warps", None),
                         "num_stages": getattr(c, "num_stages", None)}
 
+            # `configs` is None once Inductor has pruned its candidates after autotuning.
             out.append({"name": attr, "module": getattr(mod, "__file__", ""),
                         "size_hints": getattr(obj, "size_hints", None),
-                        "candidates": [cfg(c) for c in getattr(obj, "configs", [])],
-                        "chosen": [cfg(getattr(ln, "config", None)) for ln in obj.launchers]})
+                        "candidates": [cfg(c) for c in (getattr(obj, "configs", None) or [])],
+                        "chosen": [{**cfg(getattr(ln, "config", None)), "n_regs": getattr(ln, "n_regs", None),
+                                    "n_spills": getattr(ln, "n_spills", None),
+                                    "shared": getattr(ln, "shared", None)} for ln in obj.launchers],
+                        "src": getattr(fn, "src", "")})
     return out
 
 
@@ -346,7 +350,7 @@ def main() -> None:
                 run["inductor_kernels"] = inductor_launch_configs(args.inductor_kernels)
                 for k in run["inductor_kernels"]:
                     print(f"inductor kernel {k['name']}: size hints {k['size_hints']}, chosen {k['chosen']}, "
-                          f"of {len(k['candidates'])} candidates ({k['module']})")
+                          f"of {len(k['candidates'])} candidates ({k['module']})\n{k['src']}")
             data["runs"].append(run)
             (args.out / "e2e_profile.json").write_text(json.dumps(data, indent=1, default=str))
             render(args.out / "e2e_profile.json")

@@ -18,8 +18,10 @@ def test_inductor_launch_configs_reads_the_chosen_config():
     def config(xblock, warps):
         return types.SimpleNamespace(kwargs={"XBLOCK": xblock}, num_warps=warps, num_stages=1)
 
-    silu = types.SimpleNamespace(fn=lambda: None, size_hints={"x": 8192}, configs=[config(256, 4), config(128, 4)],
-                                 launchers=[types.SimpleNamespace(config=config(128, 4))])
+    silu = types.SimpleNamespace(fn=types.SimpleNamespace(src="def k(): pass"), size_hints={"x": 8192},
+                                 configs=[config(256, 4), config(128, 4)],
+                                 launchers=[types.SimpleNamespace(config=config(128, 4), n_regs=32, n_spills=0,
+                                                                  shared=0)])
     norm = types.SimpleNamespace(fn=lambda: None, size_hints={"x": 2048}, configs=[config(64, 1)], launchers=[])
     mod_a = types.SimpleNamespace(__file__="/tmp/a.py", triton_poi_fused_mul_silu_slice_2=silu,
                                   triton_red_fused_rsqrt_0=norm, helper=object())
@@ -28,6 +30,11 @@ def test_inductor_launch_configs_reads_the_chosen_config():
     assert got == [{"name": "triton_poi_fused_mul_silu_slice_2", "module": "/tmp/a.py", "size_hints": {"x": 8192},
                     "candidates": [{"XBLOCK": 256, "num_warps": 4, "num_stages": 1},
                                    {"XBLOCK": 128, "num_warps": 4, "num_stages": 1}],
-                    "chosen": [{"XBLOCK": 128, "num_warps": 4, "num_stages": 1}]}]
+                    "chosen": [{"XBLOCK": 128, "num_warps": 4, "num_stages": 1, "n_regs": 32, "n_spills": 0,
+                                "shared": 0}],
+                    "src": "def k(): pass"}]
+    # After autotuning Inductor drops the candidates (configs=None): the chosen config is still read.
+    silu.configs = None
+    assert inductor_launch_configs("silu", [mod_a])[0]["candidates"] == []
     assert [k["name"] for k in inductor_launch_configs("triton_", [mod_a])] == [
         "triton_poi_fused_mul_silu_slice_2", "triton_red_fused_rsqrt_0"]
