@@ -5,8 +5,6 @@
 one static pass per group), keeps the TOPK_GROUP best groups, then picks the K experts by repeated
 arg-max (ties: the lowest index; a taken expert is never picked again, even when every remaining
 choice is -inf) and writes their weights normalised and scaled, and their ids as int64.
-`gate_route_kernel`: the same for one token row whose logits it first computes from the hidden
-state and the fp32 gate weight (the router GEMM folded in; small steps only).
 """
 
 from __future__ import annotations
@@ -123,33 +121,3 @@ def route_kernel(
                              G_PAD, TOPK_GROUP, SIGMOID, HAS_BIAS, GROUP_TOP2, FILL_NEG_INF, FILL, FROM_CHOICE,
                              RENORM, EPS, BLOCK_T)
     _store(W, IDS, rows, rmask, wacc, iacc, K, K_PAD)
-
-
-@triton.jit(do_not_specialize=["T", "H"])
-def gate_route_kernel(
-    X, GATE, BIAS, W, IDS, T, H, stride_x, stride_g, scale,
-    E: tl.constexpr, E_PAD: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr,
-    N_GROUP: tl.constexpr, G_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr,
-    SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP_TOP2: tl.constexpr,
-    FILL_NEG_INF: tl.constexpr, FILL: tl.constexpr, FROM_CHOICE: tl.constexpr,
-    RENORM: tl.constexpr, EPS: tl.constexpr, BLOCK_H: tl.constexpr,
-):
-    """The gate GEMM and the routing of one token row: logits[e] = sum_h x[h] * gate[e, h] in fp32
-    (FMA, no tensor-core rounding: what an fp32 router GEMM computes), then `_route_rows`."""
-    row = tl.program_id(0)
-    cols = tl.arange(0, E_PAD)
-    cmask = cols < E
-    acc = tl.zeros([E_PAD], dtype=tl.float32)
-    for h0 in range(0, H, BLOCK_H):
-        hs = h0 + tl.arange(0, BLOCK_H)
-        hm = hs < H
-        xv = tl.load(X + row * stride_x + hs, mask=hm, other=0.0).to(tl.float32)
-        gv = tl.load(GATE + cols[:, None] * stride_g + hs[None, :], mask=cmask[:, None] & hm[None, :],
-                     other=0.0).to(tl.float32)
-        acc += tl.sum(gv * xv[None, :], axis=1)
-    x = tl.where(cmask, acc, float("-inf"))[None, :]
-    rows = row + tl.arange(0, 1)
-    wacc, iacc = _route_rows(x, cols, cmask, BIAS, scale, tl.float32, E, E_PAD, K, K_PAD, N_GROUP, G_PAD,
-                             TOPK_GROUP, SIGMOID, HAS_BIAS, GROUP_TOP2, FILL_NEG_INF, FILL, FROM_CHOICE, RENORM,
-                             EPS, 1)
-    _store(W, IDS, rows, rows < T, wacc, iacc, K, K_PAD)

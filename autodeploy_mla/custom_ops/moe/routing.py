@@ -17,7 +17,9 @@ Mistral-Small-4 (softmax, top-2-sum groups, normalised):
     weights = weights * scale
 
 HF runs this as 3-15 ATen ops per layer (three `topk`s for grouped routers); the fuse_routing pass
-replaces them with one of these ops. The gate GEMM itself stays the model's (it is a GEMM).
+replaces them with one of these ops. `<backend>_moe_gate_route` also takes the hidden states and the
+gate weight: the reference runs the routers' fp32 GEMM, the Triton op the same products on tensor
+cores with fp32 sums (gate_logits_tensor_cores), then the routing kernel.
 
 The reference is HF's own sequence of torch calls, so on CPU it is bitwise what the model computes.
 The Triton kernel holds one block of token rows x all experts in registers (E <= 1024), picks the
@@ -208,18 +210,6 @@ def triton_route(logits: torch.Tensor, bias: Optional[torch.Tensor], spec: Routi
         logits, bias if bias is not None else logits, weights, ids, t, logits.stride(0), float(spec.scale),
         **consts, BLOCK_T=block_t, num_warps=4 if consts["E_PAD"] * block_t >= 1024 else 1)
     return weights, ids
-    e_pad = pow2(e, lo=2)
-    block_t = block_t or route_block_t(t, e_pad)
-    logits = logits if logits.stride(1) == 1 else logits.contiguous()
-    RK.route_kernel[(-(-t // block_t),)](
-        logits, bias if bias is not None else logits, weights, ids, t, logits.stride(0), float(spec.scale),
-        E=e, E_PAD=e_pad, K=k, K_PAD=pow2(k, lo=2), N_GROUP=spec.n_group if spec.grouped else 1,
-        G_PAD=pow2(spec.n_group if spec.grouped else 1, lo=2), TOPK_GROUP=spec.topk_group,
-        SIGMOID=spec.score == "sigmoid", HAS_BIAS=bias is not None, GROUP_TOP2=spec.group_score == "top2sum",
-        FILL_NEG_INF=spec.fill == float("-inf"), FILL=0.0 if spec.fill == float("-inf") else float(spec.fill),
-        FROM_CHOICE=spec.weights_from == "choice", RENORM=spec.renormalize, EPS=NORM_EPS, BLOCK_T=block_t,
-        num_warps=4 if e_pad * block_t >= 1024 else 1)
-    return weights, ids
 
 
 @torch.library.custom_op("autodeploy::triton_moe_route", mutates_args=())
@@ -234,10 +224,8 @@ def triton_moe_route(logits: torch.Tensor, bias: Optional[torch.Tensor], top_k: 
 triton_moe_route.register_fake(_fake("triton_moe_route"))
 
 
-# ----------------------------------------------------------------------------- gate GEMM folded in
-#: Steps up to this many tokens fold the fp32 gate GEMM into the routing kernel (one row per program,
-#: the gate weight re-read from L2 by each); longer steps run the GEMM on cuBLAS, then route_kernel.
-GATE_FOLD_MAX_T = 512
+# ----------------------------------------------------------------------------- gate GEMM in the op
+HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def check_gate_inputs(name: str, x: torch.Tensor, gate_weight: torch.Tensor) -> None:
@@ -249,6 +237,20 @@ def check_gate_inputs(name: str, x: torch.Tensor, gate_weight: torch.Tensor) -> 
 def gate_logits(x: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
     """The fp32 router GEMM as the routers write it: F.linear(x.float(), weight.float())."""
     return torch.nn.functional.linear(x.type(torch.float32), gate_weight.type(torch.float32))
+
+
+def gate_logits_tensor_cores(x: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
+    """gate_logits from bf16 / fp16 operands on tensor cores, summed and returned in fp32.
+
+    A product of two bf16 (fp16) numbers is exact in fp32 (8 + 8 (11 + 11) significand bits <= 24), so
+    this differs from the upcast fp32 GEMM only in the order and rounding of its fp32 sums, as two fp32
+    GEMMs of cuBLAS do (it splits K for some shapes). It reads the operands in their own dtype (no fp32
+    copies written and read back) and runs a tensor-core GEMM instead of the SIMT sgemm, which took
+    ~20-24 µs per layer of a 2048-token prefill step on the H200 (docs/benchmarks/moe_routing_gate.md).
+    Other dtypes, or CPU: gate_logits."""
+    if x.is_cuda and x.dtype in HALF_DTYPES and gate_weight.dtype == x.dtype:
+        return torch.mm(x, gate_weight.t(), out_dtype=torch.float32)
+    return gate_logits(x, gate_weight)
 
 
 @torch.library.custom_op("autodeploy::torch_moe_gate_route", mutates_args=())
@@ -263,50 +265,18 @@ def torch_moe_gate_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: Optio
     return w.contiguous(), ids.contiguous()
 
 
-def triton_gate_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: Optional[torch.Tensor], spec: RoutingSpec,
-                      fold_max_t: int = GATE_FOLD_MAX_T) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gate GEMM + routing: one kernel for steps of <= fold_max_t tokens, cuBLAS + route_kernel above."""
+def triton_gate_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: Optional[torch.Tensor],
+                      spec: RoutingSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gate GEMM on tensor cores (gate_logits_tensor_cores), then the routing kernel."""
     check_gate_inputs("triton_moe_gate_route", x, gate_weight)
-    t, h = x.shape
-    e = gate_weight.shape[0]
-    if t > fold_max_t or not HAS_TRITON:
-        return triton_route(gate_logits(x, gate_weight), bias, spec)
-    check_route_spec("triton_moe_gate_route", e, bias, spec.top_k, spec.n_group, spec.topk_group, spec.score,
-                     spec.group_score, spec.weights_from)
-    consts = kernel_constants(spec, e, bias is not None)
-    k = spec.top_k
-    weights = torch.empty(t, k, dtype=torch.float32, device=x.device)
-    ids = torch.empty(t, k, dtype=torch.int64, device=x.device)
-    if t == 0:
-        return weights, ids
-    x = x if x.stride(1) == 1 else x.contiguous()
-    gate_weight = gate_weight if gate_weight.stride(1) == 1 else gate_weight.contiguous()
-    RK.gate_route_kernel[(t,)](
-        x, gate_weight, bias if bias is not None else gate_weight, weights, ids, t, h, x.stride(0),
-        gate_weight.stride(0), float(spec.scale),
-        **consts, BLOCK_H=max(16, min(128, 8192 // consts["E_PAD"])), num_warps=4)
-    return weights, ids
-    x = x if x.stride(1) == 1 else x.contiguous()
-    gate_weight = gate_weight if gate_weight.stride(1) == 1 else gate_weight.contiguous()
-    e_pad = pow2(e, lo=2)
-    grouped = spec.grouped
-    RK.gate_route_kernel[(t,)](
-        x, gate_weight, bias if bias is not None else gate_weight, weights, ids, t, h, x.stride(0),
-        gate_weight.stride(0), float(spec.scale),
-        E=e, E_PAD=e_pad, K=k, K_PAD=pow2(k, lo=2), N_GROUP=spec.n_group if grouped else 1,
-        G_PAD=pow2(spec.n_group if grouped else 1, lo=2), TOPK_GROUP=spec.topk_group,
-        SIGMOID=spec.score == "sigmoid", HAS_BIAS=bias is not None, GROUP_TOP2=spec.group_score == "top2sum",
-        FILL_NEG_INF=spec.fill == float("-inf"), FILL=0.0 if spec.fill == float("-inf") else float(spec.fill),
-        FROM_CHOICE=spec.weights_from == "choice", RENORM=spec.renormalize, EPS=NORM_EPS,
-        BLOCK_H=max(16, min(128, 8192 // e_pad)), num_warps=4)
-    return weights, ids
+    return triton_route(gate_logits_tensor_cores(x, gate_weight), bias, spec)
 
 
 @torch.library.custom_op("autodeploy::triton_moe_gate_route", mutates_args=())
 def triton_moe_gate_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: Optional[torch.Tensor], top_k: int,
                           n_group: int, topk_group: int, score: str, group_score: str, fill: float,
                           weights_from: str, renormalize: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gate GEMM folded into the routing kernel (same contract as torch_moe_gate_route)."""
+    """The gate GEMM on tensor cores and the routing kernel (same contract as torch_moe_gate_route)."""
     return triton_gate_route(x, gate_weight, bias, _spec(top_k, n_group, topk_group, score, group_score, fill,
                                                          weights_from, renormalize, scale))
 
@@ -323,8 +293,8 @@ def _fake_gate(name: str):
 torch_moe_gate_route.register_fake(_fake_gate("torch_moe_gate_route"))
 triton_moe_gate_route.register_fake(_fake_gate("triton_moe_gate_route"))
 
-__all__ = ["GATE_FOLD_MAX_T", "HAS_TRITON", "MAX_EXPERTS", "RoutingSpec", "check_route_inputs", "check_route_spec",
-           "gate_logits", "kernel_constants",
+__all__ = ["HALF_DTYPES", "HAS_TRITON", "MAX_EXPERTS", "RoutingSpec", "check_route_inputs", "check_route_spec",
+           "gate_logits", "gate_logits_tensor_cores", "kernel_constants",
            "route_reference", "torch_moe_gate_route", "torch_moe_route", "triton_gate_route", "triton_moe_gate_route",
            "triton_moe_route", "triton_route"]
 
