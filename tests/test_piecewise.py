@@ -285,6 +285,22 @@ def test_steps_pad_to_buckets():
     assert info.num_padded_tokens == 7
 
 
+def test_warmup_runs_the_largest_steps_first(monkeypatch):
+    """torch.compile fixes a dynamic token count's kernel sizes and autotuning at the second count a
+    piece sees: warm-up goes from the largest bucket down, so that count is a large one."""
+    from autodeploy_mla.runtime.model_runner import ModelRunner
+
+    om = build(1)
+    seen = []
+    monkeypatch.setattr(ModelRunner, "capture_buckets", property(lambda self: (1, 2, 4, 8)))
+    monkeypatch.setattr(ModelRunner, "_warm_step", lambda self, kind, n: seen.append((kind, n)))
+    om.runner.warmup_report = None
+    report = om.runner.warmup()
+    assert [n for _, n in seen] == sorted((n for _, n in seen), reverse=True) and seen[0][1] == 8, seen
+    assert ("decode", 4) in seen and ("decode", 8) not in seen  # decode only up to max_batch_size
+    assert report["steps"][:2] == ["prefill:8", "decode:4"], report
+
+
 def test_captured_graph_binding_rules():
     """bind(): borrowed graph inputs must be the same tensor; owned buffers take a copy; scalars must match."""
     inp, owned_out, mine = torch.randn(4), torch.randn(3), torch.randn(2)

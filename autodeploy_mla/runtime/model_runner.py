@@ -346,7 +346,15 @@ class ModelRunner:
         """Capture every CUDA-graph bucket now (decode graphs, mixed graphs and piecewise pieces), on dummy
         sequences that borrow cache pages and return them, so that no later step pays for a capture;
         on CUDA also one eager step of max_num_tokens (fresh prefill and continuation) when that is
-        past the top bucket. Idempotent; returns what was done."""
+        past the top bucket. Idempotent; returns what was done.
+
+        Largest steps first. torch.compile (dynamic=None) specialises a static piece to the first
+        token count it sees and recompiles it with a dynamic token count at the second; Inductor
+        sizes and autotunes that graph's kernels at that second count, and every later size runs
+        them. Ascending order made that 2 tokens: V2-Lite's shared-expert silu*up kernel ran with
+        128-element blocks (one bf16 per thread) at 2048 tokens, 28 µs per layer where it needs ~8
+        (H200 profile, docs/benchmarks/e2e_roofline.md). Tuned at a large count, the same kernels
+        cost small steps little: their few programs each cover more elements."""
         if self.warmup_report is not None:
             return self.warmup_report
         t0 = time.perf_counter()
@@ -354,7 +362,18 @@ class ModelRunner:
         buckets = self.capture_buckets
         info = self.seq_info
         mixed_max = self.piecewise.mixed_graph_max_tokens if self.piecewise is not None else 0
-        for b in buckets:
+        top = info.max_num_tokens
+        past_top = self.device.type == "cuda" and (not buckets or top > max(buckets))
+        # The largest steps run eagerly past the top bucket: run them once too, fresh and as a
+        # continuation over cached tokens, so that kernels compiled or tuned per shape on first use
+        # (Triton specialisations, cuBLAS heuristics) are not paid by the first long prompt.
+        for kind in ("prefill", "chunk") if past_top else ():
+            try:
+                self._warm_step(kind, top)
+                done.append(f"{kind}:{top}")
+            except (CapacityError, OutOfPagesError) as exc:
+                skipped[f"{kind}:{top}"] = str(exc)
+        for b in sorted(buckets, reverse=True):
             shapes = [("decode", b)] if b <= info.max_batch_size else []
             shapes.append(("prefill", b))
             # A mixed-graph bucket also captures its pieces: steps a session declines (long-prefix
@@ -374,17 +393,6 @@ class ModelRunner:
                     done.append(f"{kind}:{n}")
                 except (CapacityError, OutOfPagesError) as exc:
                     skipped[f"{kind}:{n}"] = str(exc)
-        # The largest steps run eagerly past the top bucket: run them once too, fresh and as a
-        # continuation over cached tokens, so that kernels compiled or tuned per shape on first use
-        # (Triton specialisations, cuBLAS heuristics) are not paid by the first long prompt.
-        top = info.max_num_tokens
-        if self.device.type == "cuda" and (not buckets or top > max(buckets)):
-            for kind in ("prefill", "chunk"):
-                try:
-                    self._warm_step(kind, top)
-                    done.append(f"{kind}:{top}")
-                except (CapacityError, OutOfPagesError) as exc:
-                    skipped[f"{kind}:{top}"] = str(exc)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.warmup_report = {"seconds": time.perf_counter() - t0, "steps": done, "skipped": skipped,
