@@ -355,6 +355,10 @@ def test_fallback_runs_in_its_own_session(fake_fi):
         assert call_fallback(Fallback("fb", op, ()), (1,), {}, None, None, UNIT_SCALES, torch_sess) == "out"
     assert seen == {"fb": torch_sess, "outer": outer}
     sessions, why = fallback_sessions({1: Fallback("torch", op, ()), 2: Fallback("triton", op, ())}, res.session.spec)
+    assert Fallback("fb", op, ()).call is op  # no direct call given: the op
+    # resolved: the fallback backend's direct call (no second trip through the dispatcher), the op kept
+    fb = resolve_fallback([DS16], BF16, Target.detect("cpu", 16), ("torch",), FI_METADATA)
+    assert fb.op is get_backend("torch").cached_op and fb.call is get_backend("torch").direct_call
     assert sessions == {} and "['torch', 'triton']" in why
     assert res.session.stats()["fallback_session"] == {"torch": torch_sess.stats()}
 
