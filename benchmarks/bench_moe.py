@@ -37,7 +37,7 @@ SHAPES = {  # name: (experts, top_k, hidden, intermediate)
     "glm_4_7_flash": (64, 4, 2048, 1536),
     "deepseek_v3": (256, 8, 7168, 2048),
 }
-SWEEP = [  # (block_m, up_n, up_k, down_n, down_k, warps, stages[, sorted_tma])
+SWEEP = [  # (block_m, up_n, up_k, down_n, down_k, warps, stages[, sorted_tma[, tail_m, tail_warps]])
     (16, 64, 128, 64, 128, 4, 4), (16, 32, 128, 64, 128, 4, 4), (16, 64, 64, 128, 64, 4, 4),
     (16, 128, 64, 128, 64, 4, 3), (32, 64, 128, 64, 128, 4, 3), (64, 64, 64, 128, 64, 4, 3),
     (64, 128, 64, 128, 64, 8, 3), (128, 64, 64, 128, 64, 8, 3), (128, 128, 64, 128, 64, 8, 3),
@@ -47,6 +47,8 @@ SWEEP = [  # (block_m, up_n, up_k, down_n, down_k, warps, stages[, sorted_tma])
     (128, 64, 64, 128, 64, 8, 3, True), (128, 64, 64, 128, 64, 8, 4, True), (128, 128, 64, 128, 64, 8, 3, True),
     (128, 128, 64, 128, 64, 8, 4, True), (128, 128, 64, 256, 64, 8, 3, True), (64, 128, 64, 128, 64, 4, 4, True),
     (128, 64, 64, 256, 64, 8, 4, True), (64, 64, 64, 128, 64, 4, 4, True), (128, 128, 128, 128, 128, 8, 3, True),
+    # the shipped prefill config with an expert's last <= 64 rows in 64-row tail blocks (4 or 8 warps)
+    (128, 128, 64, 256, 64, 8, 4, True, 64, 4), (128, 128, 64, 256, 64, 8, 4, True, 64, 8),
 ]
 
 
