@@ -348,9 +348,12 @@ def main() -> None:
                 print_case(f"{name}/{variant} prefill {t}", r)
             if args.inductor_kernels:
                 run["inductor_kernels"] = inductor_launch_configs(args.inductor_kernels)
+                shown: set[str] = set()  # each piece compiles its own copy: print a source once
                 for k in run["inductor_kernels"]:
+                    src = "" if k["src"] in shown else "\n" + k["src"]
+                    shown.add(k["src"])
                     print(f"inductor kernel {k['name']}: size hints {k['size_hints']}, chosen {k['chosen']}, "
-                          f"of {len(k['candidates'])} candidates ({k['module']})\n{k['src']}")
+                          f"of {len(k['candidates'])} candidates ({k['module']}){src}")
             data["runs"].append(run)
             (args.out / "e2e_profile.json").write_text(json.dumps(data, indent=1, default=str))
             render(args.out / "e2e_profile.json")
