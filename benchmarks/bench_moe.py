@@ -37,7 +37,7 @@ SHAPES = {  # name: (experts, top_k, hidden, intermediate)
     "glm_4_7_flash": (64, 4, 2048, 1536),
     "deepseek_v3": (256, 8, 7168, 2048),
 }
-SWEEP = [  # (block_m, up_n, up_k, down_n, down_k, warps, stages[, sorted_tma[, tail_m, tail_warps]])
+SWEEP = [  # (block_m, up_n, up_k, down_n, down_k, warps, stages[, sorted_tma])
     (16, 64, 128, 64, 128, 4, 4), (16, 32, 128, 64, 128, 4, 4), (16, 64, 64, 128, 64, 4, 4),
     (16, 128, 64, 128, 64, 4, 3), (32, 64, 128, 64, 128, 4, 3), (64, 64, 64, 128, 64, 4, 3),
     (64, 128, 64, 128, 64, 8, 3), (128, 64, 64, 128, 64, 8, 3), (128, 128, 64, 128, 64, 8, 3),
@@ -47,8 +47,6 @@ SWEEP = [  # (block_m, up_n, up_k, down_n, down_k, warps, stages[, sorted_tma[, 
     (128, 64, 64, 128, 64, 8, 3, True), (128, 64, 64, 128, 64, 8, 4, True), (128, 128, 64, 128, 64, 8, 3, True),
     (128, 128, 64, 128, 64, 8, 4, True), (128, 128, 64, 256, 64, 8, 3, True), (64, 128, 64, 128, 64, 4, 4, True),
     (128, 64, 64, 256, 64, 8, 4, True), (64, 64, 64, 128, 64, 4, 4, True), (128, 128, 128, 128, 128, 8, 3, True),
-    # the shipped prefill config with an expert's last <= 64 rows in 64-row tail blocks (4 or 8 warps)
-    (128, 128, 64, 256, 64, 8, 4, True, 64, 4), (128, 128, 64, 256, 64, 8, 4, True, 64, 8),
 ]
 
 
@@ -148,7 +146,7 @@ def grouped_mm_candidates(x, ids, w, w_up, w_down) -> list[tuple[str, Callable]]
 
 
 def bench_shape(name: str, tokens: list[int], sweep: bool, peaks: dict[str, float],
-                grouped: bool = False) -> list[dict[str, Any]]:
+                grouped: bool = False, configs: list[int] | None = None) -> list[dict[str, Any]]:
     from autodeploy_mla.custom_ops.moe import MoEConfig, fused_moe, moe_config
 
     e, k, h, i = SHAPES[name]
@@ -181,7 +179,7 @@ def bench_shape(name: str, tokens: list[int], sweep: bool, peaks: dict[str, floa
             grouped_names = [n for n, _ in gm]
             gemms_only.add(gm[1][0])
         if sweep:
-            for c in SWEEP:
+            for c in (SWEEP if configs is None else [SWEEP[j] for j in configs]):
                 cfg = MoEConfig(*c)
                 if cfg == default:
                     continue
@@ -269,6 +267,8 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--tokens", default="1,8,64,512,2048")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--configs", help="with --sweep: only these SWEEP indices (comma-separated, negative from the "
+                    "end); each config compiles its own kernels, so a full sweep takes minutes per shape")
     ap.add_argument("--grouped-mm", action="store_true", help="add torch's grouped GEMM (whole op, GEMMs only)")
     args = ap.parse_args()
     if args.render:
@@ -277,6 +277,11 @@ def main() -> None:
     import triton
     import transformers
 
+    configs = [int(j) for j in args.configs.split(",")] if args.configs else None
+    if configs is not None:
+        bad = [j for j in configs if not -len(SWEEP) <= j < len(SWEEP)]
+        if bad:
+            ap.error(f"--configs {bad}: SWEEP has {len(SWEEP)} configs (indices {-len(SWEEP)}..{len(SWEEP) - 1})")
     args.out.mkdir(parents=True, exist_ok=True)
     peaks = measure_peaks()
     meta = {"command": "python " + " ".join(sys.argv), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -287,7 +292,7 @@ def main() -> None:
     t0 = time.perf_counter()
     for name in args.shapes.split(","):
         data["rows"] += bench_shape(name, [int(t) for t in args.tokens.split(",")], args.sweep, peaks,
-                                    args.grouped_mm)
+                                    args.grouped_mm, configs)
         meta["total_s"] = time.perf_counter() - t0
         out.write_text(json.dumps(data, indent=1))
         torch.cuda.empty_cache()

@@ -153,7 +153,7 @@ def bench_shape(name: str, t: int) -> dict[str, Any]:
     mb = lay.block_expert.shape[0]
     used = int(lay.num_blocks.item())
     xs = torch.empty(mb * bm, h, dtype=x.dtype, device=dev)
-    K.gather_kernel[(mb, h // 128)](x, lay.sorted_pairs, lay.block_expert, xs, n, h, x.stride(0), 0, TOP_K=k,
+    K.gather_kernel[(mb, h // 128)](x, lay.sorted_pairs, lay.block_expert, xs, n, h, x.stride(0), TOP_K=k,
                                     BLOCK_M=bm, BLOCK_H=128)
     wflat = wts.reshape(-1).contiguous()
     valid = lay.sorted_pairs < n
@@ -185,7 +185,7 @@ def bench_shape(name: str, t: int) -> dict[str, Any]:
     out_d = TensorDescriptor.from_tensor(inter, [bm, cfg.up_n])
 
     def up_current():
-        K.up_sorted_kernel[(progs,)](xs_d, wu3_d, lay.block_expert, lay.num_blocks, out_d, h, i, 0, BLOCK_M=bm,
+        K.up_sorted_kernel[(progs,)](xs_d, wu3_d, lay.block_expert, lay.num_blocks, out_d, h, i, BLOCK_M=bm,
                                      BLOCK_N=cfg.up_n, BLOCK_K=cfg.up_k, NUM_PROGRAMS=progs, DOT_PREC="tf32",
                                      num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     up_current()
@@ -226,7 +226,7 @@ def bench_shape(name: str, t: int) -> dict[str, Any]:
 
     def down_current():
         K.down_sorted_kernel[(progs_d,)](a_d, wd_d, lay.sorted_pairs, lay.block_expert, lay.num_blocks, wflat, pair,
-                                         n, i, h, pair.stride(0), 0, BLOCK_M=bm, BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k,
+                                         n, i, h, pair.stride(0), BLOCK_M=bm, BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k,
                                          NUM_PROGRAMS=progs_d, DOT_PREC="tf32", num_warps=cfg.num_warps,
                                          num_stages=cfg.num_stages)
     down_current()

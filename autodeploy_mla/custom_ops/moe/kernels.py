@@ -45,20 +45,15 @@ def count_kernel(
     tl.store(PARTIAL + c * E_P2 + offs_e, cnt)
 
 
-@triton.jit(do_not_specialize=["n_pairs", "num_chunks", "max_blocks", "max_tail_blocks"])
+@triton.jit(do_not_specialize=["n_pairs", "num_chunks", "max_blocks"])
 def place_kernel(
-    IDS, PARTIAL, SORTED, BLOCK_EXPERT, NUM_BLOCKS, TAIL_EXPERT,
-    n_pairs, num_chunks, max_blocks, max_tail_blocks,
-    E_P2: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, ROWS: tl.constexpr, TAIL_M: tl.constexpr,
+    IDS, PARTIAL, SORTED, BLOCK_EXPERT, NUM_BLOCKS,
+    n_pairs, num_chunks, max_blocks,
+    E_P2: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, ROWS: tl.constexpr,
 ):
     """Program c < num_chunks places chunk c's pairs; every program writes its share of the padding
     slots and the block table (blocks c, c + programs, ...). Launched with about one program per block:
-    one program walking all blocks was the kernel's time (13 us for 80 blocks at 64 tokens x top-4).
-
-    TAIL_M > 0: an expert's last rows, when there are at most TAIL_M of them past its full BLOCK_M
-    blocks, go to one TAIL_M-row block of a second region (slots from max_blocks * BLOCK_M on; its
-    block table TAIL_EXPERT, its block count NUM_BLOCKS[1]), which the GEMMs run with TAIL_M-row
-    tiles: less padding than a whole BLOCK_M block for a few rows."""
+    one program walking all blocks was the kernel's time (13 us for 80 blocks at 64 tokens x top-4)."""
     c = tl.program_id(0)
     n_prog = tl.num_programs(0)
     offs_e = tl.arange(0, E_P2)
@@ -69,40 +64,26 @@ def place_kernel(
         part = tl.load(PARTIAL + r[:, None] * E_P2 + offs_e[None, :], mask=(r < num_chunks)[:, None], other=0)
         counts += tl.sum(part, axis=0)
         before += tl.sum(tl.where((r < c)[:, None], part, 0), axis=0)
-    if TAIL_M > 0:
-        full = counts // BLOCK_M * BLOCK_M
-        rest = counts - full
-        to_tail = (rest > 0) & (rest <= TAIL_M)
-        padded = tl.where(to_tail, full, (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M)  # the BLOCK_M region
-        tail_rows = tl.where(to_tail, TAIL_M, 0)
-        tail_starts = max_blocks * BLOCK_M + tl.cumsum(tail_rows, axis=0) - tail_rows
-    else:
-        padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
     starts = ends - padded
     total = tl.sum(padded, axis=0)
     if c == 0:
         tl.store(NUM_BLOCKS, total // BLOCK_M)  # blocks that hold an expert: 0 .. NUM_BLOCKS - 1
-        if TAIL_M > 0:
-            tl.store(NUM_BLOCKS + 1, tl.sum(tail_rows, axis=0) // TAIL_M)
 
     # this chunk's pairs: slot = expert start + pairs of that expert in earlier chunks + rank here
     # (programs past the last chunk find no pairs: every load is masked off)
     i = c * CHUNK + tl.arange(0, CHUNK)
     e = tl.load(IDS + i, mask=i < n_pairs, other=-1).to(tl.int32)
     onehot = (e[:, None] == offs_e[None, :]).to(tl.int32)
-    rank = before[None, :] + tl.cumsum(onehot, axis=0) - 1  # the pair's rank within its expert
-    if TAIL_M > 0:
-        where = tl.where(rank < padded[None, :], starts[None, :] + rank, tail_starts[None, :] + rank - padded[None, :])
-    else:
-        where = starts[None, :] + rank
-    slot = tl.sum(onehot * where, axis=1)
+    rank = tl.cumsum(onehot, axis=0)
+    slot = tl.sum(onehot * (starts[None, :] + before[None, :] + rank - 1), axis=1)
     ok = (i < n_pairs) & (tl.sum(onehot, axis=1) > 0)
     tl.store(SORTED + slot, i, mask=ok)
 
     # padding slots (past each expert's pairs, and past the last block) get the sentinel n_pairs;
     # program c covers blocks c, c + n_prog, ... (disjoint from every pair's slot)
-    fill_end = starts + tl.minimum(counts, padded)
+    fill_end = starts + counts
     for b in range(c, max_blocks, n_prog):
         s = b * BLOCK_M + tl.arange(0, BLOCK_M)
         inside = (s[:, None] >= starts[None, :]) & (s[:, None] < ends[None, :])
@@ -113,27 +94,13 @@ def place_kernel(
         expert = tl.sum(tl.where(first, offs_e, 0), axis=0)
         hit = tl.sum(first.to(tl.int32), axis=0) > 0
         tl.store(BLOCK_EXPERT + b, tl.where(hit, expert, -1))
-    if TAIL_M > 0:
-        tail_fill = tail_starts + counts - padded
-        tail_total = max_blocks * BLOCK_M + tl.sum(tail_rows, axis=0)
-        for b in range(c, max_tail_blocks, n_prog):
-            s = max_blocks * BLOCK_M + b * TAIL_M + tl.arange(0, TAIL_M)
-            inside = (s[:, None] >= tail_starts[None, :]) & (s[:, None] < (tail_starts + tail_rows)[None, :])
-            pad = tl.sum((inside & (s[:, None] >= tail_fill[None, :])).to(tl.int32), axis=1) > 0
-            tl.store(SORTED + s, n_pairs, mask=pad | (s >= tail_total))
-            s0 = max_blocks * BLOCK_M + b * TAIL_M
-            first = (s0 >= tail_starts) & (s0 < tail_starts + tail_rows)
-            expert = tl.sum(tl.where(first, offs_e, 0), axis=0)
-            hit = tl.sum(first.to(tl.int32), axis=0) > 0
-            tl.store(TAIL_EXPERT + b, tl.where(hit, expert, -1))
 
 
 @triton.jit
-def _block_pairs(SORTED, pid_m, n_pairs, SLOT0, BLOCK_M: tl.constexpr):
-    """(slots, pairs, rmask) of row block pid_m of the region starting at slot SLOT0: its slots in
-    expert order, the (token, k) pair each holds (n_pairs or more in padding slots), and which slots
-    hold one."""
-    slots = SLOT0 + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+def _block_pairs(SORTED, pid_m, n_pairs, BLOCK_M: tl.constexpr):
+    """(slots, pairs, rmask) of row block pid_m: its slots in expert order, the (token, k) pair each
+    holds (n_pairs or more in padding slots), and which slots hold one."""
+    slots = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     pairs = tl.load(SORTED + slots)
     return slots, pairs, pairs < n_pairs
 
@@ -160,7 +127,7 @@ def up_kernel(
     e = tl.load(BLOCK_EXPERT + pid_m)
     if e < 0:
         return
-    slots, pairs, rmask = _block_pairs(SORTED, pid_m, n_pairs, 0, BLOCK_M)
+    slots, pairs, rmask = _block_pairs(SORTED, pid_m, n_pairs, BLOCK_M)
     tok = (pairs // TOP_K).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = offs_n < N
@@ -199,7 +166,7 @@ def down_kernel(
     e = tl.load(BLOCK_EXPERT + pid_m)
     if e < 0:
         return
-    slots, pairs, rmask = _block_pairs(SORTED, pid_m, n_pairs, 0, BLOCK_M)
+    slots, pairs, rmask = _block_pairs(SORTED, pid_m, n_pairs, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
@@ -228,17 +195,16 @@ def down_kernel(
 @triton.jit(do_not_specialize=["n_pairs"])
 def gather_kernel(
     X, SORTED, BLOCK_EXPERT, XS,
-    n_pairs, H, stride_xt, SLOT0,
+    n_pairs, H, stride_xt,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
-    """XS[slot] = x[token of slot's pair] (0 in padding slots) for the row blocks that hold an expert
-    (of the region whose slots start at SLOT0)."""
+    """XS[slot] = x[token of slot's pair] (0 in padding slots) for the row blocks that hold an expert."""
     pid_m = tl.program_id(0)
     pid_h = tl.program_id(1)
     e = tl.load(BLOCK_EXPERT + pid_m)
     if e < 0:
         return
-    slots, pairs, rmask = _block_pairs(SORTED, pid_m, n_pairs, SLOT0, BLOCK_M)
+    slots, pairs, rmask = _block_pairs(SORTED, pid_m, n_pairs, BLOCK_M)
     tok = (pairs // TOP_K).to(tl.int64)
     offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = offs_h < H
@@ -247,18 +213,17 @@ def gather_kernel(
 
 
 @triton.jit
-def _tile_of(tile, n_tiles_n, BLOCK_EXPERT, SLOT0, BLOCK_M: tl.constexpr):
-    """(row block, column tile, expert, first slot) of a persistent GEMM's tile number in the region
-    whose slots start at SLOT0: tiles run row block by row block, so a block's rows stay in L2 across
-    its column tiles."""
+def _tile_of(tile, n_tiles_n, BLOCK_EXPERT, BLOCK_M: tl.constexpr):
+    """(row block, column tile, expert, first slot) of a persistent GEMM's tile number: tiles run row
+    block by row block, so a block's rows stay in L2 across its column tiles."""
     pid_m = tile // n_tiles_n
-    return pid_m, tile % n_tiles_n, tl.load(BLOCK_EXPERT + pid_m), SLOT0 + pid_m * BLOCK_M
+    return pid_m, tile % n_tiles_n, tl.load(BLOCK_EXPERT + pid_m), pid_m * BLOCK_M
 
 
 @triton.jit
 def up_sorted_kernel(
     XS_DESC, W_DESC, BLOCK_EXPERT, NUM_BLOCKS, O_DESC,
-    K, N, SLOT0,
+    K, N,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
@@ -273,7 +238,7 @@ def up_sorted_kernel(
     k_tiles = tl.cdiv(K, BLOCK_K)
     total = tl.load(NUM_BLOCKS) * n_tiles_n
     for tile in tl.range(tl.program_id(0), total, NUM_PROGRAMS, flatten=True):
-        pid_m, pid_n, e, m0 = _tile_of(tile, n_tiles_n, BLOCK_EXPERT, SLOT0, BLOCK_M)
+        pid_m, pid_n, e, m0 = _tile_of(tile, n_tiles_n, BLOCK_EXPERT, BLOCK_M)
         acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
         for ki in range(k_tiles):
             a = XS_DESC.load([m0, ki * BLOCK_K])
@@ -287,7 +252,7 @@ def up_sorted_kernel(
 @triton.jit(do_not_specialize=["n_pairs"])
 def down_sorted_kernel(
     A_DESC, W_DESC, SORTED, BLOCK_EXPERT, NUM_BLOCKS, TOPK_W, OUT,
-    n_pairs, K, N, stride_ot, SLOT0,
+    n_pairs, K, N, stride_ot,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
@@ -296,14 +261,14 @@ def down_sorted_kernel(
     k_tiles = tl.cdiv(K, BLOCK_K)
     total = tl.load(NUM_BLOCKS) * n_tiles_n
     for tile in tl.range(tl.program_id(0), total, NUM_PROGRAMS, flatten=True):
-        pid_m, pid_n, e, m0 = _tile_of(tile, n_tiles_n, BLOCK_EXPERT, SLOT0, BLOCK_M)
+        pid_m, pid_n, e, m0 = _tile_of(tile, n_tiles_n, BLOCK_EXPERT, BLOCK_M)
         row_w = e * N + pid_n * BLOCK_N
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for ki in range(k_tiles):
             a = A_DESC.load([m0, ki * BLOCK_K])
             w = W_DESC.load([row_w, ki * BLOCK_K])
             acc += _dot(a, tl.trans(w), DOT_PREC)
-        _, pairs, rmask = _block_pairs(SORTED, pid_m, n_pairs, SLOT0, BLOCK_M)
+        _, pairs, rmask = _block_pairs(SORTED, pid_m, n_pairs, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         _store_weighted(acc, TOPK_W, OUT, pairs, rmask, offs_n, offs_n < N, stride_ot)
 

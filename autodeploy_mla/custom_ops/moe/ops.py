@@ -22,7 +22,6 @@ Launch configs: `tuning.moe_config`.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import NamedTuple, Optional
 
 import torch
@@ -100,9 +99,6 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     if n == 0:
         return x.new_zeros(t, h)
     cfg = config or moe_config(n, e, h, i, x.dtype, x.device.type == "cuda" and not interpreting())
-    sorted_tma = cfg.sorted_tma and sorted_tma_ok(x, w_up, w_down)
-    if cfg.tail_m and not sorted_tma:  # tail blocks are a sorted-rows layout only
-        cfg = replace(cfg, tail_m=0)
     bm = cfg.block_m
     dev = x.device
     wts = topk_weights.reshape(-1)
@@ -110,8 +106,8 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     sorted_pairs, block_expert = layout.sorted_pairs, layout.block_expert
     max_blocks = block_expert.shape[0]
     prec = dot_precision(x.dtype)
-    inter = torch.empty(sorted_pairs.shape[0], i, dtype=x.dtype, device=dev)
-    if sorted_tma:
+    inter = torch.empty(max_blocks * bm, i, dtype=x.dtype, device=dev)
+    if cfg.sorted_tma and sorted_tma_ok(x, w_up, w_down):
         pair_out = _sorted_tma_gemms(x, w_up, w_down, wts, layout, inter, cfg, n, k, h, i, prec)
         return _sum_over_topk(pair_out, t, k, h)
     K.up_kernel[(-(-i // cfg.up_n), max_blocks)](
@@ -129,42 +125,31 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
 
 
 class ExpertLayout(NamedTuple):
-    """The step's (token, k) pairs in expert order, in row blocks of `block_m` (kernels.place_kernel);
-    with `tail_m`, each expert's last <= tail_m rows in a second region of tail_m-row blocks."""
+    """The step's (token, k) pairs in expert order, in row blocks of `block_m` (kernels.place_kernel)."""
 
-    sorted_pairs: torch.Tensor  # [slots] int32: a pair index per slot, n in padding slots
+    sorted_pairs: torch.Tensor  # [max_blocks * block_m] int32: a pair index per slot, n in padding slots
     block_expert: torch.Tensor  # [max_blocks] int32: each block's expert, -1 past the last block in use
-    num_blocks: torch.Tensor  # [1] (or [2] with tail blocks) int32: blocks in use, per region (on the device)
-    tail_expert: Optional[torch.Tensor] = None  # [max_tail_blocks] int32: the tail region's block table
-    tail_m: int = 0  # rows per tail block (0: no tail region)
-
-    @property
-    def tail_slot0(self) -> int:
-        """First slot of the tail region (after every possible block_m block)."""
-        return self.sorted_pairs.shape[0] - (0 if self.tail_expert is None else self.tail_expert.shape[0] * self.tail_m)
+    num_blocks: torch.Tensor  # [1] int32: blocks in use (on the device: the op never reads it on the host)
 
 
 def expert_layout(ids: torch.Tensor, num_experts: int, cfg: MoEConfig) -> ExpertLayout:
-    """The (token, k) pairs of `ids` ([n] expert ids) in expert order, in row blocks of cfg.block_m
-    (and, with cfg.tail_m, each expert's last <= tail_m rows in tail_m-row blocks of their own).
+    """The (token, k) pairs of `ids` ([n] expert ids) in expert order, in row blocks of cfg.block_m.
     Two kernels, static grids, no host sync: per-chunk expert counts, then every program sums them
     and places its chunk's pairs and its share of the padding blocks."""
-    n, bm, tm = ids.shape[0], cfg.block_m, cfg.tail_m
+    n, bm = ids.shape[0], cfg.block_m
     e_p2 = pow2(num_experts, lo=2)
     chunk = cfg.align_chunk(e_p2)
     num_chunks = -(-n // chunk)
     max_blocks = -(-n // bm) + min(num_experts, n)
-    max_tail = min(num_experts, n) if tm else 0  # at most one tail block per expert
     partial = torch.empty(num_chunks, e_p2, dtype=torch.int32, device=ids.device)
-    sorted_pairs = torch.empty(max_blocks * bm + max_tail * tm, dtype=torch.int32, device=ids.device)
+    sorted_pairs = torch.empty(max_blocks * bm, dtype=torch.int32, device=ids.device)
     block_expert = torch.empty(max_blocks, dtype=torch.int32, device=ids.device)
-    tail_expert = torch.empty(max_tail, dtype=torch.int32, device=ids.device) if tm else None
-    num_blocks = torch.empty(2 if tm else 1, dtype=torch.int32, device=ids.device)
+    num_blocks = torch.empty(1, dtype=torch.int32, device=ids.device)
     K.count_kernel[(num_chunks,)](ids, partial, n, E_P2=e_p2, CHUNK=chunk)
-    K.place_kernel[(max(num_chunks, max_blocks, max_tail),)](
-        ids, partial, sorted_pairs, block_expert, num_blocks, tail_expert if tm else block_expert, n, num_chunks,
-        max_blocks, max_tail, E_P2=e_p2, BLOCK_M=bm, CHUNK=chunk, ROWS=cfg.align_rows(e_p2), TAIL_M=tm)
-    return ExpertLayout(sorted_pairs, block_expert, num_blocks, tail_expert, tm)
+    K.place_kernel[(max(num_chunks, max_blocks),)](ids, partial, sorted_pairs, block_expert, num_blocks, n,
+                                                   num_chunks, max_blocks, E_P2=e_p2, BLOCK_M=bm, CHUNK=chunk,
+                                                   ROWS=cfg.align_rows(e_p2))
+    return ExpertLayout(sorted_pairs, block_expert, num_blocks)
 
 
 def _sum_over_topk(pair_out: torch.Tensor, t: int, k: int, h: int) -> torch.Tensor:
@@ -200,35 +185,32 @@ def _persistent_programs(device: torch.device, tiles: int) -> int:
 def _sorted_tma_gemms(x, w_up, w_down, wts, layout: ExpertLayout, inter, cfg: MoEConfig, n: int, k: int,
                       h: int, i: int, prec: str) -> torch.Tensor:
     """Both GEMMs over rows copied into expert order (kernels.gather_kernel), operands by descriptor,
-    persistent over the blocks in use (`layout.num_blocks`, read on the device); the tail region's
-    blocks (layout.tail_m rows) by their own launches."""
+    persistent over the blocks in use (`layout.num_blocks`, read on the device)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
+    bm = cfg.block_m
     e = w_up.shape[0]
-    xs = torch.empty(layout.sorted_pairs.shape[0], h, dtype=x.dtype, device=x.device)
-    pair_out = torch.empty(n, h, dtype=x.dtype, device=x.device)
-    wu_d = TensorDescriptor.from_tensor(w_up.view(e * 2, i, h), [2, cfg.up_n, cfg.up_k])
-    wd_d = TensorDescriptor.from_tensor(w_down.view(e * h, i), [cfg.down_n, cfg.down_k])
-    regions = [(layout.block_expert, layout.num_blocks[:1], cfg.block_m, 0, cfg.num_warps)]
-    if layout.tail_expert is not None:
-        regions.append((layout.tail_expert, layout.num_blocks[1:], layout.tail_m, layout.tail_slot0, cfg.tail_warps))
+    max_blocks = layout.block_expert.shape[0]
+    xs = torch.empty(max_blocks * bm, h, dtype=x.dtype, device=x.device)
     block_h = 128
-    for table, _, bm, slot0, _ in regions:
-        K.gather_kernel[(table.shape[0], -(-h // block_h))](x, layout.sorted_pairs, table, xs, n, h, x.stride(0),
-                                                            slot0, TOP_K=k, BLOCK_M=bm, BLOCK_H=block_h)
-    for table, used, bm, slot0, warps in regions:
-        progs = _persistent_programs(x.device, table.shape[0] * -(-i // cfg.up_n))
-        K.up_sorted_kernel[(progs,)](
-            TensorDescriptor.from_tensor(xs, [bm, cfg.up_k]), wu_d, table, used,
-            TensorDescriptor.from_tensor(inter, [bm, cfg.up_n]), h, i, slot0,
-            BLOCK_M=bm, BLOCK_N=cfg.up_n, BLOCK_K=cfg.up_k, NUM_PROGRAMS=progs, DOT_PREC=prec,
-            num_warps=warps, num_stages=cfg.num_stages)
-    for table, used, bm, slot0, warps in regions:
-        progs = _persistent_programs(x.device, table.shape[0] * -(-h // cfg.down_n))
-        K.down_sorted_kernel[(progs,)](
-            TensorDescriptor.from_tensor(inter, [bm, cfg.down_k]), wd_d, layout.sorted_pairs, table, used, wts,
-            pair_out, n, i, h, pair_out.stride(0), slot0, BLOCK_M=bm, BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k,
-            NUM_PROGRAMS=progs, DOT_PREC=prec, num_warps=warps, num_stages=cfg.num_stages)
+    K.gather_kernel[(max_blocks, -(-h // block_h))](x, layout.sorted_pairs, layout.block_expert, xs, n, h,
+                                                    x.stride(0), TOP_K=k, BLOCK_M=bm, BLOCK_H=block_h)
+    xs_d = TensorDescriptor.from_tensor(xs, [bm, cfg.up_k])
+    wu_d = TensorDescriptor.from_tensor(w_up.view(e * 2, i, h), [2, cfg.up_n, cfg.up_k])
+    out_d = TensorDescriptor.from_tensor(inter, [bm, cfg.up_n])
+    progs = _persistent_programs(x.device, max_blocks * -(-i // cfg.up_n))
+    K.up_sorted_kernel[(progs,)](
+        xs_d, wu_d, layout.block_expert, layout.num_blocks, out_d, h, i,
+        BLOCK_M=bm, BLOCK_N=cfg.up_n, BLOCK_K=cfg.up_k, NUM_PROGRAMS=progs, DOT_PREC=prec,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    a_d = TensorDescriptor.from_tensor(inter, [bm, cfg.down_k])
+    wd_d = TensorDescriptor.from_tensor(w_down.view(e * h, i), [cfg.down_n, cfg.down_k])
+    pair_out = torch.empty(n, h, dtype=x.dtype, device=x.device)
+    progs = _persistent_programs(x.device, max_blocks * -(-h // cfg.down_n))
+    K.down_sorted_kernel[(progs,)](
+        a_d, wd_d, layout.sorted_pairs, layout.block_expert, layout.num_blocks, wts, pair_out, n, i, h,
+        pair_out.stride(0), BLOCK_M=bm, BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k, NUM_PROGRAMS=progs,
+        DOT_PREC=prec, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return pair_out
 
 

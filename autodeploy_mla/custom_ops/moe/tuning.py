@@ -23,11 +23,6 @@ class MoEConfig:
     num_warps: int = 4
     num_stages: int = 3
     sorted_tma: bool = False  # prefill: rows copied into expert order first, GEMM operands by TMA descriptor
-    #: sorted_tma only: an expert's last rows, when <= tail_m of them are left past its full block_m
-    #: blocks, go to one tail_m-row block run by their own GEMM launches (tail_warps warps) instead of
-    #: a block_m block that is mostly padding. 0: off. Not yet measured on a GPU, so no config sets it.
-    tail_m: int = 0
-    tail_warps: int = 4
 
     def align_chunk(self, e_p2: int) -> int:
         """Pairs per layout program: a [CHUNK, E] one-hot tile of ~8K elements."""
