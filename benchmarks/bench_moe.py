@@ -47,6 +47,9 @@ SWEEP = [  # (block_m, up_n, up_k, down_n, down_k, warps, stages[, sorted_tma])
     (128, 64, 64, 128, 64, 8, 3, True), (128, 64, 64, 128, 64, 8, 4, True), (128, 128, 64, 128, 64, 8, 3, True),
     (128, 128, 64, 128, 64, 8, 4, True), (128, 128, 64, 256, 64, 8, 3, True), (64, 128, 64, 128, 64, 4, 4, True),
     (128, 64, 64, 256, 64, 8, 4, True), (64, 64, 64, 128, 64, 4, 4, True), (128, 128, 128, 128, 128, 8, 3, True),
+    # deeper pipelines at the same shared memory (more weight bytes in flight from HBM): BLOCK_K 32 x 7-8
+    # stages, or 64-wide up / 128-wide down tiles x 6 stages
+    (128, 128, 32, 256, 32, 8, 8, True), (128, 128, 32, 256, 32, 8, 7, True), (128, 64, 64, 128, 64, 8, 6, True),
 ]
 
 

@@ -12,6 +12,14 @@ triton.testing.do_bench_cudagraph), each variant checked against the shipped ker
   in two [128, 64] accumulators, two products per k-step over the same input tile; down 128 x 128);
 - `row-interleaved weights`: gate and up rows interleaved once in memory (row 2j gate j, 2j + 1 up j),
   one product, one program per tile (the first form of the single product that was tried);
+- `current, 3 stages`: the shipped kernels one pipeline stage shallower;
+- `current, weights in L2 (diagnostic)`: the shipped kernel with every block on expert 0, so the weights
+  it streams (one expert's) stay in L2: its time when weight traffic from HBM is free (no error check);
+- `TMA store in slot order (no weights)` (down): the epilogue as an asynchronous TMA store of the
+  unweighted rows in slot order instead of a weighted scatter to pair order (which would move into the
+  top-k sum); checked after applying the weights here;
+- `weights pre-tiled (contiguous boxes)`: the weights re-laid once so that every TMA box (the
+  shipped kernel's reads 256 rows x 128 bytes at a 4 KB stride) is one contiguous block;
 - `cuBLAS dense`: torch.mm on the same padded [slots, H] x [H, 2I] and [slots, I] x [I, H]: what a
   tuned dense GEMM reaches on this many rows (the padding costs it as much as us).
 
@@ -124,7 +132,65 @@ def _kernels():
         tl.store(OUT + pairs.to(tl.int64)[:, None] * stride_ot + offs_n[None, :],
                  (acc * wt[:, None]).to(OUT.dtype.element_ty), mask=rmask[:, None] & (offs_n < N)[None, :])
 
-    return up_two_acc, up_row_interleaved, up_not_flat, down_grid
+    @triton.jit
+    def down_slot_store(A_DESC, W_DESC, BLOCK_EXPERT, NUM_BLOCKS, O_DESC, K, N,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        NUM_PROGRAMS: tl.constexpr):
+        n_tiles_n = tl.cdiv(N, BLOCK_N)
+        total = tl.load(NUM_BLOCKS) * n_tiles_n
+        for tile in tl.range(tl.program_id(0), total, NUM_PROGRAMS, flatten=True):
+            pid_m = tile // n_tiles_n
+            pid_n = tile % n_tiles_n
+            e = tl.load(BLOCK_EXPERT + pid_m)
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for ki in range(tl.cdiv(K, BLOCK_K)):
+                acc = tl.dot(A_DESC.load([pid_m * BLOCK_M, ki * BLOCK_K]),
+                             tl.trans(W_DESC.load([e * N + pid_n * BLOCK_N, ki * BLOCK_K])), acc)
+            O_DESC.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(O_DESC.dtype))
+
+    @triton.jit
+    def up_tiled_w(XS_DESC, WT_DESC, BLOCK_EXPERT, NUM_BLOCKS, O_DESC, K, N,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_PROGRAMS: tl.constexpr):
+        # weights pre-tiled: the [2 x BLOCK_N, BLOCK_K] tile (e, n, k) is one contiguous block of rows
+        n_tiles_n = tl.cdiv(N, BLOCK_N)
+        k_tiles = tl.cdiv(K, BLOCK_K)
+        total = tl.load(NUM_BLOCKS) * n_tiles_n
+        for tile in tl.range(tl.program_id(0), total, NUM_PROGRAMS, flatten=True):
+            pid_m = tile // n_tiles_n
+            pid_n = tile % n_tiles_n
+            e = tl.load(BLOCK_EXPERT + pid_m)
+            base = (e * n_tiles_n + pid_n) * k_tiles
+            acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
+            for ki in range(k_tiles):
+                acc = tl.dot(XS_DESC.load([pid_m * BLOCK_M, ki * BLOCK_K]),
+                             tl.trans(WT_DESC.load([(base + ki) * 2 * BLOCK_N, 0])), acc)
+            g, u = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, BLOCK_N]), [0, 2, 1]))
+            O_DESC.store([pid_m * BLOCK_M, pid_n * BLOCK_N], (g / (1.0 + tl.exp(-g)) * u).to(O_DESC.dtype))
+
+    @triton.jit
+    def down_tiled_w(A_DESC, WT_DESC, SORTED, BLOCK_EXPERT, NUM_BLOCKS, TOPK_W, OUT, n_pairs, K, N, stride_ot,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     NUM_PROGRAMS: tl.constexpr):
+        n_tiles_n = tl.cdiv(N, BLOCK_N)
+        k_tiles = tl.cdiv(K, BLOCK_K)
+        total = tl.load(NUM_BLOCKS) * n_tiles_n
+        for tile in tl.range(tl.program_id(0), total, NUM_PROGRAMS, flatten=True):
+            pid_m = tile // n_tiles_n
+            pid_n = tile % n_tiles_n
+            e = tl.load(BLOCK_EXPERT + pid_m)
+            base = (e * n_tiles_n + pid_n) * k_tiles
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for ki in range(k_tiles):
+                acc = tl.dot(A_DESC.load([pid_m * BLOCK_M, ki * BLOCK_K]),
+                             tl.trans(WT_DESC.load([(base + ki) * BLOCK_N, 0])), acc)
+            pairs = tl.load(SORTED + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+            rmask = pairs < n_pairs
+            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            wt = tl.load(TOPK_W + pairs, mask=rmask, other=0.0).to(tl.float32)
+            tl.store(OUT + pairs.to(tl.int64)[:, None] * stride_ot + offs_n[None, :],
+                     (acc * wt[:, None]).to(OUT.dtype.element_ty), mask=rmask[:, None] & (offs_n < N)[None, :])
+
+    return up_two_acc, up_row_interleaved, up_not_flat, down_grid, down_slot_store, up_tiled_w, down_tiled_w
 
 
 def bench_shape(name: str, t: int) -> dict[str, Any]:
@@ -135,7 +201,7 @@ def bench_shape(name: str, t: int) -> dict[str, Any]:
     from autodeploy_mla.custom_ops.moe.ops import _persistent_programs, expert_layout
     from autodeploy_mla.custom_ops.moe.tuning import moe_config
 
-    up_two_acc, up_row_interleaved, up_not_flat, down_grid = _kernels()
+    up_two_acc, up_row_interleaved, up_not_flat, down_grid, down_slot_store, up_tiled_w, down_tiled_w = _kernels()
     e, k, h, i = SHAPES[name]
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(t)
@@ -215,6 +281,33 @@ def bench_shape(name: str, t: int) -> dict[str, Any]:
         lambda: up_row_interleaved[(i // 128, mb)](xs64, wil_d, lay.block_expert, buf3, h, i, buf3.stride(0),
                                                    BLOCK_M=bm, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
         up_err(buf3))
+    buf4 = torch.zeros_like(inter)
+    out4_d = TensorDescriptor.from_tensor(buf4, [bm, cfg.up_n])
+    for st in (3,):  # 5 stages do not fit: 5 x 48 KB + the 32 KB epilogue tile > 227 KB
+        rec("up", f"current, {st} stages",
+            lambda st=st: K.up_sorted_kernel[(progs,)](xs_d, wu3_d, lay.block_expert, lay.num_blocks, out4_d, h, i,
+                                                        BLOCK_M=bm, BLOCK_N=cfg.up_n, BLOCK_K=cfg.up_k,
+                                                        NUM_PROGRAMS=progs, DOT_PREC="tf32",
+                                                        num_warps=cfg.num_warps, num_stages=st), up_err(buf4))
+    # diagnostic: every block on expert 0, so the weights (one expert's, 12 MB) stay in L2: the time
+    # the same kernel takes when weight traffic from HBM costs nothing (outputs differ: no error)
+    one_expert = torch.where(lay.block_expert >= 0, 0, lay.block_expert).to(torch.int32)
+    rec("up", "current, weights in L2 (diagnostic)",
+        lambda: K.up_sorted_kernel[(progs,)](xs_d, wu3_d, one_expert, lay.num_blocks, out4_d, h, i, BLOCK_M=bm,
+                                             BLOCK_N=cfg.up_n, BLOCK_K=cfg.up_k, NUM_PROGRAMS=progs,
+                                             DOT_PREC="tf32", num_warps=cfg.num_warps,
+                                             num_stages=cfg.num_stages), lambda: float("nan"))
+    # weights re-laid once so each TMA box is one contiguous 32 KB block (the box of the shipped kernel
+    # reads 256 rows x 128 bytes at a 4 KB stride)
+    bn, bk = cfg.up_n, cfg.up_k
+    wt_up = torch.stack([w_up[:, :i], w_up[:, i:]], 1).view(e, 2, i // bn, bn, h // bk, bk) \
+        .permute(0, 2, 4, 1, 3, 5).contiguous().view(-1, bk)
+    wt_up_d = TensorDescriptor.from_tensor(wt_up, [2 * bn, bk])
+    rec("up", "weights pre-tiled (contiguous boxes)",
+        lambda: up_tiled_w[(progs,)](xs_d, wt_up_d, lay.block_expert, lay.num_blocks, out4_d, h, i, BLOCK_M=bm,
+                                     BLOCK_N=bn, BLOCK_K=bk, NUM_PROGRAMS=progs, num_warps=cfg.num_warps,
+                                     num_stages=cfg.num_stages), up_err(buf4))
+    del wt_up
     xs_used, w0 = xs[: used * bm], w_up[0].t().contiguous()
     rec("up", "cuBLAS dense", lambda: torch.mm(xs_used, w0), lambda: 0.0)
 
@@ -242,6 +335,43 @@ def bench_shape(name: str, t: int) -> dict[str, Any]:
                                           dbuf.stride(0), BLOCK_M=bm, BLOCK_N=128, BLOCK_K=64, num_warps=8,
                                           num_stages=3),
         lambda: (dbuf.float() - dref.float()).abs().max().item() / dscale)
+    rec("down", "current, 3 stages",
+        lambda: K.down_sorted_kernel[(progs_d,)](a_d, wd_d, lay.sorted_pairs, lay.block_expert, lay.num_blocks, wflat,
+                                                 dbuf, n, i, h, dbuf.stride(0), BLOCK_M=bm, BLOCK_N=cfg.down_n,
+                                                 BLOCK_K=cfg.down_k, NUM_PROGRAMS=progs_d, DOT_PREC="tf32",
+                                                 num_warps=cfg.num_warps, num_stages=3),
+        lambda: (dbuf.float() - dref.float()).abs().max().item() / dscale)
+    rec("down", "current, weights in L2 (diagnostic)",
+        lambda: K.down_sorted_kernel[(progs_d,)](a_d, wd_d, lay.sorted_pairs, one_expert, lay.num_blocks, wflat,
+                                                 dbuf, n, i, h, dbuf.stride(0), BLOCK_M=bm, BLOCK_N=cfg.down_n,
+                                                 BLOCK_K=cfg.down_k, NUM_PROGRAMS=progs_d, DOT_PREC="tf32",
+                                                 num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        lambda: float("nan"))
+    dn, dk = cfg.down_n, cfg.down_k
+    wt_down = w_down.view(e, h // dn, dn, i // dk, dk).permute(0, 1, 3, 2, 4).contiguous().view(-1, dk)
+    wt_down_d = TensorDescriptor.from_tensor(wt_down, [dn, dk])
+    rec("down", "weights pre-tiled (contiguous boxes)",
+        lambda: down_tiled_w[(progs_d,)](a_d, wt_down_d, lay.sorted_pairs, lay.block_expert, lay.num_blocks, wflat,
+                                         dbuf, n, i, h, dbuf.stride(0), BLOCK_M=bm, BLOCK_N=dn, BLOCK_K=dk,
+                                         NUM_PROGRAMS=progs_d, num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        lambda: (dbuf.float() - dref.float()).abs().max().item() / dscale)
+    del wt_down
+    # the epilogue as a TMA store of unweighted rows in slot order (the routing weights and the return
+    # to pair order would move into the top-k sum): error checked on the used slots, weights applied here
+    slot_out = torch.zeros(mb * bm, h, dtype=x.dtype, device=dev)
+    so_d = TensorDescriptor.from_tensor(slot_out, [bm, cfg.down_n])
+    pair_of_slot = lay.sorted_pairs[: used * bm].long()
+    keep = pair_of_slot < n
+
+    def slot_err() -> float:
+        got = slot_out[: used * bm][keep].float() * wflat[pair_of_slot[keep]].float()[:, None]
+        return (got - dref[pair_of_slot[keep]].float()).abs().max().item() / dscale
+
+    # 3 stages: 4 x 48 KB + the [128, 256] bf16 store tile (64 KB) would exceed 227 KB of shared memory
+    rec("down", "TMA store in slot order (no weights), 3 stages",
+        lambda: down_slot_store[(progs_d,)](a_d, wd_d, lay.block_expert, lay.num_blocks, so_d, i, h, BLOCK_M=bm,
+                                            BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k, NUM_PROGRAMS=progs_d,
+                                            num_warps=cfg.num_warps, num_stages=3), slot_err)
     inter_used, wd0 = ref[: used * bm], w_down[0].t().contiguous()
     rec("down", "cuBLAS dense", lambda: torch.mm(inter_used, wd0), lambda: 0.0)
     return row

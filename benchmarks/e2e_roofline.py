@@ -253,7 +253,8 @@ def time_decode_stream(om, batch: int, context: int, steps: int, warmup: int = 3
 #: Pass switches a variant name is made of ("inductor+moe"); "base" (or "none") is neither.
 VARIANT_PARTS: dict[str, dict[str, dict[str, Any]]] = {
     "inductor": {"piecewise": {"compile": "inductor"}},
-    "moe": {"fuse_moe": {"enabled": True}},
+    "moe": {"fuse_moe": {"enabled": True, "shared_experts": "never"}},
+    "shared": {"fuse_moe": {"enabled": True, "shared_experts": "always"}},  # the shared expert as expert E of the op
     "gemms": {"fuse_gemms": {"enabled": True}},
     "routing": {"fuse_routing": {"enabled": True, "gate_gemm": False}},  # the routing op after the model's gate GEMM
     "gate": {"fuse_routing": {"enabled": True, "gate_gemm": True}},  # the gate GEMM in the routing op too

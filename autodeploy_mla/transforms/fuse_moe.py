@@ -17,6 +17,18 @@ the reason in the report.
 Runs after `shard` (which splits each expert's intermediate size on the grouped GEMM graph; the
 op then gets the rank's slices, and the all-reduce after the sum stays where it was).
 
+Shared experts (`shared_experts`: auto | always | never): DeepSeek-V3, GLM-4.7-Flash, Kimi-K2 add a shared
+expert MLP to the routed sum (`routed.view(shape) + down(silu(gate(x)) * up(x))`). When its
+intermediate size equals the experts' (one shared expert), the pass appends its weights to the
+stacked expert weights as expert E and every token's top-k with (E, weight 1): the fused op then
+computes it with the routed experts, in the same two GEMM launches, and the shared MLP's own GEMMs,
+activation and add disappear (H200, GLM-4.7-Flash shape: 53 -> 44 us per layer at one token, 0.503
+-> 0.499 ms at 2048; docs/moe.md). `auto` does it where the shared expert's weights are small
+(SHARED_AUTO_MAX_BYTES): DeepSeek-V3's large one ran 1-3% slower in the fused op. Memory: the stacked weights are one new tensor of E + 1 experts;
+the experts' and the shared MLP's parameters become views of it (the HF model keeps working). Two
+or more shared experts' worth (DeepSeek-V2-Lite) would need copies (their rows interleave
+differently), so those stay the model's MLP, with the reason in the report.
+
 Backends: `triton` (custom_ops/moe: fused layout + two GEMM kernels), `torch` (the dense reference,
 for tests), `auto`: triton where it runs (CUDA SM80+ for 16-bit, or the interpreter), otherwise the
 model's own subgraph is kept.
@@ -36,10 +48,18 @@ from ..custom_ops.moe import HAS_TRITON, TRITON_IMPORT_ERROR
 from ..custom_ops.triton_mla.tuning import interpreting
 from .context import BuildContext
 from .fx_utils import (ASSERT_METADATA, CASTS, RESHAPES, aten, erase_dead_region, grouped_mm_ops, is_op,
-                       module_path, shape, val)
+                       module_path, module_tensor, shape, skip, val)
 from .registry import PassOptions, PassResult, Stage, register_pass
 
 MoEBackendName = Literal["auto", "triton", "torch"]
+SharedMode = Literal["auto", "always", "never"]
+#: `shared_experts: auto` fuses a shared expert whose three weight matrices take at most this many bytes.
+#: H200, whole MoE layer in a CUDA graph (docs/moe.md, 2026-11-26): GLM-4.7-Flash's 18 MiB shared
+#: expert as expert E 0.83x / 0.98x / 0.99x the separate MLP's time at 1 / 64 / 2048 tokens (its GEMM
+#: launches and activation were most of a one-token layer); DeepSeek-V3's 84 MiB one 1.02x / 1.01x /
+#: 1.03x (cuBLAS streams its large dense weights a little faster than the grouped kernels). Two
+#: measured points: the bound sits between them.
+SHARED_AUTO_MAX_BYTES = 48 << 20
 _OPS = {"triton": torch.ops.autodeploy.triton_moe_experts.default,
         "torch": torch.ops.autodeploy.torch_moe_experts.default}
 _SORTS = {aten.sort.default, aten.sort.stable}
@@ -276,6 +296,177 @@ def rewrite(gm: GraphModule, m: ExpertsMatch, backend: str) -> Node:
 # ----------------------------------------------------------------------------- the pass
 class FuseMoEOptions(PassOptions):
     backend: MoEBackendName = Field("auto", description="triton | torch (reference) | auto")
+    shared_experts: SharedMode = Field("auto", description="a shared expert MLP of the experts' intermediate "
+                                        "size runs in the fused op as one more expert every token is routed to: "
+                                        "always | never | auto (where its weights are at most "
+                                        "SHARED_AUTO_MAX_BYTES)")
+
+
+# ----------------------------------------------------------------------------- shared experts
+_LINEAR = aten.linear.default
+_SLICE = aten.slice.Tensor
+
+
+@dataclass
+class SharedMatch:
+    """A shared expert MLP added to a fused experts op's output."""
+
+    add: Node  # routed.view(...) + shared
+    routed: Node  # the add's argument that carries the fused op's output
+    up_params: list[tuple[Node, int, int]]  # (get_attr, first row, rows) of [gate; up] in the shared MLP's weights
+    down: Node  # get_attr of the [H, I] down weight
+
+
+def _params(node: Any) -> Node:
+    if not (isinstance(node, Node) and node.op == "get_attr"):
+        raise _NoMatch(f"{getattr(node, 'name', node)} is not a parameter")
+    return node
+
+
+def _linear_weight(node: Any, x: Node, what: str) -> Node:
+    """The weight get_attr of `node` = linear(x, W) without bias."""
+    if not (is_op(node, {_LINEAR}) and node.args[0] is x and (len(node.args) < 3 or node.args[2] is None)):
+        raise _NoMatch(f"the shared MLP's {what} is not a bias-free linear of the MoE input")
+    return _params(node.args[1])
+
+
+def _wider(width: Any, i: int) -> str:
+    return (f"the shared MLP's intermediate size is {width}, the experts' {i}: only a shared MLP of one expert's "
+            "size runs as an expert (wider ones would need copies of their weights, as their gate and up rows "
+            "interleave differently from the stacked experts')")
+
+
+def _half(node: Any, x: Node, i: int, which: int) -> tuple[Node, int]:
+    """(weight get_attr, first row) of the gate (which=0) or up (1) projection `node`: its own linear, or
+    a slice of fuse_gemms' fused [gate; up] linear."""
+    if is_op(node, {_SLICE}) and node.args[1] in (-1, 2) and len(node.args) >= 4:
+        start, end = node.args[2], node.args[3]
+        if end - start != i:
+            raise _NoMatch(_wider(end - start, i))
+        return _linear_weight(node.args[0], x, "fused gate/up projection"), start
+    w = _linear_weight(node, x, ("gate", "up")[which] + " projection")
+    if shape(w)[0] != i:
+        raise _NoMatch(_wider(shape(w)[0], i))
+    return w, 0
+
+
+def match_shared(result: Node, m: ExpertsMatch) -> SharedMatch:
+    """The shared expert MLP whose output is added to the fused op's output `result`; _NoMatch
+    (with where it differs) otherwise."""
+    routed = result
+    while True:
+        us = _users(routed)
+        if len(us) != 1:
+            raise _NoMatch(f"the experts' output has {len(us)} users (no single add of a shared MLP)")
+        if is_op(us[0], RESHAPES | CASTS):
+            routed = us[0]
+            continue
+        add = us[0]
+        break
+    if not is_op(add, {aten.add.Tensor}) or len(add.args) != 2:
+        raise _NoMatch(f"the experts' output feeds {add.target}, not an add of a shared MLP")
+    other = add.args[1] if add.args[0] is routed else add.args[0]
+    down_lin = skip(other, CASTS)
+    x_in = skip(m.x, RESHAPES | CASTS)
+    if not is_op(down_lin, {_LINEAR}):
+        raise _NoMatch("what is added to the experts' output is not a linear (shared MLP down projection)")
+    mul = down_lin.args[0]
+    down_w = _linear_weight(down_lin, mul, "down projection")
+    if not is_op(mul, {aten.mul.Tensor}):
+        raise _NoMatch("the shared MLP's down projection does not take act(gate) * up")
+    act = next((a for a in mul.args[:2] if is_op(a, {aten.silu.default})), None)
+    if act is None:
+        raise _NoMatch("the shared MLP's activation is not silu")
+    up = mul.args[1] if mul.args[0] is act else mul.args[0]
+    gate = act.args[0]
+    x_sh = gate.args[0].args[0] if is_op(gate, {_SLICE}) else gate.args[0]
+    if skip(x_sh, RESHAPES | CASTS) is not x_in:
+        raise _NoMatch("the shared MLP reads another tensor than the experts")
+    if val(x_sh) is not None and val(m.x) is not None and val(x_sh).dtype != val(m.x).dtype:
+        raise _NoMatch("the shared MLP reads the tokens in another dtype than the experts")
+    gw, g0 = _half(gate, x_sh, m.inter, 0)
+    uw, u0 = _half(up, x_sh, m.inter, 1)
+    if shape(down_w) != (m.hidden, m.inter):
+        raise _NoMatch(f"the shared MLP's down weight is {shape(down_w)}, the experts' [{m.hidden}, {m.inter}]")
+    for n in (act, mul, down_lin, *([other] if other is not down_lin else [])):
+        if len(_users(n)) != 1:
+            raise _NoMatch(f"a shared MLP node ({n.name}) is used outside the MLP")
+    return SharedMatch(add, routed, [(gw, g0, m.inter), (uw, u0, m.inter)], down_w)
+
+
+def _repoint(gm: GraphModule, old: torch.Tensor, new: torch.Tensor) -> None:
+    """Every parameter/buffer of `gm` that views `old`'s storage within `old` (`old` itself,
+    fuse_gemms' member views, the HF model's parameters) becomes the same view of `new`, which holds
+    old's values in old's layout."""
+    base, ptr, numel, es = old.untyped_storage().data_ptr(), old.data_ptr(), old.numel(), old.element_size()
+    flat = new.reshape(-1)
+    tensors = {id(t): t for _, t in [*gm.named_parameters(remove_duplicate=False),
+                                     *gm.named_buffers(remove_duplicate=False)]}
+    for t in tensors.values():
+        if t.untyped_storage().data_ptr() != base or not t.is_contiguous():
+            continue
+        off = (t.data_ptr() - ptr) // es
+        if 0 <= off and off + t.numel() <= numel:
+            t.data = flat[off:off + t.numel()].view(t.shape)
+
+
+def fuse_shared(gm: GraphModule, m: ExpertsMatch, fused: Node, sh: SharedMatch) -> str:
+    """Append the shared MLP's weights to the fused op's as expert E, route every token to it with
+    weight 1, and drop the MLP and its add. Returns the stacked weights' parameter names."""
+    g = gm.graph
+    w_up_node, w_down_node = fused.args[3], fused.args[4]
+    if not (w_up_node.op == "get_attr" and w_down_node.op == "get_attr"):
+        raise _NoMatch("the experts' weights are not plain [E, out, in] parameters")
+    up_t, down_t = module_tensor(gm, str(w_up_node.target)), module_tensor(gm, str(w_down_node.target))
+    (gw, g0, i), (uw, u0, _) = sh.up_params
+    gate_t, upw_t, sh_down = (module_tensor(gm, str(n.target)) for n in (gw, uw, sh.down))
+    if gw is uw and not (g0 == 0 and u0 == i and gate_t.shape[0] == 2 * i):
+        raise _NoMatch(f"the shared MLP's fused projection is not [gate; up] ({gate_t.shape[0]} rows, gate at "
+                       f"{g0}, up at {u0})")
+    if not all(t.is_contiguous() for t in (up_t, down_t, gate_t, upw_t, sh_down)):
+        raise _NoMatch("the experts' or the shared MLP's weights are not contiguous")
+    if any(t.dtype != up_t.dtype or t.device != up_t.device for t in (gate_t, upw_t, sh_down)):
+        raise _NoMatch("the shared MLP's weights differ in dtype or device from the experts'")
+    e = up_t.shape[0]
+    sh_up = torch.cat([gate_t[g0:g0 + i].detach(), upw_t[u0:u0 + i].detach()], 0)
+    ext_up = torch.cat([up_t.detach(), sh_up.unsqueeze(0)], 0)
+    ext_down = torch.cat([down_t.detach(), sh_down.detach().unsqueeze(0)], 0)
+    # the old tensors and every view of them (HF parameters, fuse_gemms' members) now view the stack
+    _repoint(gm, up_t, ext_up[:e])
+    _repoint(gm, down_t, ext_down[:e])
+    _repoint(gm, sh_down, ext_down[e])
+    if gw is uw:
+        _repoint(gm, gate_t, ext_up[e])
+    else:
+        _repoint(gm, gate_t, ext_up[e, :i])
+        _repoint(gm, upw_t, ext_up[e, i:])
+    parent = str(w_up_node.target).rpartition(".")[0]
+    owner = gm.get_submodule(parent) if parent else gm
+    names = []
+    for stem, t in (("w_up_with_shared", ext_up), ("w_down_with_shared", ext_down)):
+        owner.register_parameter(stem, torch.nn.Parameter(t, requires_grad=False))
+        names.append(f"{parent}.{stem}" if parent else stem)
+    ids, wts = fused.args[1], fused.args[2]
+    with g.inserting_before(fused):
+        up_ext, down_ext = g.get_attr(names[0]), g.get_attr(names[1])
+        col_i = g.call_function(_SLICE, (ids, 1, 0, 1))
+        col_w = g.call_function(_SLICE, (wts, 1, 0, 1))
+        ids_ext = g.call_function(aten.cat.default, ([ids, g.call_function(aten.full_like.default, (col_i, e))], 1))
+        w_ext = g.call_function(aten.cat.default, ([wts, g.call_function(aten.full_like.default, (col_w, 1.0))], 1))
+    fused.args = (fused.args[0], ids_ext, w_ext, up_ext, down_ext, *fused.args[5:])
+    # the add's own metadata checks go with it (a check of [T, H] on the routed view would still hold,
+    # but stays simpler erased)
+    sh.add.replace_all_uses_with(sh.routed, delete_user_cb=lambda u: not is_op(u, {ASSERT_METADATA}))
+    region = {sh.add}
+    stack = [a for a in sh.add.all_input_nodes if a is not sh.routed]
+    while stack:  # the shared MLP, back to the parameters (dead now)
+        n = stack.pop()
+        if n in region or n is m.x or n.op == "placeholder" or n is skip(m.x, RESHAPES | CASTS):
+            continue
+        region.add(n)
+        stack.extend(n.all_input_nodes)
+    erase_dead_region(g, region)  # the experts' old weight nodes go with the pass's dead-code sweep
+    return ", ".join(names)
 
 
 def triton_unavailable(dev: Any) -> Optional[str]:
@@ -311,6 +502,26 @@ def _backend_for(ctx: BuildContext, dtype: Optional[torch.dtype], requested: str
     return None, f"kept the model's experts: {why}"
 
 
+def _fuse_shared_entry(gm: GraphModule, m: ExpertsMatch, fused: Node, mode: SharedMode) -> str:
+    """Report text of the shared-expert fusion of one layer (done or why not)."""
+    if mode == "never":
+        return "kept the model's shared MLP: fuse_moe.shared_experts is never"
+    wv = val(fused.args[3])
+    nbytes = 3 * m.hidden * m.inter * (wv.element_size() if wv is not None else 2)
+    if mode == "auto" and nbytes > SHARED_AUTO_MAX_BYTES:
+        return (f"kept the model's shared MLP: auto fuses a shared expert of at most "
+                f"{SHARED_AUTO_MAX_BYTES >> 20} MiB of weights, this one has {nbytes / 2**20:.0f} MiB "
+                "(large ones ran slower in the fused op on the H200)")
+    users = _users(fused)
+    result = users[0] if len(users) == 1 and is_op(users[0], CASTS) else fused  # rewrite's cast back, if any
+    try:
+        sh = match_shared(result, m)
+        names = fuse_shared(gm, m, fused, sh)
+    except _NoMatch as exc:
+        return f"kept the model's shared MLP: {exc}"
+    return f"in the fused op as expert {m.num_experts} (weights {names})"
+
+
 @register_pass("fuse_moe", FuseMoEOptions, stage=Stage.FUSE, requires=("export",), refresh_shapes=True)
 def fuse_moe(ctx: BuildContext, opts: FuseMoEOptions) -> PassResult:
     gm = ctx.gm
@@ -330,8 +541,9 @@ def fuse_moe(ctx: BuildContext, opts: FuseMoEOptions) -> PassResult:
         entry = {"layer": layer, "experts": m.num_experts, "top_k": m.top_k, "hidden": m.hidden,
                  "intermediate": m.inter, "backend": backend, "reason": reason}
         if backend is not None:
-            rewrite(gm, m, backend)
+            node = rewrite(gm, m, backend)
             fused += 1
+            entry["shared_experts"] = _fuse_shared_entry(gm, m, node, opts.shared_experts)
         layers.append(entry)
     if fused:
         gm.graph.eliminate_dead_code()  # the regions' index arithmetic (sym sizes, aranges): once, not per layer
@@ -344,4 +556,5 @@ def fuse_moe(ctx: BuildContext, opts: FuseMoEOptions) -> PassResult:
     return PassResult(summary, {"layers": layers})
 
 
-__all__ = ["ExpertsMatch", "FuseMoEOptions", "fuse_moe", "match_experts", "rewrite", "triton_unavailable"]
+__all__ = ["SHARED_AUTO_MAX_BYTES", "ExpertsMatch", "FuseMoEOptions", "SharedMatch", "fuse_moe", "fuse_shared", "match_experts", "match_shared",
+           "rewrite", "triton_unavailable"]

@@ -85,8 +85,9 @@ def erase_dead_region(graph: torch.fx.Graph, region: set[Node]) -> None:
         n = work.pop()
         if n not in region or not dead(n):
             continue
-        for u in list(n.users):
+        for u in list(n.users):  # its metadata checks (which may be region members themselves)
             graph.erase_node(u)
+            region.discard(u)
         inputs = n.all_input_nodes
         graph.erase_node(n)
         region.discard(n)
