@@ -12,7 +12,12 @@ top-4, H 2048) and DeepSeek-V3 (256 x 2048, top-8, H 7168), and T tokens in {1, 
 Each is checked against an fp32 computation of the same bf16 inputs first. Floor: max(bytes read
 (touched experts' weights + tokens) / measured copy bandwidth, FLOPs / measured bf16 peak).
 
+`--shared` instead times the shared expert (fuse_moe.shared_experts): the routed op plus the shared
+MLP as the graph runs it unfused (cuBLAS GEMMs, a compiled silu * up, the add) against the op with
+the shared expert appended as n_shared more experts every token is routed to with weight 1.
+
     python benchmarks/bench_moe.py --out /tmp/moe [--sweep] [--grouped-mm]
+    python benchmarks/bench_moe.py --out /tmp/moe --shared [--tokens 1,64,2048]
     python benchmarks/bench_moe.py --render docs/benchmarks/moe.json
 """
 
@@ -32,6 +37,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+#: shared experts' worth of each shape (the shared MLP's intermediate size / the experts')
+N_SHARED = {"v2_lite": 2, "glm_4_7_flash": 1, "deepseek_v3": 1}
 SHAPES = {  # name: (experts, top_k, hidden, intermediate)
     "v2_lite": (64, 6, 2048, 1408),
     "glm_4_7_flash": (64, 4, 2048, 1536),
@@ -211,6 +218,71 @@ def bench_shape(name: str, tokens: list[int], sweep: bool, peaks: dict[str, floa
     return rows
 
 
+def bench_shared(name: str, tokens: list[int]) -> list[dict[str, Any]]:
+    """The shared expert as n_shared more experts of the fused op vs the routed op + the shared MLP."""
+    from autodeploy_mla.custom_ops.moe import fused_moe
+
+    e, k, h, i = SHAPES[name]
+    s = N_SHARED[name]
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    w_up = (torch.randn(e + s, 2 * i, h, device=dev, generator=g) / h ** 0.5).to(torch.bfloat16)
+    w_down = (torch.randn(e + s, h, i, device=dev, generator=g) / i ** 0.5).to(torch.bfloat16)
+    # the shared MLP as the model holds it after fuse_gemms: [gate; up] of s * i rows each, down [H, s * i]
+    gu_w = torch.cat([w_up[e:, :i].reshape(s * i, h), w_up[e:, i:].reshape(s * i, h)]).contiguous()
+    down_w = torch.cat([w_down[e + j] for j in range(s)], 1).contiguous()
+    routed_up, routed_down = w_up[:e], w_down[:e]
+
+    @torch.compile(dynamic=False)
+    def act(gu: torch.Tensor) -> torch.Tensor:
+        gate, up = gu.split(s * i, -1)
+        return torch.nn.functional.silu(gate) * up
+
+    rows = []
+    for t in tokens:
+        x = torch.randn(t, h, device=dev, generator=g).to(torch.bfloat16)
+        w, ids = torch.topk(torch.rand(t, e, device=dev, generator=g).softmax(-1), k)
+        w = w.to(torch.bfloat16)
+        ids_ext = torch.cat([ids, torch.arange(e, e + s, device=dev).expand(t, s)], 1).contiguous()
+        w_ext = torch.cat([w, torch.ones(t, s, device=dev, dtype=w.dtype)], 1).contiguous()
+
+        def separate() -> torch.Tensor:
+            return fused_moe(x, ids, w, routed_up, routed_down) + torch.mm(act(torch.mm(x, gu_w.t())), down_w.t())
+
+        def as_experts() -> torch.Tensor:
+            return fused_moe(x, ids_ext, w_ext, w_up, w_down)
+
+        a, b = separate().float(), as_experts().float()
+        row = {"shape": name, "tokens": t, "n_shared": s, "shared_mib": 3 * h * i * s * 2 / 2 ** 20,
+               "routed_ms": graph_time_ms(lambda: fused_moe(x, ids, w, routed_up, routed_down)),
+               "separate_ms": graph_time_ms(separate), "as_experts_ms": graph_time_ms(as_experts),
+               "rel_diff": (a - b).abs().max().item() / a.abs().max().item()}
+        print(f"[{name}] T={t}: routed {row['routed_ms']:.4f}, + shared MLP {row['separate_ms']:.4f}, shared as "
+              f"expert(s) {row['as_experts_ms']:.4f} ms ({row['as_experts_ms'] / row['separate_ms']:.3f}x), "
+              f"rel diff {row['rel_diff']:.1e}", flush=True)
+        rows.append(row)
+    return rows
+
+
+def render_shared(path: Path) -> None:
+    data = json.loads(path.read_text())
+    meta = data["meta"]
+    lines = ["# The shared expert in the fused MoE op (fuse_moe.shared_experts)", "",
+             f"Machine: {meta['gpu']}, torch {meta['torch']}, triton {meta.get('triton')}.", "",
+             f"Command: `{meta['command']}`", "",
+             "ms per call, CUDA-graph replay. routed: the fused op over the routed experts alone; + shared MLP: "
+             "that plus the shared MLP as the unfused graph runs it (cuBLAS [gate; up] GEMM, a compiled silu * up, "
+             "cuBLAS down GEMM, the add); as expert(s): the op with the shared MLP appended as n_shared more "
+             "experts every token is routed to with weight 1. rel diff: max |difference| / max |output|.", "",
+             "| shape | shared MiB | T | routed ms | + shared MLP ms | as expert(s) ms | ratio | rel diff |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in data["rows"]:
+        lines.append(f"| {r['shape']} | {r['shared_mib']:.0f} | {r['tokens']} | {r['routed_ms']:.4f} | "
+                     f"{r['separate_ms']:.4f} | {r['as_experts_ms']:.4f} | "
+                     f"{r['as_experts_ms'] / r['separate_ms']:.3f}x | {r['rel_diff']:.1e} |")
+    path.with_suffix(".md").write_text("\n".join(lines) + "\n")
+
+
 def render(path: Path) -> None:
     data = json.loads(path.read_text())
     meta = data["meta"]
@@ -273,9 +345,13 @@ def main() -> None:
     ap.add_argument("--configs", help="with --sweep: only these SWEEP indices (comma-separated, negative from the "
                     "end); each config compiles its own kernels, so a full sweep takes minutes per shape")
     ap.add_argument("--grouped-mm", action="store_true", help="add torch's grouped GEMM (whole op, GEMMs only)")
+    ap.add_argument("--shared", action="store_true", help="time the shared expert as expert(s) of the op instead")
     args = ap.parse_args()
     if args.render:
-        render(args.render)
+        if "shared" in json.loads(args.render.read_text()).get("meta", {}).get("mode", ""):
+            render_shared(args.render)
+        else:
+            render(args.render)
         return
     import triton
     import transformers
@@ -291,6 +367,15 @@ def main() -> None:
             "triton": triton.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
             "peaks": peaks}
     data: dict[str, Any] = {"meta": meta, "rows": []}
+    if args.shared:
+        meta["mode"] = "shared"
+        out = args.out / "moe_shared.json"
+        for name in args.shapes.split(","):
+            data["rows"] += bench_shared(name, [int(t) for t in args.tokens.split(",")])
+            out.write_text(json.dumps(data, indent=1))
+        render_shared(out)
+        print(out.with_suffix(".md").read_text())
+        return
     out = args.out / "moe.json"
     t0 = time.perf_counter()
     for name in args.shapes.split(","):
