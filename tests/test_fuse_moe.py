@@ -64,6 +64,23 @@ def test_triton_and_reference_equal_the_loop(shape, transposed):
     assert torch.allclose(dense.double(), ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("ids_row, dtype", [([3, 0, 2], torch.int64), ([1, 1], torch.int32), ([2], torch.int64)])
+def test_one_token_runs_a_block_per_pair_without_the_layout(monkeypatch, ids_row, dtype):
+    """At T = 1 the gathered kernels take the top-k ids as their block table (a block per pair) and the
+    layout kernels are not launched; still equal to the loop, also for a repeated id or int32 ids."""
+    import autodeploy_mla.custom_ops.moe.ops as ops
+
+    def no_layout(*a, **kw):
+        raise AssertionError("expert_layout called for one token")
+
+    monkeypatch.setattr(ops, "expert_layout", no_layout)
+    x, _, _, w_up, w_down = _inputs(1, len(ids_row), 4, 24, 20, seed=5)
+    ids = torch.tensor([ids_row], dtype=dtype)
+    w = torch.rand(1, len(ids_row))
+    out = torch.ops.autodeploy.triton_moe_experts(x, ids, w, w_up, w_down)
+    assert torch.allclose(out.double(), loop_reference(x, ids.long(), w, w_up, w_down), atol=1e-5, rtol=1e-5)
+
+
 class _ChunkOf16(MoEConfig):
     """A launch config whose layout chunks hold 16 pairs: several chunks at test sizes."""
 
@@ -165,6 +182,39 @@ def test_sorted_prefill_gemms_compile_for_sm90_without_a_gpu(tmp_path):
     out = run_sm90_compile_check(_SORTED_COMPILE_CHECK, tmp_path)
     assert out.returncode == 0 and "compiled" in out.stdout, out.stderr[-3000:]
     assert "reshape True" in out.stdout, out.stdout
+
+
+_GATHERED_COMPILE_CHECK = """
+from autodeploy_mla.custom_ops.moe import kernels as K
+from autodeploy_mla.custom_ops.moe.tuning import moe_config
+import torch
+c = moe_config(6, 64, 2048, 1408, torch.bfloat16, True)  # one token of V2-Lite: the decode config
+for pb in (True, False):  # PAIR_BLOCKS: the top-k ids (int64) as the block table
+    idx = "*i64" if pb else "*i32"
+    cx = {"TOP_K": 6, "BLOCK_M": c.block_m, "BLOCK_N": c.up_n, "BLOCK_K": c.up_k, "DOT_PREC": "tf32",
+          "PAIR_BLOCKS": pb}
+    sig = {"X": "*bf16", "W": "*bf16", "SORTED": idx, "BLOCK_EXPERT": idx, "OUT": "*bf16", "n_pairs": "i32",
+           "K": "i32", "N": "i32", **{s: "i32" for s in ("stride_xt", "stride_xk", "stride_we", "stride_wn",
+                                                          "stride_wk", "stride_ot")}, **{k: "constexpr" for k in cx}}
+    compile_sm90(K.up_kernel, sig, cx)
+    cx = {"BLOCK_M": c.block_m, "BLOCK_N": c.down_n, "BLOCK_K": c.down_k, "DOT_PREC": "tf32", "PAIR_BLOCKS": pb}
+    sig = {"A": "*bf16", "W": "*bf16", "SORTED": idx, "BLOCK_EXPERT": idx, "TOPK_W": "*bf16", "OUT": "*bf16",
+           "n_pairs": "i32", "K": "i32", "N": "i32", **{s: "i32" for s in ("stride_at", "stride_we", "stride_wn",
+                                                                        "stride_wk", "stride_ot")},
+           **{k: "constexpr" for k in cx}}
+    compile_sm90(K.down_kernel, sig, cx)
+print("compiled")
+"""
+
+
+def test_decode_gemms_compile_for_sm90_without_a_gpu(tmp_path):
+    """The gathered (decode) GEMMs through Triton's compiler to SM90 cubins, with and without PAIR_BLOCKS."""
+    from autodeploy_mla.testing.sm90_compile import run_sm90_compile_check, sm90_backend_missing
+
+    if why := sm90_backend_missing():
+        pytest.skip(why)
+    out = run_sm90_compile_check(_GATHERED_COMPILE_CHECK, tmp_path)
+    assert out.returncode == 0 and "compiled" in out.stdout, out.stderr[-3000:]
 
 
 def test_triton_is_deterministic_and_block_sizes_agree():

@@ -97,11 +97,16 @@ def place_kernel(
 
 
 @triton.jit
-def _block_pairs(SORTED, pid_m, n_pairs, BLOCK_M: tl.constexpr):
+def _block_pairs(SORTED, pid_m, n_pairs, BLOCK_M: tl.constexpr, PAIR_BLOCKS: tl.constexpr = False):
     """(slots, pairs, rmask) of row block pid_m: its slots in expert order, the (token, k) pair each
-    holds (n_pairs or more in padding slots), and which slots hold one."""
-    slots = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = tl.load(SORTED + slots)
+    holds (n_pairs or more in padding slots), and which slots hold one. PAIR_BLOCKS: no layout, block
+    pid_m holds pair pid_m alone (in its first slot)."""
+    rows = tl.arange(0, BLOCK_M)
+    slots = pid_m * BLOCK_M + rows
+    if PAIR_BLOCKS:
+        pairs = tl.where(rows == 0, pid_m, n_pairs)
+    else:
+        pairs = tl.load(SORTED + slots)
     return slots, pairs, pairs < n_pairs
 
 
@@ -120,14 +125,16 @@ def up_kernel(
     stride_xt, stride_xk, stride_we, stride_wn, stride_wk, stride_ot,
     TOP_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr,
+    PAIR_BLOCKS: tl.constexpr = False,
 ):
-    """OUT[slot, n] = act(x[tok] . W[e, n]) * (x[tok] . W[e, N + n]) for the block's slots."""
+    """OUT[slot, n] = act(x[tok] . W[e, n]) * (x[tok] . W[e, N + n]) for the block's slots.
+    PAIR_BLOCKS: BLOCK_EXPERT is the flat top-k ids and block b holds pair b alone (no layout)."""
     pid_n = tl.program_id(0)  # fastest: a row block's column tiles run together, its rows stay in L2
     pid_m = tl.program_id(1)
     e = tl.load(BLOCK_EXPERT + pid_m)
     if e < 0:
         return
-    slots, pairs, rmask = _block_pairs(SORTED, pid_m, n_pairs, BLOCK_M)
+    slots, pairs, rmask = _block_pairs(SORTED, pid_m, n_pairs, BLOCK_M, PAIR_BLOCKS)
     tok = (pairs // TOP_K).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = offs_n < N
@@ -159,14 +166,15 @@ def down_kernel(
     n_pairs, K, N,
     stride_at, stride_we, stride_wn, stride_wk, stride_ot,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr,
+    PAIR_BLOCKS: tl.constexpr = False,
 ):
-    """OUT[pair, n] = weight[pair] * (A[slot] . W[e, n]) for the block's slots."""
+    """OUT[pair, n] = weight[pair] * (A[slot] . W[e, n]) for the block's slots (PAIR_BLOCKS: as up_kernel)."""
     pid_n = tl.program_id(0)  # fastest: a row block's column tiles run together, its rows stay in L2
     pid_m = tl.program_id(1)
     e = tl.load(BLOCK_EXPERT + pid_m)
     if e < 0:
         return
-    slots, pairs, rmask = _block_pairs(SORTED, pid_m, n_pairs, BLOCK_M)
+    slots, pairs, rmask = _block_pairs(SORTED, pid_m, n_pairs, BLOCK_M, PAIR_BLOCKS)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)

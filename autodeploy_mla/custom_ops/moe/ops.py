@@ -102,24 +102,30 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     bm = cfg.block_m
     dev = x.device
     wts = topk_weights.reshape(-1)
-    layout = expert_layout(topk_ids.reshape(-1), e, cfg)
-    sorted_pairs, block_expert = layout.sorted_pairs, layout.block_expert
-    max_blocks = block_expert.shape[0]
     prec = dot_precision(x.dtype)
+    # One token: its k pairs have k different experts (top-k ids are distinct), so a block per pair
+    # reads each expert's weights once, as the layout would; the two layout kernels are skipped.
+    pair_blocks = t == 1 and not cfg.sorted_tma
+    if pair_blocks:
+        sorted_pairs, block_expert = topk_ids, topk_ids.reshape(-1)  # SORTED: unused
+    else:
+        layout = expert_layout(topk_ids.reshape(-1), e, cfg)
+        sorted_pairs, block_expert = layout.sorted_pairs, layout.block_expert
+    max_blocks = block_expert.shape[0]
     inter = torch.empty(max_blocks * bm, i, dtype=x.dtype, device=dev)
-    if cfg.sorted_tma and sorted_tma_ok(x, w_up, w_down):
+    if not pair_blocks and cfg.sorted_tma and sorted_tma_ok(x, w_up, w_down):
         pair_out = _sorted_tma_gemms(x, w_up, w_down, wts, layout, inter, cfg, n, k, h, i, prec)
         return _sum_over_topk(pair_out, t, k, h)
     K.up_kernel[(-(-i // cfg.up_n), max_blocks)](
         x, w_up, sorted_pairs, block_expert, inter, n, h, i,
         x.stride(0), x.stride(1), w_up.stride(0), w_up.stride(1), w_up.stride(2), inter.stride(0),
-        TOP_K=k, BLOCK_M=bm, BLOCK_N=cfg.up_n, BLOCK_K=cfg.up_k, DOT_PREC=prec,
+        TOP_K=k, BLOCK_M=bm, BLOCK_N=cfg.up_n, BLOCK_K=cfg.up_k, DOT_PREC=prec, PAIR_BLOCKS=pair_blocks,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     pair_out = torch.empty(n, h, dtype=x.dtype, device=dev)
     K.down_kernel[(-(-h // cfg.down_n), max_blocks)](
         inter, w_down, sorted_pairs, block_expert, wts, pair_out, n, i, h,
         inter.stride(0), w_down.stride(0), w_down.stride(1), w_down.stride(2), pair_out.stride(0),
-        BLOCK_M=bm, BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k, DOT_PREC=prec,
+        BLOCK_M=bm, BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k, DOT_PREC=prec, PAIR_BLOCKS=pair_blocks,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return _sum_over_topk(pair_out, t, k, h)
 
