@@ -255,6 +255,7 @@ VARIANT_PARTS: dict[str, dict[str, dict[str, Any]]] = {
     "inductor": {"piecewise": {"compile": "inductor"}},
     "moe": {"fuse_moe": {"enabled": True, "shared_experts": "never"}},
     "shared": {"fuse_moe": {"enabled": True, "shared_experts": "always"}},  # the shared expert as expert E of the op
+    "triton": {"insert_cached_mla_attention": {"backend": "triton"}},  # every layer on our Triton MLA backend
     "gemms": {"fuse_gemms": {"enabled": True}},
     "routing": {"fuse_routing": {"enabled": True, "gate_gemm": False}},  # the routing op after the model's gate GEMM
     "gate": {"fuse_routing": {"enabled": True, "gate_gemm": True}},  # the gate GEMM in the routing op too

@@ -397,6 +397,25 @@ def test_fallback_session_is_prepared_once_per_handed_step(fake_fi, monkeypatch,
     assert res.session.fallback_steps == 1
 
 
+@pytest.mark.parametrize("max_seqs, fast, routed", [(1, ("triton",), 2), (0, ("triton",), 0), (1, (), 0),
+                                                    (2, ("triton",), 3)])
+def test_small_decode_batches_go_to_the_triton_fallback(fake_fi, max_seqs, fast, routed):
+    """decode_fallback_max_seqs: decode-only steps of at most that many sequences run on the fallback op
+    when it is a fast decode fallback (Triton); larger ones, and prefill steps, stay FlashInfer's."""
+    fake_fi(sm=(9, 0))
+    fake = Target.detect("cpu", 16)
+    target = Target(fake.device, {**fake.versions, "triton": "3.6.0"}, 16)
+    sch = [{0: 9}, {0: 1}, {0: 1}, {0: 1, 1: 6}, {0: 1, 1: 1}]  # decode steps of 1, 1 and 2 sequences
+    pol = FlashInferPolicy(prefill="flashinfer", fallback_order=("triton",), decode_fallback_max_seqs=max_seqs,
+                           fast_decode_fallbacks=fast)
+    res = run_scenario("flashinfer_mla", DS16, sch, policy=pol, page_size=16, dtype=BF16, target=target)
+    assert res.max_rel_error() < 1e-2
+    assert res.session.routed_steps == routed and res.session.fallback_steps == routed
+    assert res.session.plans == len(sch) - routed
+    with pytest.raises(ValueError, match="decode_fallback_max_seqs=-1"):
+        FlashInferPolicy(decode_fallback_max_seqs=-1)
+
+
 def _facts(expanded_overhead_us: float) -> PrefillCostFacts:
     """Both paths at 1 TFLOP/s; absorbed costs 100 us per call, expanded `expanded_overhead_us`."""
     return PrefillCostFacts(PathCost(1.0, 1.0, 100.0), PathCost(1.0, 1.0, expanded_overhead_us), "test")

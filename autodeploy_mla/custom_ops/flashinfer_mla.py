@@ -31,7 +31,8 @@ capabilities.FA_PREFILL_SAFE_HEADS) and steps whose plan would exceed MLAPlan's 
 by policy (`FlashInferPolicy.prefill`, default "auto"), steps with prefill tokens whose estimated time
 on the fallback's expanded path is lower than on FlashInfer's absorbed path, from the step's FLOPs
 under the node's dims and each path's measured throughput (prefill_cost.py; fit to
-docs/benchmarks/flashinfer_plan.md) when the fallback is Triton. Decode-only steps always use FlashInfer.
+docs/benchmarks/flashinfer_plan.md) when the fallback is Triton. Decode-only steps use FlashInfer, except
+those of at most `decode_fallback_max_seqs` sequences (default 1) when the fallback is Triton.
 The fallback op runs inside the fallback backend's own session for this model (`fallback_sessions`):
 Triton keeps its step plans and its FA3 prefill wrapper there, and `prepare` prepares that session
 for every step it hands over, so Triton reads the step's host shape once, not in every layer.
@@ -111,7 +112,14 @@ class FlashInferPolicy:
     those the runner marks as graph steps; for callers that capture graphs themselves.
 
     max_work_items: steps whose plan needs more work items go to the fallback op (MLAPlan's
-    capacity, capabilities.FA_MAX_WORK_ITEMS; lower it only to exercise that path)."""
+    capacity, capabilities.FA_MAX_WORK_ITEMS; lower it only to exercise that path).
+
+    decode_fallback_max_seqs: decode-only steps of at most this many sequences run on the fallback
+    op when it is one of `fast_decode_fallbacks` (0: never). H200, whole model, queued decode steps
+    (docs/benchmarks/e2e_roofline.md, 2026-11-26 fifth session): at batch 1 the Triton backend's step
+    is 5-11% faster (V2-Lite 3.21 -> 3.04 ms, GLM-4.7-Flash 5.36 -> 4.79 ms at 1k context, 5.40 ->
+    5.00 ms at 4k); at batch 64 it is 1.6-2.5% faster at 1k but FlashInfer is 3% faster at 4k. The
+    decision depends on the batch only, so a captured decode graph (one per batch size) keeps it."""
 
     prefill: Literal["auto", "flashinfer", "fallback"] = "auto"
     prefill_cost: PrefillCostFacts = SM90_FACTS
@@ -120,8 +128,13 @@ class FlashInferPolicy:
     strided_io: bool = True
     cuda_graph: bool = False
     max_work_items: int = FA_MAX_WORK_ITEMS
+    decode_fallback_max_seqs: int = 1
+    fast_decode_fallbacks: tuple[str, ...] = ("triton",)
 
     def __post_init__(self) -> None:
+        if self.decode_fallback_max_seqs < 0:
+            raise ValueError(f"FlashInferPolicy.decode_fallback_max_seqs={self.decode_fallback_max_seqs}: must be "
+                             ">= 0 (0: decode steps never leave FlashInfer).")
         if self.prefill not in PREFILL_POLICIES:
             raise ValueError(f"FlashInferPolicy.prefill={self.prefill!r}; valid: {', '.join(PREFILL_POLICIES)}.")
         if not 1 <= self.max_work_items <= FA_MAX_WORK_ITEMS:
@@ -254,6 +267,15 @@ class FlashInferMLASession(FlashInferSession):
         return (f"step with prefill tokens routed to {name}: estimated {expanded:.0f} us expanded vs "
                 f"{absorbed:.0f} us absorbed per layer")
 
+    def _route_decode(self, key: PlanKey, counts: StepCounts) -> Optional[str]:
+        """Why a decode-only step goes to the fallback op by policy, or None."""
+        p = self.policy
+        name = self.configs[key].name
+        if name not in p.fast_decode_fallbacks or counts.num_seqs > p.decode_fallback_max_seqs:
+            return None
+        return (f"decode step of {counts.num_seqs} sequence(s) routed to {name} "
+                f"(decode_fallback_max_seqs={p.decode_fallback_max_seqs})")
+
     def prepare(self, meta: StepMetadata, step: StepDescriptor) -> None:
         """Plan every config once for the step described by the metadata's host mirrors."""
         counts = StepCounts.of(meta.get("batch_info_host"))
@@ -269,7 +291,7 @@ class FlashInferMLASession(FlashInferSession):
         qo_lens = csr.qo_lens
         routed = False
         for key in self.configs:
-            why = None if counts.decode_only else self._route_prefill(key, csr)
+            why = self._route_decode(key, counts) if counts.decode_only else self._route_prefill(key, csr)
             if why is not None:
                 plan.fallback[key] = why
                 routed = True
