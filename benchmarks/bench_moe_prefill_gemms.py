@@ -53,6 +53,8 @@ def _kernels():
     import triton
     import triton.language as tl
 
+    from autodeploy_mla.custom_ops.moe.kernels import _tile_of
+
     @triton.jit
     def up_two_acc(XS_DESC, W_DESC, BLOCK_EXPERT, OUT, K, N, stride_ot,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -139,9 +141,7 @@ def _kernels():
         n_tiles_n = tl.cdiv(N, BLOCK_N)
         total = tl.load(NUM_BLOCKS) * n_tiles_n
         for tile in tl.range(tl.program_id(0), total, NUM_PROGRAMS, flatten=True):
-            pid_m = tile // n_tiles_n
-            pid_n = tile % n_tiles_n
-            e = tl.load(BLOCK_EXPERT + pid_m)
+            pid_m, pid_n, e, _ = _tile_of(tile, n_tiles_n, BLOCK_EXPERT, BLOCK_M)
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for ki in range(tl.cdiv(K, BLOCK_K)):
                 acc = tl.dot(A_DESC.load([pid_m * BLOCK_M, ki * BLOCK_K]),
@@ -156,9 +156,7 @@ def _kernels():
         k_tiles = tl.cdiv(K, BLOCK_K)
         total = tl.load(NUM_BLOCKS) * n_tiles_n
         for tile in tl.range(tl.program_id(0), total, NUM_PROGRAMS, flatten=True):
-            pid_m = tile // n_tiles_n
-            pid_n = tile % n_tiles_n
-            e = tl.load(BLOCK_EXPERT + pid_m)
+            pid_m, pid_n, e, _ = _tile_of(tile, n_tiles_n, BLOCK_EXPERT, BLOCK_M)
             base = (e * n_tiles_n + pid_n) * k_tiles
             acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
             for ki in range(k_tiles):
@@ -175,9 +173,7 @@ def _kernels():
         k_tiles = tl.cdiv(K, BLOCK_K)
         total = tl.load(NUM_BLOCKS) * n_tiles_n
         for tile in tl.range(tl.program_id(0), total, NUM_PROGRAMS, flatten=True):
-            pid_m = tile // n_tiles_n
-            pid_n = tile % n_tiles_n
-            e = tl.load(BLOCK_EXPERT + pid_m)
+            pid_m, pid_n, e, _ = _tile_of(tile, n_tiles_n, BLOCK_EXPERT, BLOCK_M)
             base = (e * n_tiles_n + pid_n) * k_tiles
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for ki in range(k_tiles):
