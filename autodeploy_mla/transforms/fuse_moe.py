@@ -24,10 +24,11 @@ stacked expert weights as expert E and every token's top-k with (E, weight 1): t
 computes it with the routed experts, in the same two GEMM launches, and the shared MLP's own GEMMs,
 activation and add disappear (H200, GLM-4.7-Flash shape: 53 -> 44 us per layer at one token, 0.503
 -> 0.499 ms at 2048; docs/moe.md). `auto` does it where the shared expert's weights are small
-(SHARED_AUTO_MAX_BYTES): DeepSeek-V3's large one ran 1-3% slower in the fused op. Memory: the stacked weights are one new tensor of E + 1 experts;
-the experts' and the shared MLP's parameters become views of it (the HF model keeps working). Two
-or more shared experts' worth (DeepSeek-V2-Lite) would need copies (their rows interleave
-differently), so those stay the model's MLP, with the reason in the report.
+(SHARED_AUTO_MAX_BYTES): DeepSeek-V3's large one ran 1-3% slower in the fused op. Memory: the
+stacked weights are one new tensor of E + 1 experts; the experts' and the shared MLP's parameters
+become views of it (the HF model keeps working). Two or more shared experts' worth (DeepSeek-V2-Lite)
+would need copies (their rows interleave differently), so those stay the model's MLP, with the
+reason in the report.
 
 Backends: `triton` (custom_ops/moe: fused layout + two GEMM kernels), `torch` (the dense reference,
 for tests), `auto`: triton where it runs (CUDA SM80+ for 16-bit, or the interpreter), otherwise the
@@ -350,10 +351,10 @@ def _half(node: Any, x: Node, i: int, which: int) -> tuple[Node, int]:
     return w, 0
 
 
-def match_shared(result: Node, m: ExpertsMatch) -> SharedMatch:
-    """The shared expert MLP whose output is added to the fused op's output `result`; _NoMatch
-    (with where it differs) otherwise."""
-    routed = result
+def match_shared(fused: Node, m: ExpertsMatch) -> SharedMatch:
+    """The shared expert MLP whose output is added to the fused op's output (through views and
+    casts); _NoMatch (with where it differs) otherwise."""
+    routed = fused
     while True:
         us = _users(routed)
         if len(us) != 1:
@@ -512,10 +513,8 @@ def _fuse_shared_entry(gm: GraphModule, m: ExpertsMatch, fused: Node, mode: Shar
         return (f"kept the model's shared MLP: auto fuses a shared expert of at most "
                 f"{SHARED_AUTO_MAX_BYTES >> 20} MiB of weights, this one has {nbytes / 2**20:.0f} MiB "
                 "(large ones ran slower in the fused op on the H200)")
-    users = _users(fused)
-    result = users[0] if len(users) == 1 and is_op(users[0], CASTS) else fused  # rewrite's cast back, if any
     try:
-        sh = match_shared(result, m)
+        sh = match_shared(fused, m)  # (through rewrite's cast back to the model's dtype, if any)
         names = fuse_shared(gm, m, fused, sh)
     except _NoMatch as exc:
         return f"kept the model's shared MLP: {exc}"
@@ -556,5 +555,5 @@ def fuse_moe(ctx: BuildContext, opts: FuseMoEOptions) -> PassResult:
     return PassResult(summary, {"layers": layers})
 
 
-__all__ = ["SHARED_AUTO_MAX_BYTES", "ExpertsMatch", "FuseMoEOptions", "SharedMatch", "fuse_moe", "fuse_shared", "match_experts", "match_shared",
-           "rewrite", "triton_unavailable"]
+__all__ = ["SHARED_AUTO_MAX_BYTES", "ExpertsMatch", "FuseMoEOptions", "SharedMatch", "fuse_moe", "fuse_shared",
+           "match_experts", "match_shared", "rewrite", "triton_unavailable"]
