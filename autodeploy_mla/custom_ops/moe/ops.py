@@ -107,7 +107,7 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     # reads each expert's weights once, as the layout would; the two layout kernels are skipped.
     pair_blocks = t == 1 and not cfg.sorted_tma
     if pair_blocks:
-        sorted_pairs, block_expert = topk_ids, topk_ids.reshape(-1)  # SORTED: unused
+        sorted_pairs = block_expert = topk_ids.reshape(-1)  # the kernels read no SORTED under PAIR_BLOCKS
     else:
         layout = expert_layout(topk_ids.reshape(-1), e, cfg)
         sorted_pairs, block_expert = layout.sorted_pairs, layout.block_expert
