@@ -24,10 +24,6 @@ triton.testing.do_bench_cudagraph), each variant checked against the shipped ker
   balanced routing): does the second block of an expert find its weight tiles in L2?
 - `weights pre-tiled (contiguous boxes)`: the weights re-laid once so that every TMA box (the
   shipped kernel's reads 256 rows x 128 bytes at a 4 KB stride) is one contiguous block;
-- `granule tiles (64-row tails)`: kernels.up_tiles_kernel / down_tiles_kernel over the granule layout
-  (`MoEConfig.tail_tiles`): experts padded to 64 rows (at least 128), 128-row tiles plus one 192-row
-  tile (a 128-row and a 64-row product over one weight tile) per expert with an odd granule count;
-  up compared with the shipped kernel by pair (the slot orders differ);
 - `cuBLAS dense`: torch.mm on the same padded [slots, H] x [H, 2I] and [slots, I] x [I, H]: what a
   tuned dense GEMM reaches on this many rows (the padding costs it as much as us).
 
@@ -42,7 +38,6 @@ depends on rows per expert (uniform random routing here: V2-Lite 192 rows per ex
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import platform
 import sys
@@ -332,43 +327,6 @@ def bench_shape(name: str, t: int) -> dict[str, Any]:
     xs_used, w0 = xs[: used * bm], w_up[0].t().contiguous()
     rec("up", "cuBLAS dense", lambda: torch.mm(xs_used, w0), lambda: 0.0)
 
-    # the granule layout (cfg.tail_tiles): experts padded to 64-row granules, 128-row tiles plus one
-    # 192-row tile per expert with an odd granule count; compared by pair (the slot orders differ)
-    cfg_t = dataclasses.replace(cfg, tail_tiles=True)
-    lay_t = expert_layout(ids.reshape(-1), e, cfg_t)
-    tt, tm = lay_t.tiles, bm // 2
-    mg = lay_t.block_expert.shape[0]
-    xs_t = torch.empty(mg * tm, h, dtype=x.dtype, device=dev)
-    K.gather_kernel[(mg, h // 128)](x, lay_t.sorted_pairs, lay_t.block_expert, xs_t, n, h, x.stride(0), TOP_K=k,
-                                    BLOCK_M=tm, BLOCK_H=128)
-    inter_t = torch.zeros(mg * tm, i, dtype=x.dtype, device=dev)
-    n_tiles = tt.row.shape[0] + tt.row3.shape[0]
-    row["tiles"] = {"main": int(tt.counts[0].item()), "three_granule": int(tt.counts[1].item()),
-                    "slots": int(lay_t.num_blocks.item()) * tm}
-    progs_t = _persistent_programs(dev, n_tiles * -(-i // cfg_t.up_n2))
-    wu3 = w_up.view(e * 2, i, h)
-    up_t_args = (TensorDescriptor.from_tensor(xs_t, [bm, cfg.up_k]), TensorDescriptor.from_tensor(xs_t, [tm, cfg.up_k]),
-                 wu3_d, TensorDescriptor.from_tensor(wu3, [2, cfg_t.up_n2, cfg.up_k]),
-                 TensorDescriptor.from_tensor(inter_t, [bm, cfg.up_n]),
-                 TensorDescriptor.from_tensor(inter_t, [bm, cfg_t.up_n2]),
-                 TensorDescriptor.from_tensor(inter_t, [tm, cfg_t.up_n2]),
-                 tt.row, tt.expert, tt.row3, tt.expert3, tt.counts, h, i)
-
-    def up_tiles():
-        K.up_tiles_kernel[(progs_t,)](*up_t_args, BLOCK_M=bm, TAIL_M=tm, BLOCK_N=cfg.up_n, BLOCK_N2=cfg_t.up_n2,
-                                      BLOCK_K=cfg.up_k, NUM_PROGRAMS=progs_t, DOT_PREC="tf32",
-                                      num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-
-    def by_pair(buf: torch.Tensor, sp: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros(n, buf.shape[1], dtype=torch.float32, device=dev)
-        ok = sp[: buf.shape[0]] < n
-        out[sp[: buf.shape[0]][ok].long()] = buf[ok].float()
-        return out
-
-    ref_pairs = by_pair(ref, lay.sorted_pairs)
-    rec("up", "granule tiles (64-row tails)", up_tiles,
-        lambda: (by_pair(inter_t, lay_t.sorted_pairs) - ref_pairs).abs().max().item() / scale)
-
     # ---- down
     pair = torch.zeros(n, h, dtype=x.dtype, device=dev)
     progs_d = _persistent_programs(dev, mb * -(-h // cfg.down_n))
@@ -439,18 +397,6 @@ def bench_shape(name: str, t: int) -> dict[str, Any]:
                                             num_warps=cfg.num_warps, num_stages=3), slot_err)
     inter_used, wd0 = ref[: used * bm], w_down[0].t().contiguous()
     rec("down", "cuBLAS dense", lambda: torch.mm(inter_used, wd0), lambda: 0.0)
-    up_tiles()
-    wdv = w_down.view(e * h, i)
-    progs_td = _persistent_programs(dev, n_tiles * -(-h // cfg_t.down_n2))
-    dn_t_args = (TensorDescriptor.from_tensor(inter_t, [bm, cfg.down_k]),
-                 TensorDescriptor.from_tensor(inter_t, [tm, cfg.down_k]), wd_d,
-                 TensorDescriptor.from_tensor(wdv, [cfg_t.down_n2, cfg.down_k]), lay_t.sorted_pairs, wflat, dbuf,
-                 tt.row, tt.expert, tt.row3, tt.expert3, tt.counts, n, i, h, dbuf.stride(0))
-    rec("down", "granule tiles (64-row tails)",
-        lambda: K.down_tiles_kernel[(progs_td,)](*dn_t_args, BLOCK_M=bm, TAIL_M=tm, BLOCK_N=cfg.down_n,
-                                                 BLOCK_N2=cfg_t.down_n2, BLOCK_K=cfg.down_k, NUM_PROGRAMS=progs_td,
-                                                 DOT_PREC="tf32", num_warps=cfg.num_warps, num_stages=cfg.num_stages),
-        lambda: (dbuf.float() - dref.float()).abs().max().item() / dscale)
     return row
 
 

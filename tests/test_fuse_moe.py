@@ -112,7 +112,7 @@ def test_expert_layout_equals_the_reference(n, e, bm, chunked):
     ids = torch.randint(0, e, (n,), generator=torch.Generator().manual_seed(n + e))
     kw = dict(block_m=bm, up_n=16, up_k=16, down_n=16, down_k=16, num_warps=1, num_stages=1)
     cfg = _ChunkOf16(**kw) if chunked else MoEConfig(**kw)
-    sorted_pairs, block_expert, num_blocks, _ = expert_layout(ids, e, cfg)
+    sorted_pairs, block_expert, num_blocks = expert_layout(ids, e, cfg)
     want_pairs, want_blocks = _layout_reference(ids.tolist(), e, bm, block_expert.shape[0])
     assert sorted_pairs.tolist() == want_pairs
     assert block_expert.tolist() == want_blocks
@@ -123,12 +123,10 @@ _LAYOUT_COMPILE_CHECK = """
 from autodeploy_mla.custom_ops.moe import kernels as K
 sig = {"IDS": "*i64", "PARTIAL": "*i32", "n_pairs": "i32", "E_P2": "constexpr", "CHUNK": "constexpr"}
 compile_sm90(K.count_kernel, sig, {"E_P2": 64, "CHUNK": 128})
-sig = {"IDS": "*i64", "PARTIAL": "*i32", "SORTED": "*i32", "BLOCK_EXPERT": "*i32", "NUM_BLOCKS": "*i32", "T_ROW": "*i32",
-       "T_EXPERT": "*i32", "T2_ROW": "*i32", "T2_EXPERT": "*i32", "NUM_TILES": "*i32", "n_pairs": "i32",
+sig = {"IDS": "*i64", "PARTIAL": "*i32", "SORTED": "*i32", "BLOCK_EXPERT": "*i32", "NUM_BLOCKS": "*i32", "n_pairs": "i32",
        "num_chunks": "i32", "max_blocks": "i32", "E_P2": "constexpr", "BLOCK_M": "constexpr", "CHUNK": "constexpr",
-       "ROWS": "constexpr", "MIN_ROWS": "constexpr", "TILES": "constexpr"}
-compile_sm90(K.place_kernel, sig, {"E_P2": 64, "BLOCK_M": 16, "CHUNK": 128, "ROWS": 64, "MIN_ROWS": 0, "TILES": False})
-compile_sm90(K.place_kernel, sig, {"E_P2": 64, "BLOCK_M": 64, "CHUNK": 128, "ROWS": 64, "MIN_ROWS": 128, "TILES": True})
+       "ROWS": "constexpr"}
+compile_sm90(K.place_kernel, sig, {"E_P2": 64, "BLOCK_M": 16, "CHUNK": 128, "ROWS": 64})
 print("compiled")
 """
 
@@ -241,46 +239,6 @@ def test_sorted_rows_tma_path_equals_the_loop(monkeypatch, shape):
     for bm in (16, 32):
         cfg = MoEConfig(block_m=bm, up_n=16, up_k=16, down_n=16, down_k=16, num_warps=1, num_stages=1, sorted_tma=True)
         assert torch.allclose(fused_moe(x, ids, w, w_up, w_down, config=cfg).double(), ref, atol=1e-5, rtol=1e-5)
-
-
-def _tiles_reference(counts, granule):
-    """Tile tables of the granule layout from per-expert pair counts (kernels.place_kernel, TILES)."""
-    main, tail, g0 = [], [], 0
-    for ex, c in enumerate(counts):
-        g = max(-(-c // granule), 2) if c else 0
-        n_main = (g - 3) // 2 if g % 2 else g // 2
-        main += [(g0 + 2 * j) * granule for j in range(n_main)]
-        if g % 2:
-            tail.append(((g0 + 2 * n_main) * granule, ex))
-        g0 += g
-    return main, tail
-
-
-@pytest.mark.parametrize("counts", [[1, 8, 9, 16, 17, 25, 33, 0, 41, 49], [3, 0, 0, 24], [20] * 6])
-def test_tail_tiles_path_equals_the_loop(monkeypatch, counts):
-    """The granule layout (experts padded to 8-row granules, at least 16 rows; tiles of 16 rows, and
-    one of 24 per expert with an odd granule count): tile tables as the reference says, and the op
-    equal to the loop for experts of 1 to 7 granules (forced on in the interpreter, as above)."""
-    from autodeploy_mla.custom_ops.moe import ops
-
-    monkeypatch.setattr(ops, "sorted_tma_ok", lambda *a: True)
-    e, h, i = len(counts), 16, 16
-    g = torch.Generator().manual_seed(len(counts))
-    ids = torch.tensor([ex for ex, c in enumerate(counts) for _ in range(c)])[torch.randperm(sum(counts), generator=g)]
-    t = ids.shape[0]
-    x = torch.randn(t, h, generator=g)
-    w = torch.rand(t, 1, generator=g)
-    w_up = torch.randn(e, 2 * i, h, generator=g) / h**0.5
-    w_down = torch.randn(e, h, i, generator=g) / i**0.5
-    cfg = MoEConfig(block_m=16, up_n=16, up_k=16, down_n=16, down_k=16, num_warps=1, num_stages=1, sorted_tma=True,
-                    tail_tiles=True, up_n2=8, down_n2=8)
-    layout = ops.expert_layout(ids, e, cfg)
-    main, tail = _tiles_reference(counts, 8)
-    n_main, n_tail = layout.tiles.counts.tolist()
-    assert layout.tiles.row[:n_main].tolist() == main
-    assert list(zip(layout.tiles.row3[:n_tail].tolist(), layout.tiles.expert3[:n_tail].tolist())) == tail
-    ref = loop_reference(x, ids[:, None], w, w_up, w_down)
-    assert torch.allclose(fused_moe(x, ids[:, None], w, w_up, w_down, config=cfg).double(), ref, atol=1e-5, rtol=1e-5)
 
 
 def test_bf16_close_to_fp32():

@@ -47,19 +47,13 @@ def count_kernel(
 
 @triton.jit(do_not_specialize=["n_pairs", "num_chunks", "max_blocks"])
 def place_kernel(
-    IDS, PARTIAL, SORTED, BLOCK_EXPERT, NUM_BLOCKS, T_ROW, T_EXPERT, T2_ROW, T2_EXPERT, NUM_TILES,
+    IDS, PARTIAL, SORTED, BLOCK_EXPERT, NUM_BLOCKS,
     n_pairs, num_chunks, max_blocks,
     E_P2: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, ROWS: tl.constexpr,
-    MIN_ROWS: tl.constexpr = 0, TILES: tl.constexpr = False,
 ):
     """Program c < num_chunks places chunk c's pairs; every program writes its share of the padding
     slots and the block table (blocks c, c + programs, ...). Launched with about one program per block:
-    one program walking all blocks was the kernel's time (13 us for 80 blocks at 64 tokens x top-4).
-
-    MIN_ROWS: an expert with pairs gets at least this many slots. TILES (the granule layout of
-    up/down_tiles_kernel, BLOCK_M the 64-row granule, MIN_ROWS two of them): program 0 also writes the
-    tile tables, per expert of g granules g // 2 tiles of two granules if g is even, else (g - 3) // 2
-    of them and one of three (T2_*), each as (first slot, expert), and their counts (NUM_TILES[0..1])."""
+    one program walking all blocks was the kernel's time (13 us for 80 blocks at 64 tokens x top-4)."""
     c = tl.program_id(0)
     n_prog = tl.num_programs(0)
     offs_e = tl.arange(0, E_P2)
@@ -71,28 +65,11 @@ def place_kernel(
         counts += tl.sum(part, axis=0)
         before += tl.sum(tl.where((r < c)[:, None], part, 0), axis=0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    if MIN_ROWS > BLOCK_M:
-        padded = tl.where(counts > 0, tl.maximum(padded, MIN_ROWS), 0)
     ends = tl.cumsum(padded, axis=0)
     starts = ends - padded
     total = tl.sum(padded, axis=0)
     if c == 0:
         tl.store(NUM_BLOCKS, total // BLOCK_M)  # blocks that hold an expert: 0 .. NUM_BLOCKS - 1
-        if TILES:
-            g = padded // BLOCK_M
-            g0 = starts // BLOCK_M
-            odd = (g % 2) == 1  # >= 3 granules: MIN_ROWS is two
-            n_main = tl.where(odd, (g - 3) // 2, g // 2)
-            off_main = tl.cumsum(n_main, axis=0) - n_main
-            off_tail = tl.cumsum(odd.to(tl.int32), axis=0) - odd.to(tl.int32)
-            tl.store(NUM_TILES, tl.sum(n_main, axis=0))
-            tl.store(NUM_TILES + 1, tl.sum(odd.to(tl.int32), axis=0))
-            for j in range(0, tl.max(n_main, axis=0)):
-                m = j < n_main
-                tl.store(T_ROW + off_main + j, (g0 + 2 * j) * BLOCK_M, mask=m)
-                tl.store(T_EXPERT + off_main + j, offs_e, mask=m)
-            tl.store(T2_ROW + off_tail, (g0 + 2 * n_main) * BLOCK_M, mask=odd)
-            tl.store(T2_EXPERT + off_tail, offs_e, mask=odd)
 
     # this chunk's pairs: slot = expert start + pairs of that expert in earlier chunks + rank here
     # (programs past the last chunk find no pairs: every load is masked off)
@@ -320,113 +297,3 @@ def topk_sum_kernel(
     for j in range(TOP_K):
         acc += tl.load(PAIR_OUT + (rows + j)[:, None] * H + offs_h[None, :], mask=mask, other=0.0).to(tl.float32)
     tl.store(OUT + offs_t.to(tl.int64)[:, None] * H + offs_h[None, :], acc.to(OUT.dtype.element_ty), mask=mask)
-
-
-# ----------------------------------------------------------------------------- 64-row granule tiles
-# Prefill with few rows per expert (GLM-4.7-Flash at T = 2048: 128 +- 11 rows of 64 experts) pads each
-# expert to whole 128-row blocks: a third of the MMA rows are padding, and the kernels are bound by
-# MMA rows and weight bytes alike (docs/moe.md). The granule layout pads each expert to a multiple of
-# 64 rows (at least 128) and covers it with 128-row tiles, plus one 192-row tile (a 128-row and a
-# 64-row product over the same weight tile) when its granule count is odd: the expert's weights are
-# still streamed once per column tile, and the padding is at most 63 rows.
-@triton.jit
-def up_tiles_kernel(
-    XS_DESC, XS_TAIL_DESC, W_DESC, W2_DESC, O_DESC, O2_DESC, O_TAIL_DESC,
-    T_ROW, T_EXPERT, T2_ROW, T2_EXPERT, NUM_TILES,
-    K, N,
-    BLOCK_M: tl.constexpr, TAIL_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_N2: tl.constexpr,
-    BLOCK_K: tl.constexpr, NUM_PROGRAMS: tl.constexpr, DOT_PREC: tl.constexpr,
-):
-    """up_sorted_kernel over the granule layout's tiles: first the 128-row tiles (T_ROW / T_EXPERT,
-    NUM_TILES[0] of them), then the 192-row ones (T2_*, NUM_TILES[1]) with BLOCK_N2 (< BLOCK_N, so
-    the two accumulators fit the registers) columns per tile."""
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    n_tiles_n = tl.cdiv(N, BLOCK_N)
-    total = tl.load(NUM_TILES) * n_tiles_n
-    for tile in tl.range(tl.program_id(0), total, NUM_PROGRAMS, flatten=True):
-        j = tile // n_tiles_n
-        n0 = (tile % n_tiles_n) * BLOCK_N
-        m0 = tl.load(T_ROW + j)
-        e = tl.load(T_EXPERT + j)
-        acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
-        for ki in range(k_tiles):
-            a = XS_DESC.load([m0, ki * BLOCK_K])
-            w = W_DESC.load([e * 2, n0, ki * BLOCK_K]).reshape([2 * BLOCK_N, BLOCK_K])
-            acc += _dot(a, tl.trans(w), DOT_PREC)
-        gate, up = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, BLOCK_N]), [0, 2, 1]))
-        O_DESC.store([m0, n0], (gate / (1.0 + tl.exp(-gate)) * up).to(O_DESC.dtype))
-    n_tiles_n2 = tl.cdiv(N, BLOCK_N2)
-    total2 = tl.load(NUM_TILES + 1) * n_tiles_n2
-    for tile in tl.range(tl.program_id(0), total2, NUM_PROGRAMS, flatten=True):
-        j = tile // n_tiles_n2
-        n0 = (tile % n_tiles_n2) * BLOCK_N2
-        m0 = tl.load(T2_ROW + j)
-        e = tl.load(T2_EXPERT + j)
-        acc = tl.zeros([BLOCK_M, 2 * BLOCK_N2], dtype=tl.float32)
-        acc_t = tl.zeros([2 * BLOCK_N2, TAIL_M], dtype=tl.float32)  # transposed: see below
-        for ki in range(k_tiles):
-            a = XS_DESC.load([m0, ki * BLOCK_K])
-            a_t = XS_TAIL_DESC.load([m0 + BLOCK_M, ki * BLOCK_K])
-            w = W2_DESC.load([e * 2, n0, ki * BLOCK_K]).reshape([2 * BLOCK_N2, BLOCK_K])
-            acc += _dot(a, tl.trans(w), DOT_PREC)
-            # the tail as W . a_t^T: both products then have 128 rows and share the warps' layout
-            # (a [64, .] product beside a [128, .] one makes ptxas serialise every wgmma, C7515)
-            acc_t += _dot(w, tl.trans(a_t), DOT_PREC)
-        gate, up = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, BLOCK_N2]), [0, 2, 1]))
-        O2_DESC.store([m0, n0], (gate / (1.0 + tl.exp(-gate)) * up).to(O2_DESC.dtype))
-        gate, up = tl.split(tl.permute(tl.reshape(tl.trans(acc_t), [TAIL_M, 2, BLOCK_N2]), [0, 2, 1]))
-        O_TAIL_DESC.store([m0 + BLOCK_M, n0], (gate / (1.0 + tl.exp(-gate)) * up).to(O_TAIL_DESC.dtype))
-
-
-@triton.jit
-def _slot_pairs(SORTED, m0, n_pairs, ROWS: tl.constexpr):
-    pairs = tl.load(SORTED + m0 + tl.arange(0, ROWS))
-    return pairs, pairs < n_pairs
-
-
-@triton.jit(do_not_specialize=["n_pairs"])
-def down_tiles_kernel(
-    A_DESC, A_TAIL_DESC, W_DESC, W2_DESC, SORTED, TOPK_W, OUT,
-    T_ROW, T_EXPERT, T2_ROW, T2_EXPERT, NUM_TILES,
-    n_pairs, K, N, stride_ot,
-    BLOCK_M: tl.constexpr, TAIL_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_N2: tl.constexpr,
-    BLOCK_K: tl.constexpr, NUM_PROGRAMS: tl.constexpr, DOT_PREC: tl.constexpr,
-):
-    """down_sorted_kernel over the granule layout's tiles (as up_tiles_kernel)."""
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    n_tiles_n = tl.cdiv(N, BLOCK_N)
-    total = tl.load(NUM_TILES) * n_tiles_n
-    for tile in tl.range(tl.program_id(0), total, NUM_PROGRAMS, flatten=True):
-        j = tile // n_tiles_n
-        n0 = (tile % n_tiles_n) * BLOCK_N
-        m0 = tl.load(T_ROW + j)
-        row_w = tl.load(T_EXPERT + j) * N + n0
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for ki in range(k_tiles):
-            a = A_DESC.load([m0, ki * BLOCK_K])
-            w = W_DESC.load([row_w, ki * BLOCK_K])
-            acc += _dot(a, tl.trans(w), DOT_PREC)
-        pairs, rmask = _slot_pairs(SORTED, m0, n_pairs, BLOCK_M)
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        _store_weighted(acc, TOPK_W, OUT, pairs, rmask, offs_n, offs_n < N, stride_ot)
-    n_tiles_n2 = tl.cdiv(N, BLOCK_N2)
-    total2 = tl.load(NUM_TILES + 1) * n_tiles_n2
-    # not flattened: flattening this loop makes ptxas serialise its wgmmas (C7515; triton 3.6)
-    for tile in tl.range(tl.program_id(0), total2, NUM_PROGRAMS):
-        j = tile // n_tiles_n2
-        n0 = (tile % n_tiles_n2) * BLOCK_N2
-        m0 = tl.load(T2_ROW + j)
-        row_w = tl.load(T2_EXPERT + j) * N + n0
-        acc = tl.zeros([BLOCK_M, BLOCK_N2], dtype=tl.float32)
-        acc_t = tl.zeros([BLOCK_N2, TAIL_M], dtype=tl.float32)  # transposed, as in up_tiles_kernel
-        for ki in range(k_tiles):
-            a = A_DESC.load([m0, ki * BLOCK_K])
-            a_t = A_TAIL_DESC.load([m0 + BLOCK_M, ki * BLOCK_K])
-            w = W2_DESC.load([row_w, ki * BLOCK_K])
-            acc += _dot(a, tl.trans(w), DOT_PREC)
-            acc_t += _dot(w, tl.trans(a_t), DOT_PREC)
-        offs_n = n0 + tl.arange(0, BLOCK_N2)
-        pairs, rmask = _slot_pairs(SORTED, m0, n_pairs, BLOCK_M)
-        _store_weighted(acc, TOPK_W, OUT, pairs, rmask, offs_n, offs_n < N, stride_ot)
-        pairs, rmask = _slot_pairs(SORTED, m0 + BLOCK_M, n_pairs, TAIL_M)
-        _store_weighted(tl.trans(acc_t), TOPK_W, OUT, pairs, rmask, offs_n, offs_n < N, stride_ot)

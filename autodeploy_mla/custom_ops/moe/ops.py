@@ -22,7 +22,6 @@ Launch configs: `tuning.moe_config`.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import NamedTuple, Optional
 
 import torch
@@ -107,17 +106,14 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     # One token: its k pairs have k different experts (top-k ids are distinct), so a block per pair
     # reads each expert's weights once, as the layout would; the two layout kernels are skipped.
     pair_blocks = t == 1 and not cfg.sorted_tma
-    use_tma = not pair_blocks and cfg.sorted_tma and sorted_tma_ok(x, w_up, w_down)
-    if cfg.tail_tiles and not use_tma:  # the granule layout is for the TMA kernels only
-        cfg = dataclasses.replace(cfg, tail_tiles=False)
     if pair_blocks:
         sorted_pairs = block_expert = topk_ids.reshape(-1)  # the kernels read no SORTED under PAIR_BLOCKS
     else:
         layout = expert_layout(topk_ids.reshape(-1), e, cfg)
         sorted_pairs, block_expert = layout.sorted_pairs, layout.block_expert
     max_blocks = block_expert.shape[0]
-    inter = torch.empty(max_blocks * (bm // 2 if cfg.tail_tiles else bm), i, dtype=x.dtype, device=dev)
-    if use_tma:
+    inter = torch.empty(max_blocks * bm, i, dtype=x.dtype, device=dev)
+    if not pair_blocks and cfg.sorted_tma and sorted_tma_ok(x, w_up, w_down):
         pair_out = _sorted_tma_gemms(x, w_up, w_down, wts, layout, inter, cfg, n, k, h, i, prec)
         return _sum_over_topk(pair_out, t, k, h)
     K.up_kernel[(-(-i // cfg.up_n), max_blocks)](
@@ -134,55 +130,32 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     return _sum_over_topk(pair_out, t, k, h)
 
 
-class TileTables(NamedTuple):
-    """The granule layout's GEMM tiles (kernels.place_kernel with TILES): (first slot, expert) of each
-    two-granule tile and of each three-granule tile, and how many of each are in use (device)."""
-
-    row: torch.Tensor  # [max tiles] int32
-    expert: torch.Tensor
-    row3: torch.Tensor  # [E] int32: at most one three-granule tile per expert
-    expert3: torch.Tensor
-    counts: torch.Tensor  # [2] int32: two-granule tiles, three-granule tiles
-
-
 class ExpertLayout(NamedTuple):
     """The step's (token, k) pairs in expert order, in row blocks of `block_m` (kernels.place_kernel)."""
 
     sorted_pairs: torch.Tensor  # [max_blocks * block_m] int32: a pair index per slot, n in padding slots
     block_expert: torch.Tensor  # [max_blocks] int32: each block's expert, -1 past the last block in use
     num_blocks: torch.Tensor  # [1] int32: blocks in use (on the device: the op never reads it on the host)
-    tiles: Optional[TileTables] = None  # the granule layout's tiles (cfg.tail_tiles)
 
 
 def expert_layout(ids: torch.Tensor, num_experts: int, cfg: MoEConfig) -> ExpertLayout:
-    """The (token, k) pairs of `ids` ([n] expert ids) in expert order, in row blocks of cfg.block_m
-    (granules of block_m // 2 with cfg.tail_tiles, every expert with pairs at least block_m rows,
-    and the tile tables). Two kernels, static grids, no host sync: per-chunk expert counts, then
-    every program sums them and places its chunk's pairs and its share of the padding blocks."""
-    n = ids.shape[0]
-    bm = cfg.block_m // 2 if cfg.tail_tiles else cfg.block_m
-    dev = ids.device
+    """The (token, k) pairs of `ids` ([n] expert ids) in expert order, in row blocks of cfg.block_m.
+    Two kernels, static grids, no host sync: per-chunk expert counts, then every program sums them
+    and places its chunk's pairs and its share of the padding blocks."""
+    n, bm = ids.shape[0], cfg.block_m
     e_p2 = pow2(num_experts, lo=2)
     chunk = cfg.align_chunk(e_p2)
     num_chunks = -(-n // chunk)
-    # each expert with pairs adds < 1 block of padding, or < 2 granules when padded to two at least
-    max_blocks = -(-n // bm) + (2 if cfg.tail_tiles else 1) * min(num_experts, n)
-    partial = torch.empty(num_chunks, e_p2, dtype=torch.int32, device=dev)
-    sorted_pairs = torch.empty(max_blocks * bm, dtype=torch.int32, device=dev)
-    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
-    num_blocks = torch.empty(1, dtype=torch.int32, device=dev)
-    tiles = None
-    if cfg.tail_tiles:
-        e3 = min(num_experts, n)
-        tiles = TileTables(*(torch.empty(m, dtype=torch.int32, device=dev)
-                             for m in (max_blocks // 2 + 1, max_blocks // 2 + 1, e3, e3, 2)))
-    t_args = tiles if tiles is not None else (num_blocks,) * 5  # never written without TILES
+    max_blocks = -(-n // bm) + min(num_experts, n)
+    partial = torch.empty(num_chunks, e_p2, dtype=torch.int32, device=ids.device)
+    sorted_pairs = torch.empty(max_blocks * bm, dtype=torch.int32, device=ids.device)
+    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=ids.device)
+    num_blocks = torch.empty(1, dtype=torch.int32, device=ids.device)
     K.count_kernel[(num_chunks,)](ids, partial, n, E_P2=e_p2, CHUNK=chunk)
-    K.place_kernel[(max(num_chunks, max_blocks),)](ids, partial, sorted_pairs, block_expert, num_blocks, *t_args, n,
+    K.place_kernel[(max(num_chunks, max_blocks),)](ids, partial, sorted_pairs, block_expert, num_blocks, n,
                                                    num_chunks, max_blocks, E_P2=e_p2, BLOCK_M=bm, CHUNK=chunk,
-                                                   ROWS=cfg.align_rows(e_p2), MIN_ROWS=cfg.block_m if tiles else 0,
-                                                   TILES=tiles is not None)
-    return ExpertLayout(sorted_pairs, block_expert, num_blocks, tiles)
+                                                   ROWS=cfg.align_rows(e_p2))
+    return ExpertLayout(sorted_pairs, block_expert, num_blocks)
 
 
 def _sum_over_topk(pair_out: torch.Tensor, t: int, k: int, h: int) -> torch.Tensor:
@@ -221,17 +194,13 @@ def _sorted_tma_gemms(x, w_up, w_down, wts, layout: ExpertLayout, inter, cfg: Mo
     persistent over the blocks in use (`layout.num_blocks`, read on the device)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    tiles = layout.tiles
     bm = cfg.block_m
-    gm = bm // 2 if tiles is not None else bm  # rows per layout block
     e = w_up.shape[0]
     max_blocks = layout.block_expert.shape[0]
-    xs = torch.empty(max_blocks * gm, h, dtype=x.dtype, device=x.device)
+    xs = torch.empty(max_blocks * bm, h, dtype=x.dtype, device=x.device)
     block_h = 128
     K.gather_kernel[(max_blocks, -(-h // block_h))](x, layout.sorted_pairs, layout.block_expert, xs, n, h,
-                                                    x.stride(0), TOP_K=k, BLOCK_M=gm, BLOCK_H=block_h)
-    if tiles is not None:
-        return _tile_gemms(xs, w_up, w_down, wts, layout, inter, cfg, n, h, i, prec)
+                                                    x.stride(0), TOP_K=k, BLOCK_M=bm, BLOCK_H=block_h)
     xs_d = TensorDescriptor.from_tensor(xs, [bm, cfg.up_k])
     wu_d = TensorDescriptor.from_tensor(w_up.view(e * 2, i, h), [2, cfg.up_n, cfg.up_k])
     out_d = TensorDescriptor.from_tensor(inter, [bm, cfg.up_n])
@@ -247,37 +216,6 @@ def _sorted_tma_gemms(x, w_up, w_down, wts, layout: ExpertLayout, inter, cfg: Mo
     K.down_sorted_kernel[(progs,)](
         a_d, wd_d, layout.sorted_pairs, layout.block_expert, layout.num_blocks, wts, pair_out, n, i, h,
         pair_out.stride(0), BLOCK_M=bm, BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k, NUM_PROGRAMS=progs,
-        DOT_PREC=prec, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return pair_out
-
-
-def _tile_gemms(xs, w_up, w_down, wts, layout: ExpertLayout, inter, cfg: MoEConfig, n: int, h: int, i: int,
-                prec: str) -> torch.Tensor:
-    """Both GEMMs over the granule layout's tiles (kernels.up_tiles_kernel / down_tiles_kernel)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    t = layout.tiles
-    bm, tm = cfg.block_m, cfg.block_m // 2
-    e = w_up.shape[0]
-    max_tiles = t.row.shape[0] + t.row3.shape[0]
-    wu = w_up.view(e * 2, i, h)
-    progs = _persistent_programs(xs.device, max_tiles * -(-i // cfg.up_n2))
-    K.up_tiles_kernel[(progs,)](
-        TensorDescriptor.from_tensor(xs, [bm, cfg.up_k]), TensorDescriptor.from_tensor(xs, [tm, cfg.up_k]),
-        TensorDescriptor.from_tensor(wu, [2, cfg.up_n, cfg.up_k]), TensorDescriptor.from_tensor(wu, [2, cfg.up_n2, cfg.up_k]),
-        TensorDescriptor.from_tensor(inter, [bm, cfg.up_n]), TensorDescriptor.from_tensor(inter, [bm, cfg.up_n2]),
-        TensorDescriptor.from_tensor(inter, [tm, cfg.up_n2]),
-        t.row, t.expert, t.row3, t.expert3, t.counts, h, i,
-        BLOCK_M=bm, TAIL_M=tm, BLOCK_N=cfg.up_n, BLOCK_N2=cfg.up_n2, BLOCK_K=cfg.up_k, NUM_PROGRAMS=progs,
-        DOT_PREC=prec, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    wd = w_down.view(e * h, i)
-    pair_out = torch.empty(n, h, dtype=xs.dtype, device=xs.device)
-    progs = _persistent_programs(xs.device, max_tiles * -(-h // cfg.down_n2))
-    K.down_tiles_kernel[(progs,)](
-        TensorDescriptor.from_tensor(inter, [bm, cfg.down_k]), TensorDescriptor.from_tensor(inter, [tm, cfg.down_k]),
-        TensorDescriptor.from_tensor(wd, [cfg.down_n, cfg.down_k]), TensorDescriptor.from_tensor(wd, [cfg.down_n2, cfg.down_k]),
-        layout.sorted_pairs, wts, pair_out, t.row, t.expert, t.row3, t.expert3, t.counts, n, i, h, pair_out.stride(0),
-        BLOCK_M=bm, TAIL_M=tm, BLOCK_N=cfg.down_n, BLOCK_N2=cfg.down_n2, BLOCK_K=cfg.down_k, NUM_PROGRAMS=progs,
         DOT_PREC=prec, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return pair_out
 

@@ -23,11 +23,6 @@ class MoEConfig:
     num_warps: int = 4
     num_stages: int = 3
     sorted_tma: bool = False  # prefill: rows copied into expert order first, GEMM operands by TMA descriptor
-    #: sorted_tma with the granule layout (kernels.up/down_tiles_kernel): experts padded to block_m // 2
-    #: rows, not block_m; the three-granule tiles take up_n2 / down_n2 columns (two accumulators)
-    tail_tiles: bool = False
-    up_n2: int = 64
-    down_n2: int = 128
 
     def align_chunk(self, e_p2: int) -> int:
         """Pairs per layout program: a [CHUNK, E] one-hot tile of ~8K elements."""
