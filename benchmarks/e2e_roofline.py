@@ -20,7 +20,8 @@ after `om.warmup()`:
   the serving engine's steady state; the isolated columns also pay each step's host work with the
   GPU idle. Variant parts: `inductor`, `moe`, `gemms` (fuse_gemms), `routing` (fuse_routing after
   the model's gate GEMM), `gate` (fuse_routing with the gate GEMM in the op, the default config's
-  choice); every part not named is off.
+  choice), `shared` (the shared expert in the fused op), `triton` (every layer on the Triton MLA
+  backend; unnamed, the default backend choice), `rope` (real_rope); every other part not named is off.
 
 Peaks are measured in the same process: copy bandwidth as 2 x bytes / time of a 4 GiB device-to-
 device copy (read + write), bf16 peak as an 8192^3 matmul; both the median of 20 runs.
@@ -259,6 +260,7 @@ VARIANT_PARTS: dict[str, dict[str, dict[str, Any]]] = {
     "gemms": {"fuse_gemms": {"enabled": True}},
     "routing": {"fuse_routing": {"enabled": True, "gate_gemm": False}},  # the routing op after the model's gate GEMM
     "gate": {"fuse_routing": {"enabled": True, "gate_gemm": True}},  # the gate GEMM in the routing op too
+    "rope": {"real_rope": {"enabled": True}},  # complex-number rotary products as real arithmetic (V2)
 }
 
 
@@ -284,7 +286,8 @@ def variant_transforms(variant: str) -> dict[str, dict[str, Any]]:
         raise ValueError(f"unknown variant part(s) {unknown}; known: base, {', '.join(VARIANT_PARTS)}, "
                          f"{', '.join(POLICY_PARTS)}, {', '.join(RUNTIME_PARTS)}")
     out: dict[str, dict[str, Any]] = {"piecewise": {"compile": "none"}, "fuse_moe": {"enabled": False},
-                                      "fuse_gemms": {"enabled": False}, "fuse_routing": {"enabled": False}}
+                                      "fuse_gemms": {"enabled": False}, "fuse_routing": {"enabled": False},
+                                      "real_rope": {"enabled": False}}
     for p in parts:
         for k, v in VARIANT_PARTS[p].items():
             out.setdefault(k, {}).update(v)

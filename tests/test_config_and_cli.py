@@ -26,8 +26,8 @@ def test_layering_order_and_no_mutation():
     assert json.dumps(user, sort_keys=True) == snapshot
     assert cfg.runtime.page_size == 16  # --set wins over the user YAML
     assert cfg.model.hf_config["model_type"] == "deepseek_v2"  # from the model YAML
-    assert list(cfg.transforms)[:8] == ["export", "match_mla", "shard", "load_weights", "fuse_gemms", "fuse_moe",
-                                        "fuse_routing", "insert_cached_mla_attention"]
+    assert list(cfg.transforms)[:9] == ["export", "match_mla", "shard", "load_weights", "fuse_gemms", "fuse_moe",
+                                        "fuse_routing", "real_rope", "insert_cached_mla_attention"]
     assert cfg.transforms["insert_cached_mla_attention"]["backend"] == "torch"
     assert cfg.transforms["insert_cached_mla_attention"]["preference"]["cpu"] == ["torch"]  # deep-merged
 
@@ -46,7 +46,7 @@ def test_deep_merge_and_set_parsing():
         ("bogus=1", "unknown key; valid keys: model, runtime, transforms"),
         ("transforms.fuse_everything.enabled=true",
          "valid transforms: export, fuse_gemms, fuse_moe, fuse_routing, gather_logits, insert_cached_mla_attention, "
-         "load_weights, match_mla"),
+         "load_weights, match_mla, piecewise, real_rope"),
         ("transforms.insert_cached_mla_attention.backend=flashmla", "unknown backend 'flashmla'; valid: auto"),
         ("transforms.insert_cached_mla_attention.colour=red", "valid options: enabled, backend"),
         ("runtime.max_batch_size=0", "greater than or equal to 1"),

@@ -1,7 +1,7 @@
 """The built-in passes. Importing this module registers them (registry.py); the pass manager does.
 
 Each pass lives in its own module with its options and its declared stage:
-export (EXPORT) -> match_mla (PATTERN) -> shard (SHARD) -> load_weights (WEIGHTS) -> fuse_gemms, fuse_moe, fuse_routing (FUSE) ->
+export (EXPORT) -> match_mla (PATTERN) -> shard (SHARD) -> load_weights (WEIGHTS) -> fuse_gemms, fuse_moe, fuse_routing, real_rope (FUSE) ->
 insert_cached_mla_attention (CACHE) -> gather_logits (OUTPUT) -> piecewise (COMPILE).
 """
 
@@ -14,4 +14,5 @@ from . import insert_cached_attention  # noqa: F401
 from . import load_weights  # noqa: F401
 from . import match_mla  # noqa: F401
 from . import piecewise  # noqa: F401
+from . import real_rope  # noqa: F401
 from . import shard  # noqa: F401
