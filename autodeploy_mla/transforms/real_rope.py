@@ -25,6 +25,7 @@ and CPU graphs keep the model's own ops; `always` applies it everywhere (tests).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Literal, Optional
 
 import torch
@@ -91,7 +92,7 @@ def real_rope(ctx: BuildContext, opts: RealRopeOptions) -> PassResult:
     from torch._guards import detect_fake_mode
 
     g = gm.graph
-    mode = detect_fake_mode([val(found[0][2])])
+    mode = detect_fake_mode([val(found[0][2])]) or contextlib.nullcontext()
 
     def call(op: Any, args: tuple) -> Node:
         """A new node of `op`, its fake value computed from its inputs' (no whole-graph re-propagation)."""
