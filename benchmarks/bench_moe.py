@@ -30,7 +30,7 @@ import sys
 import time
 import types
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence, Union
 
 import torch
 
@@ -60,19 +60,23 @@ SWEEP = [  # (block_m, up_n, up_k, down_n, down_k, warps, stages[, sorted_tma])
 ]
 
 
-def graph_time_ms(fn: Callable[[], Any], reps: int = 20, calls: int = 1) -> float:
+def graph_time_ms(fn: Union[Callable[[], Any], Sequence[Callable[[], Any]]], reps: int = 20, calls: int = 1) -> float:
     """Median device time of one call of `fn`: `calls` calls captured as one CUDA graph (several for
-    calls of a few µs, where one replay's own cost would dominate), `reps` replays."""
+    calls of a few µs, where one replay's own cost would dominate), `reps` replays. `fn` may be a list
+    of callables instead (say, each on its own copy of a weight, so that none finds its operands in
+    L2): each is captured once, one after another, and the time is per callable."""
+    warm = list(fn) if isinstance(fn, (list, tuple)) else [fn, fn]
+    seq = list(fn) if isinstance(fn, (list, tuple)) else [fn] * calls
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
+        for c in warm:
+            c()
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
+        for c in seq:
+            c()
     g.replay()
     torch.cuda.synchronize()
     ts = []
@@ -82,7 +86,7 @@ def graph_time_ms(fn: Callable[[], Any], reps: int = 20, calls: int = 1) -> floa
         g.replay()
         b.record()
         b.synchronize()
-        ts.append(a.elapsed_time(b) / calls)
+        ts.append(a.elapsed_time(b) / len(seq))
     ts.sort()
     return ts[len(ts) // 2]
 

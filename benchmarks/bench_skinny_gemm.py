@@ -35,6 +35,7 @@ import triton.language as tl
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+from bench_moe import graph_time_ms  # noqa: E402
 from deepseek_shape import GLM_47_FLASH, V2_LITE, v3_4layer  # noqa: E402
 
 # ----------------------------------------------------------------------------- the kernel
@@ -191,29 +192,7 @@ def linear_shapes(hf: dict[str, Any]) -> list[tuple[str, int, int, int]]:
 
 def rotating_graph_ms(make_call: Callable[[int], Callable[[], Any]], copies: int, reps: int = 20) -> float:
     """Median device time of one call: `copies` calls (call i on weight copy i) captured as one graph."""
-    calls = [make_call(i) for i in range(copies)]
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for c in calls:
-            c()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in calls:
-            c()
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) / copies)
-    ts.sort()
-    return ts[len(ts) // 2]
+    return graph_time_ms([make_call(i) for i in range(copies)], reps=reps)
 
 
 def bench_shape(model: str, name: str, n: int, k: int, count: int, rows_list: list[int], sweep: bool,
