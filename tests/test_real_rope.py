@@ -1,7 +1,8 @@
 """The `real_rope` pass: complex-number rotary embeddings (DeepSeek-V2's) as real arithmetic.
 
 DeepSeek-V2 (tiny config, fp32 CPU) with the pass forced on (`when: always`): both rotary products
-of every layer rewritten, no complex multiply left in the graph, greedy tokens identical to HF eager
+of every layer rewritten, no complex multiply of a rotated tensor left in the graph (the model's one
+`freqs_cis * scaling` per step stays), greedy tokens identical to HF eager
 and prefill logits within 1e-5 of the same model without the pass. `auto` keeps the graph where the
 static pieces are not Inductor-compiled (CPU), saying why; families that rotate with real
 arithmetic have nothing to rewrite. A GPU test runs V2 through Inductor and CUDA graphs.
