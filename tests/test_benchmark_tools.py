@@ -38,3 +38,23 @@ def test_inductor_launch_configs_reads_the_chosen_config():
     assert inductor_launch_configs("silu", [mod_a])[0]["candidates"] == []
     assert [k["name"] for k in inductor_launch_configs("triton_", [mod_a])] == [
         "triton_poi_fused_mul_silu_slice_2", "triton_red_fused_rsqrt_0"]
+
+
+def test_e2e_roofline_runs_each_variant_in_its_own_process(tmp_path):
+    """`e2e_roofline.py` (plumbing, tiny dims on CPU): two variants, each built and timed in a child
+    process of its own (the second model built in one process measured slower on the GPU), merged into
+    one JSON whose runs keep the peaks their process measured."""
+    import json
+    import subprocess
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "e2e_roofline.py"
+    cmd = [sys.executable, str(script), "--quick", "--device", "cpu", "--out", str(tmp_path), "--models", "v2_lite",
+           "--variants", "base,moe", "--batches", "1", "--contexts", "32", "--chunks", "16", "--steps", "2",
+           "--warmup", "1", "--prefill-reps", "1", "--prefill-stream", "0", "--decode-stream", "0"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads((tmp_path / "e2e_roofline.json").read_text())
+    assert data["meta"]["isolated"] and not data["errors"], data["errors"]
+    assert [r["variant"] for r in data["runs"]] == ["base", "moe"]
+    assert all(r["peaks"]["copy_gb_s"] > 0 and r["decode"] and r["prefill"] for r in data["runs"])
+    assert proc.stdout.count("in a fresh process") == 2
