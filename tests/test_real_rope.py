@@ -51,7 +51,7 @@ def test_always_rewrites_v2_and_matches_hf(optimized_family):
 def test_auto_keeps_complex_products_without_inductor(optimized_family):
     om = optimized_family("deepseek_v2", RUNTIME)
     rec = next(r for r in om.history if r.name == "real_rope")
-    assert "kept" in rec.summary and "compile=none" in rec.details["reason"], rec.summary
+    assert "kept" in rec.summary and "not on CUDA" in rec.details["reason"], rec.summary
 
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "glm_4_7_flash"])

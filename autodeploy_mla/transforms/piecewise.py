@@ -23,7 +23,7 @@ See docs/piecewise.md.
 from __future__ import annotations
 
 import operator
-from typing import Any, Literal, Union
+from typing import Any, Literal, Optional, Union
 
 import networkx as nx
 import torch
@@ -274,17 +274,26 @@ def resolve_compile(requested: str, device: torch.device) -> tuple[str, str]:
     return "none", f"auto: {device.type}"
 
 
+def static_pieces_compile(opts: PiecewiseOptions, device: torch.device) -> tuple[Optional[str], str]:
+    """(torch.compile backend the static pieces will get, why), or (None, why) when this pass will not
+    split the graph: what earlier passes ask when a rewrite only pays under a compiler (real_rope)."""
+    if not opts.enabled:
+        return None, "piecewise is off (no static pieces)"
+    if device.type != "cuda" and not opts.on_cpu:
+        return None, "skipped: not on CUDA (no CUDA graphs here; set on_cpu: true to split anyway)"
+    return resolve_compile(opts.compile, device)
+
+
 @register_pass("piecewise", PiecewiseOptions, stage=Stage.COMPILE, requires=("insert_cached_mla_attention",))
 def piecewise(ctx: BuildContext, opts: PiecewiseOptions) -> PassResult:
     assert ctx.gm is not None
-    if ctx.device.type != "cuda" and not opts.on_cpu:
-        return PassResult("skipped: not on CUDA (no CUDA graphs here; set on_cpu: true to split anyway)",
-                          {"skipped": True})
+    compile_backend, compile_why = static_pieces_compile(opts, ctx.device)
+    if compile_backend is None:
+        return PassResult(compile_why, {"skipped": True})
     rt = ctx.config.runtime
     split = split_graph(ctx.gm)
     buckets = resolve_buckets(opts.buckets, rt.max_num_tokens, rt.max_batch_size)
     ctx.artifacts.split = split
-    compile_backend, compile_why = resolve_compile(opts.compile, ctx.device)
     mixed_max = opts.mixed_graph_max_tokens if opts.mixed_graph == "auto" else 0
     ctx.artifacts.runner = RunnerOptions(compile_backend, opts.cuda_graphs, tuple(buckets), opts.decode_graph == "auto",
                                          mixed_max)

@@ -67,13 +67,10 @@ def _match(node: Node) -> Optional[tuple[Node, Node, Node, Node]]:
 
 
 def _compiled_by_inductor(ctx: BuildContext) -> tuple[bool, str]:
-    from .piecewise import PiecewiseOptions, resolve_compile
+    from .piecewise import PiecewiseOptions, static_pieces_compile
 
-    raw = ctx.config.transforms.get("piecewise")
-    opts = PiecewiseOptions.model_validate(dict(raw or {}))
-    if not opts.enabled:
-        return False, "piecewise is off (no compiled static pieces)"
-    backend, why = resolve_compile(opts.compile, ctx.device)
+    opts = PiecewiseOptions.model_validate(dict(ctx.config.transforms.get("piecewise") or {}))
+    backend, why = static_pieces_compile(opts, ctx.device)
     return backend == "inductor", f"static pieces compile={backend} ({why})"
 
 
