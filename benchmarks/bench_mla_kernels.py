@@ -172,7 +172,7 @@ class Case:
         return sum(c + n for c, n in self.seqs)
 
 
-def decode_core_triton(case: Case, cfg=None, forced_splits: int = 0):
+def decode_core_triton(case: Case, cfg=None, forced_splits: int = 0, decode_kernel: str = "auto"):
     d = case.dims
     N, dn, r = d.num_heads, d.qk_nope_head_dim, d.kv_lora_rank
     w = case.w.view(N, dn + d.v_head_dim, r)
@@ -181,14 +181,24 @@ def decode_core_triton(case: Case, cfg=None, forced_splits: int = 0):
     info = case.info
     B = len(case.seqs)
     kv = max(c + n for c, n in case.seqs)
+    # cfg None: what the op runs (the Gluon decode kernel where TritonPolicy.decode_kernel="auto" picks it)
+    call = top._Call(TritonPolicy(decode_splits=forced_splits, decode_kernel=decode_kernel), warmed=set())
+    gluon = cfg is None and top._gluon_decode_choice(
+        call, tuning.decode_config(d, case.dtype, case.cache.dtype), d, q_abs.dtype, case.cache, torch.device(case.device), False)
     cfg = cfg or tuning.decode_config(d, case.dtype, case.cache.dtype)
     top._launch_append(case.x[2], case.x[3], case.cache, info.get("cache_loc"), B, d)
-    # what the op runs with: the split count from the policy (0 = automatic), kernel variants loaded once
-    call = top._Call(TritonPolicy(decode_splits=forced_splits), warmed=set())
 
     used: list[int] = []
 
     def run():
+        if gluon:
+            got = top._launch_gluon_decode(
+                call, q_abs, case.x[1], case.cache, info.get("page_table"), info.get("cu_seqlen"),
+                info.get("seq_len_with_cache"), latent, seq_base=0, n_seqs=B, tok_base=0, abs_base=0, kv_bound=kv,
+                dims=d, qk_scale=case.scale * top.LOG2E)
+            if got:
+                used.append(got)
+                return
         used.append(top._launch_absorbed(
             call, q_abs, case.x[1], case.cache, info.get("page_table"), info.get("cu_seqlen"), info.get("input_pos"),
             info.get("seq_len_with_cache"), latent, seq_base=0, n_seqs=B, tok_base=0, n_tok=B, abs_base=0,

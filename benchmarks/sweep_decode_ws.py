@@ -27,12 +27,14 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from bench_mla_kernels import DIMS, Case, FlashInferDecode, decode_core_triton, flashinfer_accepts, time_us  # noqa: E402
 
+from autodeploy_mla.custom_ops.triton_mla import op as top  # noqa: E402
 from autodeploy_mla.custom_ops.triton_mla import tuning  # noqa: E402
 
+SMALL = [(1, 512), (1, 8192), (8, 512), (8, 2048), (32, 1024)]
 SHAPES = {
-    "deepseek_v3_tp8_n16": [(8, 4096), (64, 1024), (64, 4096), (128, 8192)],
-    "glm_4_7_flash_n20": [(64, 1024), (64, 4096), (128, 8192)],
-    "mistral_small_4_n32": [(64, 4096), (128, 8192)],
+    "deepseek_v3_tp8_n16": SMALL + [(8, 4096), (64, 1024), (64, 4096), (128, 8192)],
+    "glm_4_7_flash_n20": SMALL + [(64, 1024), (64, 4096), (128, 8192)],
+    "mistral_small_4_n32": SMALL + [(64, 4096), (128, 8192)],
     "deepseek_v3_n128": [(8, 4096), (32, 8192), (128, 8192)],
 }
 #: name: fields of AbsorbedConfig replaced in the default config (None = the default itself)
@@ -40,7 +42,50 @@ VARIANTS: dict[str, dict | None] = {
     "default": None,
     "ws_w4_s2": dict(warp_spec=True, num_warps=4, num_stages=2),
     "ws_w4_s3": dict(warp_spec=True, num_warps=4, num_stages=3),
+    "gluon": "gluon",  # custom_ops/triton_mla/gluon_decode.py: loader warp + consumer warpgroup, same split merge
+    "gluon_s3": "gluon",  # ... with 3 / 4 / 8 forced splits
+    "gluon_s4": "gluon",
+    "gluon_s8": "gluon",
 }
+
+
+def decode_core_gluon(case: Case, q_abs: torch.Tensor, latent: torch.Tensor, forced_splits: int = 0):
+    """The warp-specialised Gluon decode kernel on the default variant's queries: returns (run, splits).
+    Splits from the wave plan with one resident program per SM (its KV ring fills shared memory)."""
+    from autodeploy_mla.custom_ops.triton_mla import gluon_decode as GD
+    from autodeploy_mla.custom_ops.triton_mla import kernels as K
+    from autodeploy_mla.custom_ops.triton_mla.op import _reduce_meta
+
+    d = case.dims
+    n, r, dr = d.num_heads, d.kv_lora_rank, d.qk_rope_head_dim
+    b = len(case.seqs)
+    kv = max(c + m for c, m in case.seqs)
+    dev = case.device
+    ok, why = GD.supports(n, r, dr, case.cache.shape[1], q_abs.dtype, case.cache.dtype, dev)
+    if not ok:
+        raise RuntimeError(why)
+    cfg = GD.config_for(n, r, dr)
+    hb = -(-n // cfg.cols)
+    partial = cfg.cols * r * 8 / (GD.BLOCK_N * (r + dr) * case.cache.element_size())
+    splits, _ = tuning.split_plan_waves(b * hb, kv, GD.BLOCK_N, forced_splits, dev, tuning.num_sms(dev), partial)
+    chunk = tuning.MIN_SPLIT_CHUNK
+    descs = GD.cache_descriptors(case.cache, r, dr)
+    info = case.info
+    cu, sl, pt = info.get("cu_seqlen"), info.get("seq_len_with_cache"), info.get("page_table")
+    part_acc = torch.empty(b, n, splits, r, dtype=torch.float32, device=dev)
+    part_lse = torch.empty(b, n, splits, dtype=torch.float32, device=dev)
+    q_pe = case.x[1]
+
+    def run():
+        GD.launch(descs, q_abs, q_pe, pt, cu, sl, latent, part_acc, part_lse, n_seqs=b, seq_base=0, tok_base=0,
+                  abs_base=0, splits=splits, chunk=chunk, qk_scale=case.scale * top.LOG2E, num_heads=n, r=r, dr=dr,
+                  page_size=case.cache.shape[1], cfg=cfg)
+        if splits > 1:
+            K.split_reduce_kernel[(b, n)](part_acc, part_lse, latent, cu, 0, 0, splits,
+                                          *part_acc.stride()[:3], *part_lse.stride()[:2],
+                                          latent.stride(0), latent.stride(1), **_reduce_meta(r))
+
+    return run, splits
 
 
 def main() -> None:
@@ -62,11 +107,20 @@ def main() -> None:
             row = {"dims": dname, "batch": b, "kv": kv, "bytes": nbytes, "variants": {}}
             base = tuning.decode_config(d, torch.bfloat16, case.cache.dtype)
             ref = None
+            q_abs = None
             for vname in args.variants.split(","):
                 v = VARIANTS[vname]
-                cfg = base if v is None else dataclasses.replace(base, **v)
                 try:
-                    run, q_abs, latent, splits = decode_core_triton(case, cfg)
+                    if v == "gluon":
+                        if ref is None:
+                            raise RuntimeError("the gluon variant runs after the default (its queries and oracle)")
+                        latent = torch.full_like(q_abs, float("nan"))
+                        forced = int(vname.split("_s")[1]) if "_s" in vname else 0
+                        run, splits = decode_core_gluon(case, q_abs, latent, forced)
+                        cfg = None
+                    else:
+                        cfg = base if v is None else dataclasses.replace(base, **v)
+                        run, q_abs, latent, splits = decode_core_triton(case, cfg)
                     run()
                     torch.cuda.synchronize()
                     out = latent.float().clone()
@@ -75,7 +129,7 @@ def main() -> None:
                     err = float((out - ref).abs().max() / ref.abs().max())
                     us, how = time_us(run, graph=True, rep_ms=args.rep_ms)
                     row["variants"][vname] = {"us": us, "how": how, "splits": splits, "rel_err_vs_default": err,
-                                              "tbs": nbytes / us / 1e6, "cfg": dataclasses.asdict(cfg)}
+                                              "tbs": nbytes / us / 1e6, "cfg": dataclasses.asdict(cfg) if cfg else v}
                 except Exception as e:  # noqa: BLE001 - a variant may not compile; record why
                     traceback.print_exc()
                     row["variants"][vname] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}

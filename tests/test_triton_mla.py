@@ -31,10 +31,11 @@ from autodeploy_mla.testing.scenarios import REAL_MLA_DIMS  # noqa: E402
 OP = torch.ops.autodeploy.triton_mla_with_cache
 
 
-def scenario(dims, schedule, mode="auto", splits=0, layout="auto", **kw):
+def scenario(dims, schedule, mode="auto", splits=0, layout="auto", kernel="auto", **kw):
     """run_scenario on the triton backend with a session policy: NaN-poisoned buffers, and a forced
-    prefill path / split count / decode kernel layout when given."""
-    policy = TritonPolicy(prefill_mode=mode, decode_splits=splits, poison_buffers=True, decode_layout=layout)
+    prefill path / split count / decode kernel layout / decode kernel (tl or Gluon) when given."""
+    policy = TritonPolicy(prefill_mode=mode, decode_splits=splits, poison_buffers=True, decode_layout=layout,
+                          decode_kernel=kernel)
     return run_scenario("triton", dims, schedule, policy=policy, **kw)
 
 
@@ -402,6 +403,17 @@ def test_bad_inputs_are_explained():
     OP(*xb, *metab, cacheb, None)  # auto falls back to absorb
 
 
+def test_forced_gluon_decode_explains_why_it_cannot_run():
+    """decode_kernel='gluon' where the Gluon kernel cannot run (here the interpreter or a CPU, and dims
+    it does not serve) raises, naming the reason; the prefill step before it runs."""
+    with pytest.raises(ValueError, match="decode_kernel='fast'"):
+        TritonPolicy(decode_kernel="fast")
+    with pytest.raises(MLAShapeError, match="decode_kernel='gluon'.*(interpreter|CUDA)"):
+        scenario(CPU_DIMS["r32_dr8"], [{0: 3, 1: 2}, {0: 1, 1: 1}], kernel="gluon")
+    res = scenario(CPU_DIMS["r32_dr8"], [{0: 3, 1: 2}, {0: 1, 1: 1}], kernel="triton")
+    assert 0 < res.max_rel_error() < 1e-5
+
+
 # ----------------------------------------------------------------------------- cost rule
 def test_prefill_cost_rule():
     ds = MLADims(128, 128, 64, 128, 512)
@@ -543,6 +555,29 @@ def test_gpu_multi_token_decode(dims_name, layout):
     res = scenario(GPU_DIMS[dims_name], sch, "absorb", layout=layout, page_size=64, dtype=torch.bfloat16,
                    device="cuda", seed=4)
     assert 0 < res.max_rel_error() < 1e-2, res.max_rel_error()
+
+
+def _gluon_launches(session) -> int:
+    from autodeploy_mla.custom_ops.triton_mla import gluon_decode
+
+    return sum(bk.jit_launches + bk.direct_launches for bk in session.launches._bound.values()
+               if bk.fn is getattr(gluon_decode, "gluon_decode_kernel", None))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["triton", "gluon", "auto"])
+@pytest.mark.parametrize("dims_name", ["deepseek_v3_tp8_n16", "glm_4_7_flash", "mistral_small_4"])
+def test_gpu_decode_kernels(dims_name, kernel):
+    """The tl heads-on-N decode and the Gluon warp-specialised one (gluon_decode.py) through the op on
+    the dims Gluon serves: ragged histories whose last tiles are partial (NaN-poisoned cache and
+    buffers), split and unsplit steps; "auto" must pick Gluon on SM90."""
+    sch = [{0: 1000, 1: 130, 2: 64, 3: 7}] + [{0: 1, 1: 1, 2: 1, 3: 1}] * 3
+    for splits in (0, 1):
+        res = scenario(GPU_DIMS[dims_name], sch, "auto", splits, kernel=kernel, page_size=64, dtype=torch.bfloat16,
+                       device="cuda", seed=5)
+        assert 0 < res.max_rel_error() < 1e-2, res.max_rel_error()
+        sm90 = torch.cuda.get_device_capability()[0] == 9
+        assert (_gluon_launches(res.session) > 0) == (kernel == "gluon" or (kernel == "auto" and sm90))
 
 
 @pytest.mark.gpu

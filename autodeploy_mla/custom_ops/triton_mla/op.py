@@ -39,6 +39,7 @@ from ..cache_format import FP8_DTYPE, FP8_MAX, UNIT_SCALES, CacheScales, cache_d
 from ..mla_dims import MLADims, MLAShapeError, resolve_scale
 from ..op_contract import MLAInputs, check_cached_inputs, define_cached_op_and_kernel
 from ..step_context import active_session
+from . import gluon_decode as GD
 from . import tuning
 from .sparse import DSA_INDEXER_WITH_CACHE as SPARSE_INDEXER_WITH_CACHE
 from .sparse import triton_mla_sparse_with_cache
@@ -98,6 +99,7 @@ METADATA: tuple[str, ...] = (
 LOG2E = 1.4426950408889634
 PREFILL_MODES = ("auto", "expand", "absorb")
 DECODE_LAYOUTS = ("auto", "heads_on_m", "heads_on_n")
+DECODE_KERNELS = ("auto", "triton", "gluon")
 PREFILL_ATTENTION = ("auto", "triton", "flashinfer")
 
 
@@ -120,7 +122,11 @@ class TritonPolicy:
     prefill (fa3_prefill.py) where it is installed and serves the dims (SM90, qk/vo head dims it is
     built for) and the step's longest prefill has at least tuning.FA3_PREFILL_MIN_TOKENS new tokens,
     else `expanded_prefill_kernel`; "triton" / "flashinfer" force one ("flashinfer" where FA3 cannot
-    run is refused when the session is made)."""
+    run is refused when the session is made). decode_kernel: "auto" = the warp-specialised Gluon decode
+    kernel (gluon_decode.py) wherever decode runs heads-on-N and `gluon_decode.supports` accepts the
+    dims and device (SM90, 16-bit cache, N <= 32, R 256/512, Dr 64, pages of whole 64-token tiles),
+    else the `tl` kernels; "triton" never uses it; "gluon" requires it (a decode it cannot serve
+    raises, naming why)."""
 
     prefill_mode: Literal["auto", "expand", "absorb"] = "auto"
     decode_splits: int = 0
@@ -128,8 +134,12 @@ class TritonPolicy:
     fp8_dot: bool = False
     decode_layout: Literal["auto", "heads_on_m", "heads_on_n"] = "auto"
     prefill_attention: Literal["auto", "triton", "flashinfer"] = "auto"
+    decode_kernel: Literal["auto", "triton", "gluon"] = "auto"
 
     def __post_init__(self) -> None:
+        if self.decode_kernel not in DECODE_KERNELS:
+            raise ValueError(f"TritonPolicy.decode_kernel={self.decode_kernel!r}; expected one of "
+                             f"{', '.join(DECODE_KERNELS)}.")
         if self.prefill_attention not in PREFILL_ATTENTION:
             raise ValueError(f"TritonPolicy.prefill_attention={self.prefill_attention!r}; expected one of "
                              f"{', '.join(PREFILL_ATTENTION)}.")
@@ -504,6 +514,106 @@ def _launch_absorbed(call: _Call, q_abs, q_pe, mla_cache, page_table, cu_seqlen,
     return splits
 
 
+def _gluon_decode_choice(call: _Call, cfg, dims: MLADims, q_dtype: torch.dtype, mla_cache: torch.Tensor,
+                         dev: torch.device, scaled: bool) -> bool:
+    """Whether this step's decode runs on the Gluon kernel (TritonPolicy.decode_kernel). "auto": where
+    decode runs heads-on-N and gluon_decode.supports accepts the dims and device; "gluon" raises
+    where it cannot serve them."""
+    want = call.policy.decode_kernel
+    if want == "triton":
+        return False
+    if interpreting():
+        ok, why = False, "the Triton interpreter (TRITON_INTERPRET=1) does not run Gluon kernels"
+    else:
+        ok, why = GD.supports(dims.num_heads, dims.kv_lora_rank, dims.qk_rope_head_dim, mla_cache.shape[1], q_dtype,
+                              mla_cache.dtype, dev)
+    if ok and scaled:
+        ok, why = False, "the Gluon decode kernel does not apply cache scales"
+    if want == "gluon" and not ok:
+        raise MLAShapeError(f"TritonPolicy(decode_kernel='gluon') cannot run this decode: {why}. "
+                            "Use decode_kernel='auto' or 'triton'.")
+    return ok and (want == "gluon" or cfg.heads_on_n)
+
+
+@dataclass(frozen=True)
+class _GluonDecodeLaunch:
+    """The Gluon decode of a step, planned once for every layer: the kernel variant, its split merge,
+    grid, split count and minimum chunk."""
+
+    attn: BoundKernel
+    reduce: Optional[BoundKernel]
+    grid: tuple[int, int, int]
+    splits: int
+    chunk: int
+
+
+def _plan_gluon_decode(call: _Call, dims: MLADims, page_size: int, n_seqs: int, kv_bound: int,
+                       dev: torch.device) -> _GluonDecodeLaunch:
+    """Split count from the wave model with one resident program per SM (the KV ring fills shared
+    memory) and the fp32 partials counted in tiles, as for the `tl` heads-on-N kernel."""
+    n, r, dr = dims.num_heads, dims.kv_lora_rank, dims.qk_rope_head_dim
+    gcfg = GD.config_for(n, r, dr)
+    num_hb = -(-n // gcfg.cols)
+    partial = gcfg.cols * r * 8 / (GD.BLOCK_N * (r + dr) * 2)
+    splits, _ = split_plan_waves(n_seqs * num_hb, kv_bound, GD.BLOCK_N, call.policy.decode_splits, dev,
+                                 num_sms(dev), partial)
+    chunk = -(-min_chunk(dev) // GD.BLOCK_N) * GD.BLOCK_N
+    split = splits > 1
+    attn = call.bound(GD.gluon_decode_kernel, GD.kernel_meta(n, r, dr, page_size, gcfg, split))
+    reduce = call.bound(K.split_reduce_kernel, _reduce_meta(r)) if split else None
+    return _GluonDecodeLaunch(attn, reduce, GD.grid(n, n_seqs, splits, gcfg), splits, chunk)
+
+
+def _launch_gluon_decode(call: _Call, q_abs, q_pe, mla_cache, page_table, cu_seqlen, seq_len, latent, *, seq_base,
+                         n_seqs, tok_base, abs_base, kv_bound, dims: MLADims, qk_scale: float) -> int:
+    """The decode sequences [seq_base, seq_base + n_seqs) on gluon_decode_kernel (+ the split merge).
+    Returns the split count, or 0 (nothing launched) where this layer's cache rows are not 16-byte
+    aligned for TMA."""
+    n, r, dr = dims.num_heads, dims.kv_lora_rank, dims.qk_rope_head_dim
+    dev = q_abs.device
+    key = ("gluon", mla_cache.data_ptr(), tuple(mla_cache.shape), mla_cache.dtype)
+    descs = _per_model(call.descriptors, key, lambda: GD.cache_descriptors(mla_cache, r, dr), call.memo_limit)
+    if descs is None:
+        return 0
+    page_size = mla_cache.shape[1]
+    plan = call.plan(("gluon_decode", dims, q_abs.dtype, page_size, n_seqs, kv_bound),
+                     lambda: _plan_gluon_decode(call, dims, page_size, n_seqs, kv_bound, dev))
+    common = dict(seq_base=seq_base, tok_base=tok_base, abs_base=abs_base, chunk=plan.chunk, qk_scale=qk_scale)
+    if not _capturing_on(dev):
+        # Both variants (SPLIT or not) loaded eagerly: a decode graph captured later plans its splits
+        # from the static capacity and may need the other one (no module loads while capturing).
+        wkey = ("gluon", dims, q_abs.dtype, mla_cache.dtype, page_size, dev)
+        if call.warmed is None or wkey not in call.warmed:
+            gcfg = GD.config_for(n, r, dr)
+            dummy_acc = torch.empty(1, n, 2, r, dtype=torch.float32, device=dev)
+            dummy_lse = torch.empty(1, n, 2, dtype=torch.float32, device=dev)
+            for split in (False, True):
+                pa, pl = (dummy_acc, dummy_lse) if split else (latent, latent)
+                ptrs, scalars = GD.kernel_args(descs, q_abs, q_pe, page_table, cu_seqlen, seq_len, latent, pa, pl,
+                                               split=split, **common)
+                call.bound(GD.gluon_decode_kernel, GD.kernel_meta(n, r, dr, page_size, gcfg, split)).warmup(ptrs, scalars)
+                if split:
+                    call.bound(K.split_reduce_kernel, _reduce_meta(r)).warmup(
+                        (pa, pl, latent, cu_seqlen), (tok_base, abs_base, 2, *pa.stride()[:3], *pl.stride()[:2],
+                                                      latent.stride(0), latent.stride(1)))
+            if call.warmed is not None:
+                call.warmed.add(wkey)
+    split = plan.splits > 1
+    if split:
+        part_acc = call.empty(n_seqs, n, plan.splits, r, dtype=torch.float32, device=dev)
+        part_lse = call.empty(n_seqs, n, plan.splits, dtype=torch.float32, device=dev)
+    else:
+        part_acc = part_lse = latent  # unused
+    ptrs, scalars = GD.kernel_args(descs, q_abs, q_pe, page_table, cu_seqlen, seq_len, latent, part_acc, part_lse,
+                                   split=split, **common)
+    plan.attn.launch(plan.grid, ptrs, scalars)
+    if plan.reduce is not None:
+        plan.reduce.launch((n_seqs, n), (part_acc, part_lse, latent, cu_seqlen),
+                           (tok_base, abs_base, plan.splits, *part_acc.stride()[:3], *part_lse.stride()[:2],
+                            latent.stride(0), latent.stride(1)))
+    return plan.splits
+
+
 def _per_model(table: Optional[dict[tuple[Any, ...], Any]], key: tuple[Any, ...], make: Any, limit: int) -> Any:
     """`make()` remembered in a session table for the model's life. The entries hold references to
     the model's tensors (caches, weights): a table is cleared when it outgrows `limit` (about two
@@ -766,11 +876,19 @@ def _triton_mla_with_cache(x: MLAInputs, meta: Mapping[str, torch.Tensor], mla_c
             kv_bound = static_kv if _capturing_on(dev) else min(max_kv, static_kv)
             cfg = call.plan(("decode_cfg", dims, q_nope.dtype, mla_cache.dtype),
                             lambda: _decode_config(call, dims, q_nope.dtype, mla_cache.dtype))
-            _launch_absorbed(
-                call, q_in, qpe_in, mla_cache, page_table, cu_seqlen, input_pos, seq_len_with_cache, latent,
-                seq_base=n_pre, n_seqs=n_dec, tok_base=n_pre_tok, n_tok=n_dec, abs_base=abs_lo, max_q=1,
-                kv_bound=kv_bound, cfg=cfg, dims=dims, qk_scale=qk_scale, scales=scales, q_scale=q_scale,
-            )
+            use_gluon = q_scale is None and call.plan(
+                ("gluon_choice", dims, q_in.dtype, mla_cache.dtype, mla_cache.shape[1]),
+                lambda: _gluon_decode_choice(call, cfg, dims, q_in.dtype, mla_cache, dev,
+                                             _scaled(mla_cache, scales)))
+            if not (use_gluon and _launch_gluon_decode(
+                    call, q_in, qpe_in, mla_cache, page_table, cu_seqlen, seq_len_with_cache, latent,
+                    seq_base=n_pre, n_seqs=n_dec, tok_base=n_pre_tok, abs_base=abs_lo, kv_bound=kv_bound,
+                    dims=dims, qk_scale=qk_scale)):
+                _launch_absorbed(
+                    call, q_in, qpe_in, mla_cache, page_table, cu_seqlen, input_pos, seq_len_with_cache, latent,
+                    seq_base=n_pre, n_seqs=n_dec, tok_base=n_pre_tok, n_tok=n_dec, abs_base=abs_lo, max_q=1,
+                    kv_bound=kv_bound, cfg=cfg, dims=dims, qk_scale=qk_scale, scales=scales, q_scale=q_scale,
+                )
         # latent . W_v^T written straight into out's rows ([N, Ta, Dv] view, row stride N*Dv): no copy
         torch.bmm(latent, w_v.transpose(1, 2), out=out[0, abs_lo:num_tok].transpose(0, 1))
     if mode == "expand":

@@ -1,0 +1,324 @@
+"""Warp-specialised heads-on-N decode kernel for SM90, written in Gluon (issue 14, item 2).
+
+Why: the `tl` heads-on-N kernel (kernels.absorbed_attn_heads_on_n_kernel) runs the tile loads and the
+QK -> softmax -> PV chain in the same warps, so with its two KV buffers one tile's load latency is paid
+per tile (N <= 32 stops at 64-75% of HBM bandwidth, docs/benchmarks/decode_pipeline.md), and Triton
+3.6's automatic warp specialisation does not split that loop (docs/benchmarks/decode_ws.md). Here the
+roles are explicit: one loader warp issues the TMA copies of each KV tile (page id -> cache row) into a
+ring of STAGES buffers as soon as a buffer is free, and one consumer warpgroup computes, so loads of
+the next tiles are always in flight while a tile is computed.
+
+Layout per program (head block x sequence x split chunk), heads on the MMA's N side (COLS columns):
+  s^T [BLOCK_N, COLS]  = KV[:, :C] q^T[:C] + KV[:, C:] q^T[C:] + KPE q_pe^T      (3 wgmmas, A = cache tile)
+  o^T [C, COLS] (x2)  += KV[:, half]^T p^T                                      (2 wgmmas, A = tile^T)
+with C = R / 2 (the TMA box and the wgmma operand stay <= 256 wide). The row sum of p is accumulated
+per element and reduced once at the end; only the running max is reduced per tile.
+
+Scope (the capability check in `supports` says so): bf16/fp16 cache and queries, one query token per
+sequence (decode), R in {256, 512}, Dr == 64, pages holding whole 64-token tiles, COLS <= 32.
+Outputs are those of the `tl` kernel: the latent (one split) or normalised fp32 partials plus base-2
+log-sum-exp per split, merged by kernels.split_reduce_kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+try:  # Gluon ships with triton >= 3.5; absent or broken, `supports` says so and nothing launches
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    _GLUON_ERROR: Optional[str] = None
+except Exception as e:  # noqa: BLE001 - any import failure means "not available"
+    _GLUON_ERROR = f"{type(e).__name__}: {e}"
+
+BLOCK_N = 64
+NUM_WARPS = 4
+MAXNREG = 224
+SMEM_LIMIT = 232448
+
+
+@dataclass(frozen=True)
+class GluonDecodeConfig:
+    """Launch constants: COLS head columns per program (16 or 32), STAGES KV buffers."""
+
+    cols: int
+    stages: int
+
+
+def smem_bytes(r: int, dr: int, cols: int, stages: int) -> int:
+    """Shared memory of one program: the KV ring, the queries and p^T (bf16), the epilogue's layout
+    change of one fp32 output half, barriers."""
+    tile = BLOCK_N * (r + dr) * 2
+    return stages * tile + cols * (r + dr) * 2 + cols * BLOCK_N * 2 + cols * r // 2 * 4 + 16 * stages + 1024
+
+
+def supports(num_heads: int, r: int, dr: int, page_size: int, q_dtype: torch.dtype, cache_dtype: torch.dtype,
+             device: torch.device) -> tuple[bool, str]:
+    """Whether the Gluon decode kernel serves these dims on this device, and why not."""
+    if _GLUON_ERROR is not None:
+        return False, f"gluon unavailable ({_GLUON_ERROR})"
+    if device.type != "cuda":
+        return False, "gluon decode runs on CUDA only"
+    if torch.cuda.get_device_capability(device)[0] != 9:
+        return False, f"gluon decode is written for SM90 (wgmma + TMA), device is SM{torch.cuda.get_device_capability(device)}"
+    if q_dtype not in (torch.bfloat16, torch.float16) or cache_dtype != q_dtype:
+        return False, f"gluon decode needs a bf16/fp16 cache equal to the query dtype, got {cache_dtype} / {q_dtype}"
+    if r not in (256, 512) or dr != 64:
+        return False, f"gluon decode needs R in (256, 512) and Dr == 64, got R={r} Dr={dr}"
+    if page_size % BLOCK_N:
+        return False, f"gluon decode needs pages of whole {BLOCK_N}-token tiles, page size is {page_size}"
+    if num_heads > 32:
+        return False, f"gluon decode keeps <= 32 heads on the MMA's N side, N={num_heads}"
+    return True, "ok"
+
+
+def config_for(num_heads: int, r: int, dr: int) -> GluonDecodeConfig:
+    """COLS = heads rounded up to 16 or 32; as many KV stages as shared memory holds (at most 4)."""
+    cols = 16 if num_heads <= 16 else 32
+    stages = 4
+    while stages > 2 and smem_bytes(r, dr, cols, stages) > SMEM_LIMIT:
+        stages -= 1
+    return GluonDecodeConfig(cols, stages)
+
+
+if _GLUON_ERROR is None:
+
+    @gluon.jit
+    def _loader(kv_desc, kpe_desc, kv0_s, kv1_s, kpe_s, full, empty, pt_row, kv_lo, n_tiles,
+                PAGE_SIZE: gl.constexpr, BLOCK_C: gl.constexpr, R: gl.constexpr, DR: gl.constexpr,
+                BN: gl.constexpr, STAGES: gl.constexpr):
+        nbytes: gl.constexpr = BN * (2 * BLOCK_C + DR) * 2
+        # The next tile's page id is loaded before waiting for its buffer, so its latency is not added
+        # to each refill (a chunk's tiles start on BN, so each lies inside one page).
+        page = gl.load(pt_row + kv_lo // PAGE_SIZE, mask=n_tiles > 0, other=0)
+        for t in range(n_tiles):
+            s = t % STAGES
+            ph = (t // STAGES) & 1
+            start = kv_lo + t * BN
+            row0 = page * PAGE_SIZE + start % PAGE_SIZE
+            page = gl.load(pt_row + (start + BN) // PAGE_SIZE, mask=t + 1 < n_tiles, other=0)
+            mbarrier.wait(empty.index(s), ph ^ 1)  # a fresh barrier passes parity 1
+            mbarrier.expect(full.index(s), nbytes)
+            tma.async_copy_global_to_shared(kv_desc, [row0, 0], full.index(s), kv0_s.index(s))
+            tma.async_copy_global_to_shared(kv_desc, [row0, BLOCK_C], full.index(s), kv1_s.index(s))
+            tma.async_copy_global_to_shared(kpe_desc, [row0, R], full.index(s), kpe_s.index(s))
+
+    @gluon.jit
+    def _zero_rows(buf, valid, W: gl.constexpr, BN: gl.constexpr, CHUNK: gl.constexpr):
+        """Rows >= valid of a landed tile buffer [BN, W] set to zero: slots past a sequence's history
+        may hold anything (NaN included), and p = 0 does not cancel NaN in the PV product."""
+        lay: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        rows = gl.arange(0, BN, layout=gl.SliceLayout(1, lay))
+        for c in gl.static_range(W // CHUNK):
+            part = buf.slice(c * CHUNK, CHUNK, dim=1)
+            x = part.load(lay)
+            part.store(gl.where((rows < valid)[:, None], x, gl.zeros_like(x)))
+
+    @gluon.jit
+    def _consumer(q0_s, q1_s, qpe_s, p_s, kv0_s, kv1_s, kpe_s, full, empty, kv_lo, kv_hi, n_tiles, qk_scale,
+                  Q_ABS, Q_PE, tok, LATENT, PART_ACC, PART_LSE, head0, rel, q_off, lat_off, pid_s,
+                  stride_qa_h, stride_qp_t, stride_qp_h,
+                  stride_lat_h, stride_pa_t, stride_pa_h, stride_pa_s, stride_pl_t, stride_pl_h,
+                  N: gl.constexpr, BLOCK_C: gl.constexpr, DR: gl.constexpr, COLS: gl.constexpr,
+                  BN: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr):
+        # Queries -> shared memory as [COLS, K] (the wgmma B operand, K-major), zero past N. Here, not
+        # before the fork, so the loader's first copies do not wait for these loads.
+        ql: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+        qh = head0 + gl.arange(0, COLS, layout=gl.SliceLayout(1, ql))
+        qr = gl.arange(0, BLOCK_C, layout=gl.SliceLayout(0, ql))
+        qd = gl.arange(0, DR, layout=gl.SliceLayout(0, ql))
+        qm = (qh < N)[:, None]
+        qa = Q_ABS + qh[:, None] * stride_qa_h + q_off + qr[None, :]
+        q0_s.store(gl.load(qa, mask=qm, other=0.0))
+        q1_s.store(gl.load(qa + BLOCK_C, mask=qm, other=0.0))
+        qpe_s.store(gl.load(Q_PE + tok * stride_qp_t + qh[:, None] * stride_qp_h + qd[None, :], mask=qm, other=0.0))
+        fence_async_shared()
+        gl.thread_barrier()
+
+        acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, COLS, 16])
+        col_l: gl.constexpr = gl.SliceLayout(0, acc_l)
+        row_l: gl.constexpr = gl.SliceLayout(1, acc_l)
+        acc0 = gl.zeros([BLOCK_C, COLS], gl.float32, acc_l)
+        acc1 = gl.zeros([BLOCK_C, COLS], gl.float32, acc_l)
+        lacc = gl.zeros([BN, COLS], gl.float32, acc_l)
+        m_i = gl.full([COLS], float("-inf"), gl.float32, col_l)
+        offs_n = gl.arange(0, BN, layout=row_l)
+        for t in range(n_tiles):
+            s = t % STAGES
+            ph = (t // STAGES) & 1
+            mbarrier.wait(full.index(s), ph)
+            start = kv_lo + t * BN
+            valid = kv_hi - start
+            if valid < BN:  # the chunk's last, partial tile
+                _zero_rows(kv0_s.index(s), valid, BLOCK_C, BN, 64)
+                _zero_rows(kv1_s.index(s), valid, BLOCK_C, BN, 64)
+                _zero_rows(kpe_s.index(s), valid, DR, BN, 64)
+                fence_async_shared()
+                gl.thread_barrier()
+            sT = warpgroup_mma(kv0_s.index(s), q0_s.permute((1, 0)), gl.zeros([BN, COLS], gl.float32, acc_l),
+                               use_acc=False, is_async=True)
+            sT = warpgroup_mma(kv1_s.index(s), q1_s.permute((1, 0)), sT, is_async=True)
+            sT = warpgroup_mma(kpe_s.index(s), qpe_s.permute((1, 0)), sT, is_async=True)
+            sT = warpgroup_mma_wait(num_outstanding=0, deps=[sT])
+            sT = sT * qk_scale
+            sT = gl.where((offs_n < valid)[:, None], sT, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(sT, axis=0))
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+            p = gl.exp2(sT - m_safe[None, :])
+            alpha = gl.exp2(m_i - m_safe)
+            lacc = lacc * alpha[None, :] + p
+            m_i = m_new
+            p_s.store(gl.permute(p.to(p_s.dtype), (1, 0)))
+            fence_async_shared()
+            gl.thread_barrier()
+            acc0 = warpgroup_mma(kv0_s.index(s).permute((1, 0)), p_s.permute((1, 0)), acc0 * alpha[None, :],
+                                 is_async=True)
+            acc1 = warpgroup_mma(kv1_s.index(s).permute((1, 0)), p_s.permute((1, 0)), acc1 * alpha[None, :],
+                                 is_async=True)
+            acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=[acc0, acc1])
+            mbarrier.arrive(empty.index(s), count=1)
+
+        l_i = gl.sum(lacc, axis=0)
+        has = l_i > 0.0
+        inv = 1.0 / gl.where(has, l_i, 1.0)
+        # The accumulator's layout gives each thread two adjacent heads, whose outputs are R elements
+        # apart: stored as it is, every 4-byte element is its own 32-byte sector write. A layout with
+        # R contiguous per warp (through shared memory) makes the stores whole lines.
+        out_l: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, 4], [0, 1])
+        out0 = gl.convert_layout(acc0 * inv[None, :], out_l)
+        out1 = gl.convert_layout(acc1 * inv[None, :], out_l)
+        head = head0 + gl.arange(0, COLS, layout=gl.SliceLayout(0, out_l))
+        ok = (head < N)[None, :]
+        offs_r = gl.arange(0, BLOCK_C, layout=gl.SliceLayout(1, out_l))[:, None]
+        if SPLIT:
+            pa = PART_ACC + rel * stride_pa_t + head[None, :] * stride_pa_h + pid_s * stride_pa_s + offs_r
+            gl.store(pa, out0, mask=ok)
+            gl.store(pa + BLOCK_C, out1, mask=ok)
+            hc = head0 + gl.arange(0, COLS, layout=col_l)
+            lse = gl.where(has, m_i + gl.log2(gl.where(has, l_i, 1.0)), float("-inf"))
+            gl.store(PART_LSE + rel * stride_pl_t + hc * stride_pl_h + pid_s, lse, mask=hc < N)
+        else:
+            la = LATENT + head[None, :] * stride_lat_h + lat_off + offs_r
+            gl.store(la, out0.to(LATENT.dtype.element_ty), mask=ok)
+            gl.store(la + BLOCK_C, out1.to(LATENT.dtype.element_ty), mask=ok)
+
+    @gluon.jit
+    def gluon_decode_kernel(
+        kv_desc, kpe_desc, Q_ABS, Q_PE, PAGE_TABLE, CU_SEQLEN, SEQ_LEN, LATENT, PART_ACC, PART_LSE,
+        seq_base, tok_base, abs_base, chunk_size, qk_scale,
+        stride_qa_h, stride_qa_t, stride_qp_t, stride_qp_h, stride_pt_b,
+        stride_lat_h, stride_lat_t, stride_pa_t, stride_pa_h, stride_pa_s, stride_pl_t, stride_pl_h,
+        N: gl.constexpr, R: gl.constexpr, DR: gl.constexpr, PAGE_SIZE: gl.constexpr, COLS: gl.constexpr,
+        STAGES: gl.constexpr, SPLIT: gl.constexpr,
+    ):
+        # Grid: (head blocks, decode sequences, splits); one query token per sequence.
+        BN: gl.constexpr = 64
+        BLOCK_C: gl.constexpr = R // 2
+        hb = gl.program_id(0)
+        b = seq_base + gl.program_id(1)
+        pid_s = gl.program_id(2)
+        tok = gl.load(CU_SEQLEN + b).to(gl.int64)
+        kv_limit = gl.load(SEQ_LEN + b)
+        per = gl.maximum(gl.cdiv(kv_limit, gl.num_programs(2)), chunk_size)
+        chunk = gl.cdiv(per, BN) * BN
+        kv_lo = pid_s * chunk
+        kv_hi = gl.minimum(kv_lo + chunk, kv_limit)
+        head0 = hb * COLS
+        rel = tok - tok_base
+        if SPLIT:
+            if kv_lo >= kv_limit:  # a static split count and a shorter sequence: lse = -inf only
+                lay1: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+                hh = head0 + gl.arange(0, COLS, layout=lay1)
+                gl.store(PART_LSE + rel * stride_pl_t + hh * stride_pl_h + pid_s,
+                         gl.full([COLS], float("-inf"), gl.float32, lay1), mask=hh < N)
+                return
+        n_tiles = gl.cdiv(kv_hi - kv_lo, BN)
+
+        dt: gl.constexpr = Q_ABS.dtype.element_ty
+        q0_s = gl.allocate_shared_memory(dt, [COLS, BLOCK_C], gl.NVMMASharedLayout.get_default_for([COLS, BLOCK_C], dt))
+        q1_s = gl.allocate_shared_memory(dt, [COLS, BLOCK_C], gl.NVMMASharedLayout.get_default_for([COLS, BLOCK_C], dt))
+        qpe_s = gl.allocate_shared_memory(dt, [COLS, DR], gl.NVMMASharedLayout.get_default_for([COLS, DR], dt))
+        p_s = gl.allocate_shared_memory(dt, [COLS, BN], gl.NVMMASharedLayout.get_default_for([COLS, BN], dt))
+        kv0_s = gl.allocate_shared_memory(dt, [STAGES, BN, BLOCK_C], kv_desc.layout)
+        kv1_s = gl.allocate_shared_memory(dt, [STAGES, BN, BLOCK_C], kv_desc.layout)
+        kpe_s = gl.allocate_shared_memory(dt, [STAGES, BN, DR], kpe_desc.layout)
+        full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(full.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+        fence_async_shared()
+        pt_row = PAGE_TABLE + b.to(gl.int64) * stride_pt_b
+
+        gl.warp_specialize(
+            [(_consumer, (q0_s, q1_s, qpe_s, p_s, kv0_s, kv1_s, kpe_s, full, empty, kv_lo, kv_hi, n_tiles, qk_scale,
+                          Q_ABS, Q_PE, tok, LATENT, PART_ACC, PART_LSE, head0, rel, (tok - abs_base) * stride_qa_t,
+                          (tok - abs_base) * stride_lat_t, pid_s,
+                          stride_qa_h, stride_qp_t, stride_qp_h, stride_lat_h, stride_pa_t, stride_pa_h, stride_pa_s,
+                          stride_pl_t, stride_pl_h,
+                          N, BLOCK_C, DR, COLS, BN, STAGES, SPLIT)),
+             (_loader, (kv_desc, kpe_desc, kv0_s, kv1_s, kpe_s, full, empty, pt_row, kv_lo, n_tiles,
+                        PAGE_SIZE, BLOCK_C, R, DR, BN, STAGES))],
+            [1], [40])  # one loader warp; its register budget (setmaxnreg)
+
+
+def cache_descriptors(mla_cache: torch.Tensor, r: int, dr: int):
+    """TMA descriptors of one layer's cache viewed as [pages * page_size, R + Dr] rows: the latent in
+    two [64, R/2] halves and the rope part as one [64, Dr] box (16-bit elements). None where the rows
+    are not 16-byte aligned (TMA needs aligned bases and strides)."""
+    flat = mla_cache.view(-1, mla_cache.shape[-1])
+    if (flat.stride(0) * flat.element_size()) % 16 or flat.data_ptr() % 16:
+        return None
+    gdt = gl.bfloat16 if flat.dtype == torch.bfloat16 else gl.float16
+    kv = TensorDescriptor.from_tensor(flat, [BLOCK_N, r // 2], gl.NVMMASharedLayout.get_default_for([BLOCK_N, r // 2], gdt))
+    kpe = TensorDescriptor.from_tensor(flat, [BLOCK_N, dr], gl.NVMMASharedLayout.get_default_for([BLOCK_N, dr], gdt))
+    return kv, kpe
+
+
+def kernel_meta(num_heads: int, r: int, dr: int, page_size: int, cfg: GluonDecodeConfig, split: bool) -> dict:
+    """Constexprs and launch options of one variant (SPLIT writes partials, else the latent)."""
+    return dict(N=num_heads, R=r, DR=dr, PAGE_SIZE=page_size, COLS=cfg.cols, STAGES=cfg.stages, SPLIT=split,
+                num_warps=NUM_WARPS, maxnreg=MAXNREG)
+
+
+def kernel_args(descs, q_abs, q_pe, page_table, cu_seqlen, seq_len, latent, part_acc, part_lse, *, seq_base: int,
+                tok_base: int, abs_base: int, chunk: int, qk_scale: float, split: bool):
+    """(pointer-like arguments, scalar arguments) of gluon_decode_kernel, in signature order.
+    q_abs / latent are [N, T, R] views (head stride first), q_pe is [1, T, N, Dr]; part_acc
+    [T', N, S, R] / part_lse [T', N, S] are indexed by token - tok_base (unused unless split)."""
+    pa = part_acc.stride()[:3] if split else (0, 0, 0)
+    pl = part_lse.stride()[:2] if split else (0, 0)
+    ptrs = (descs[0], descs[1], q_abs, q_pe, page_table, cu_seqlen, seq_len, latent, part_acc, part_lse)
+    scalars = (seq_base, tok_base, abs_base, chunk, qk_scale, q_abs.stride(0), q_abs.stride(1), q_pe.stride(1),
+               q_pe.stride(2), page_table.stride(0), latent.stride(0), latent.stride(1), *pa, *pl)
+    return ptrs, scalars
+
+
+def grid(num_heads: int, n_seqs: int, splits: int, cfg: GluonDecodeConfig) -> tuple[int, int, int]:
+    return (-(-num_heads // cfg.cols), n_seqs, splits)
+
+
+def launch(descs, q_abs, q_pe, page_table, cu_seqlen, seq_len, latent, part_acc, part_lse, *, n_seqs: int,
+           seq_base: int, tok_base: int, abs_base: int, splits: int, chunk: int, qk_scale: float, num_heads: int,
+           r: int, dr: int, page_size: int, cfg: GluonDecodeConfig) -> None:
+    """One launch through Triton's JIT launcher (tests, benchmarks; the op launches a BoundKernel).
+    `splits` > 1 writes part_acc / part_lse (merged by split_reduce_kernel); 1 writes the latent."""
+    split = splits > 1
+    ptrs, scalars = kernel_args(descs, q_abs, q_pe, page_table, cu_seqlen, seq_len, latent, part_acc, part_lse,
+                                seq_base=seq_base, tok_base=tok_base, abs_base=abs_base, chunk=chunk,
+                                qk_scale=qk_scale, split=split)
+    gluon_decode_kernel[grid(num_heads, n_seqs, splits, cfg)](
+        *ptrs, *scalars, **kernel_meta(num_heads, r, dr, page_size, cfg, split))
