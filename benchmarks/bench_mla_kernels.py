@@ -209,6 +209,8 @@ def decode_core_triton(case: Case, cfg=None, forced_splits: int = 0, decode_kern
         run()
         return used[-1]
 
+    run.kernel = "gluon" if gluon else "tl"  # what the default core ran (bench_decode's layout column)
+
     return run, q_abs, latent, splits()
 
 
@@ -279,7 +281,7 @@ def bench_decode(dims_name: str, d: MLADims, B: int, kv: int, dtype, dev, rep_ms
     row["bytes"], row["flops"] = bytes_kv, flops
     try:
         run, q_abs, latent, splits = decode_core_triton(case)
-        row["triton_splits"] = splits
+        row["triton_splits"], row["triton_kernel"] = splits, run.kernel
         row["triton_core_us"], row["triton_core_how"] = time_us(run, graph=True, rep_ms=rep_ms)
         ref_latent = None
         if with_fi or B * kv <= 8 * 2048:
@@ -300,6 +302,8 @@ def bench_decode(dims_name: str, d: MLADims, B: int, kv: int, dtype, dev, rep_ms
         except Exception as e:
             row[key.replace("_us", "_err")] = _err(e)
     row["triton_layout"] = "heads_on_n" if tuning.decode_config(d, dtype, case.cache.dtype).heads_on_n else "heads_on_m"
+    if row.get("triton_kernel") == "gluon":
+        row["triton_layout"] = "gluon"
     try:
         with case.op("triton") as op:
             row["triton_op_us"], row["triton_op_how"] = time_us(op, graph=True, rep_ms=rep_ms)
@@ -498,7 +502,10 @@ def write_report(res: dict, out_dir: str) -> None:
         "run() (plan excluded, shown as plan ms); its op column wraps run() in the same GEMMs/append.",
         "",
         "heads on M / heads on N = the decode core on each kernel (absorbed_attn_kernel / "
-        "absorbed_attn_heads_on_n_kernel); *layout* = the one `decode_config` picks (its time is the core column).",
+        "absorbed_attn_heads_on_n_kernel, `tl` kernels); *layout* = what the op runs (its time is the core "
+        "column): `decode_config`'s pick, or *gluon* = the warp-specialised Gluon kernel "
+        "(`triton_mla/gluon_decode.py`, heads on N), which `TritonPolicy.decode_kernel=\"auto\"` runs on SM90 for "
+        "N <= 32, R 256/512, Dr 64.",
         "",
         "| dims | B | kv | layout | splits | triton core µs | TB/s | %4.3 | TFLOP/s | heads on M µs | heads on N µs "
         "| FI core µs | triton/FI | FI plan ms | triton op µs | triton op eager µs | FI op µs | torch op µs |",

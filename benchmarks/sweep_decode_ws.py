@@ -46,10 +46,12 @@ VARIANTS: dict[str, dict | None] = {
     "gluon_s3": "gluon",  # ... with 3 / 4 / 8 forced splits
     "gluon_s4": "gluon",
     "gluon_s8": "gluon",
+    "gluon_2cta": "gluon",  # 2 KV stages and no epilogue layout change: two programs per SM where they fit
 }
 
 
-def decode_core_gluon(case: Case, q_abs: torch.Tensor, latent: torch.Tensor, forced_splits: int = 0):
+def decode_core_gluon(case: Case, q_abs: torch.Tensor, latent: torch.Tensor, forced_splits: int = 0,
+                      two_per_sm: bool = False):
     """The warp-specialised Gluon decode kernel on the default variant's queries: returns (run, splits).
     Splits from the wave plan with one resident program per SM (its KV ring fills shared memory)."""
     from autodeploy_mla.custom_ops.triton_mla import gluon_decode as GD
@@ -65,9 +67,12 @@ def decode_core_gluon(case: Case, q_abs: torch.Tensor, latent: torch.Tensor, for
     if not ok:
         raise RuntimeError(why)
     cfg = GD.config_for(n, r, dr)
+    if two_per_sm:
+        cfg = GD.GluonDecodeConfig(cfg.cols, 2, convert=False, maxnreg=128)
     hb = -(-n // cfg.cols)
     partial = cfg.cols * r * 8 / (GD.BLOCK_N * (r + dr) * case.cache.element_size())
-    splits, _ = tuning.split_plan_waves(b * hb, kv, GD.BLOCK_N, forced_splits, dev, tuning.num_sms(dev), partial)
+    splits, _ = tuning.split_plan_waves(b * hb, kv, GD.BLOCK_N, forced_splits, dev,
+                                        tuning.num_sms(dev) * GD.resident_programs(r, dr, cfg), partial)
     chunk = tuning.MIN_SPLIT_CHUNK
     descs = GD.cache_descriptors(case.cache, r, dr)
     info = case.info
@@ -115,8 +120,8 @@ def main() -> None:
                         if ref is None:
                             raise RuntimeError("the gluon variant runs after the default (its queries and oracle)")
                         latent = torch.full_like(q_abs, float("nan"))
-                        forced = int(vname.split("_s")[1]) if "_s" in vname else 0
-                        run, splits = decode_core_gluon(case, q_abs, latent, forced)
+                        forced = int(vname.split("_s")[1]) if vname.startswith("gluon_s") else 0
+                        run, splits = decode_core_gluon(case, q_abs, latent, forced, vname == "gluon_2cta")
                         cfg = None
                     else:
                         cfg = base if v is None else dataclasses.replace(base, **v)

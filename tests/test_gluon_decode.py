@@ -24,8 +24,12 @@ def test_config_fits_shared_memory():
         assert cfg.cols >= n and cfg.cols in (16, 32)
         assert 2 <= cfg.stages <= 4
         assert GD.smem_bytes(r, dr, cfg.cols, cfg.stages) <= GD.SMEM_LIMIT
-    assert GD.config_for(16, 512, 64).stages == 2  # a 576-wide tile: two 72 KB buffers
-    assert GD.config_for(32, 256, 64).stages == 4
+    assert GD.config_for(16, 512, 64).stages == 2  # a 576-wide tile: two 72 KB buffers, one program per SM
+    assert GD.resident_programs(512, 64, GD.config_for(16, 512, 64)) == 1
+    two = GD.config_for(32, 256, 64)  # R 256: two programs share an SM (shared memory and registers)
+    assert (two.stages, two.convert, two.maxnreg) == (2, False, 128)
+    assert GD.resident_programs(256, 64, two) == 2
+    assert 2 * GD.smem_bytes(256, 64, two.cols, two.stages, two.convert) <= GD.SMEM_PER_SM
 
 
 @pytest.mark.parametrize("args, needle", [
@@ -52,10 +56,19 @@ def _oracle(q_abs, q_pe, cache, page_table, seq_len, scale):
     return out
 
 
+def _other_config(cfg):
+    """The config config_for did not pick: two programs per SM (R 256) -> one with four KV stages and
+    the epilogue's layout change; one per SM (R 512) -> no layout change, 128 registers at launch."""
+    if cfg.maxnreg == 128:
+        return GD.GluonDecodeConfig(cfg.cols, 4)
+    return GD.GluonDecodeConfig(cfg.cols, cfg.stages, convert=False, maxnreg=128)
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["chosen", "other"])
 @pytest.mark.parametrize("splits", [1, 3, 8])
 @pytest.mark.parametrize("dims_name", list(REAL_DIMS))
-def test_gpu_gluon_decode_matches_oracle(dims_name, splits):
+def test_gpu_gluon_decode_matches_oracle(dims_name, splits, variant):
     from autodeploy_mla.custom_ops.triton_mla import kernels as K
     from autodeploy_mla.custom_ops.triton_mla.op import _reduce_meta
 
@@ -90,6 +103,9 @@ def test_gpu_gluon_decode_matches_oracle(dims_name, splits):
     part_acc = torch.full((b, n, splits, r), float("nan"), dtype=torch.float32, device=dev)
     part_lse = torch.full((b, n, splits), float("nan"), dtype=torch.float32, device=dev)
     cfg = GD.config_for(n, r, dr)
+    if variant == "other":
+        cfg = _other_config(cfg)
+        assert GD.smem_bytes(r, dr, cfg.cols, cfg.stages, cfg.convert) <= GD.SMEM_LIMIT
     GD.launch(GD.cache_descriptors(cache, r, dr), q_abs, q_pe, page_table, cu, seq_len, latent, part_acc, part_lse,
               n_seqs=b, seq_base=0, tok_base=0, abs_base=0, splits=splits, chunk=64, qk_scale=scale / math.log(2),
               num_heads=n, r=r, dr=dr, page_size=page, cfg=cfg)

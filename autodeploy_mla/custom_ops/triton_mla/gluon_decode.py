@@ -45,23 +45,38 @@ except Exception as e:  # noqa: BLE001 - any import failure means "not available
 
 BLOCK_N = 64
 NUM_WARPS = 4
-MAXNREG = 224
 SMEM_LIMIT = 232448
 
 
 @dataclass(frozen=True)
 class GluonDecodeConfig:
-    """Launch constants: COLS head columns per program (16 or 32), STAGES KV buffers."""
+    """Launch constants: COLS head columns per program (16 or 32), STAGES KV buffers, and whether the
+    epilogue changes the output's layout through shared memory before storing (whole-line stores;
+    off saves that scratch, which can let two programs share an SM)."""
 
     cols: int
     stages: int
+    convert: bool = True
+    maxnreg: int = 224  # the kernel's register cap per thread: 8 warps x 224 fill an SM's register file
 
 
-def smem_bytes(r: int, dr: int, cols: int, stages: int) -> int:
+def smem_bytes(r: int, dr: int, cols: int, stages: int, convert: bool = True) -> int:
     """Shared memory of one program: the KV ring, the queries and p^T (bf16), the epilogue's layout
     change of one fp32 output half, barriers."""
     tile = BLOCK_N * (r + dr) * 2
-    return stages * tile + cols * (r + dr) * 2 + cols * BLOCK_N * 2 + cols * r // 2 * 4 + 16 * stages + 1024
+    return stages * tile + cols * (r + dr) * 2 + cols * BLOCK_N * 2 + (cols * r // 2 * 4 if convert else 0) \
+        + 16 * stages + 1024
+
+
+#: Shared memory of one SM (H100 / H200); one program may use at most SMEM_LIMIT of it.
+SMEM_PER_SM = 233472
+
+
+def resident_programs(r: int, dr: int, cfg: "GluonDecodeConfig") -> int:
+    """Programs one SM holds at once: shared memory, and the register file (65536 registers; a program
+    is 8 warps, the consumer warpgroup and the loader padded to a warpgroup, at `maxnreg` each)."""
+    return max(1, min(SMEM_PER_SM // smem_bytes(r, dr, cfg.cols, cfg.stages, cfg.convert),
+                      65536 // (256 * cfg.maxnreg)))
 
 
 def supports(num_heads: int, r: int, dr: int, page_size: int, q_dtype: torch.dtype, cache_dtype: torch.dtype,
@@ -85,13 +100,19 @@ def supports(num_heads: int, r: int, dr: int, page_size: int, q_dtype: torch.dty
 
 
 def config_for(num_heads: int, r: int, dr: int) -> GluonDecodeConfig:
-    """COLS = heads rounded up to 16 or 32; as many KV stages as shared memory holds (at most 4)."""
+    """COLS = heads rounded up to 16 or 32. Where two programs fit an SM (2 KV stages, no epilogue
+    layout change, 128 registers at launch: R 256) they share it; otherwise one program with as many
+    KV stages as shared memory holds (at most 4; R 512 holds 2). H200, Mistral-Small-4 dims (N 32,
+    R 256), decode core vs one program with 4 stages (docs/benchmarks/decode_gluon.md): 0.96-0.98x
+    the time at batch 1-64 (B64 x kv4096 61.3 vs 63.6 us), 1.02x at B32 x kv1024 and B128 x kv8192."""
     cols = 16 if num_heads <= 16 else 32
+    two = GluonDecodeConfig(cols, 2, convert=False, maxnreg=128)
+    if resident_programs(r, dr, two) >= 2:
+        return two
     stages = 4
     while stages > 2 and smem_bytes(r, dr, cols, stages) > SMEM_LIMIT:
         stages -= 1
     return GluonDecodeConfig(cols, stages)
-
 
 if _GLUON_ERROR is None:
 
@@ -132,7 +153,7 @@ if _GLUON_ERROR is None:
                   stride_qa_h, stride_qp_t, stride_qp_h,
                   stride_lat_h, stride_pa_t, stride_pa_h, stride_pa_s, stride_pl_t, stride_pl_h,
                   N: gl.constexpr, BLOCK_C: gl.constexpr, DR: gl.constexpr, COLS: gl.constexpr,
-                  BN: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr):
+                  BN: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, CONVERT: gl.constexpr):
         # Queries -> shared memory as [COLS, K] (the wgmma B operand, K-major), zero past N. Here, not
         # before the fork, so the loader's first copies do not wait for these loads.
         ql: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
@@ -197,7 +218,10 @@ if _GLUON_ERROR is None:
         # The accumulator's layout gives each thread two adjacent heads, whose outputs are R elements
         # apart: stored as it is, every 4-byte element is its own 32-byte sector write. A layout with
         # R contiguous per warp (through shared memory) makes the stores whole lines.
-        out_l: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, 4], [0, 1])
+        if CONVERT:
+            out_l: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, 4], [0, 1])
+        else:
+            out_l: gl.constexpr = acc_l
         out0 = gl.convert_layout(acc0 * inv[None, :], out_l)
         out1 = gl.convert_layout(acc1 * inv[None, :], out_l)
         head = head0 + gl.arange(0, COLS, layout=gl.SliceLayout(0, out_l))
@@ -222,7 +246,7 @@ if _GLUON_ERROR is None:
         stride_qa_h, stride_qa_t, stride_qp_t, stride_qp_h, stride_pt_b,
         stride_lat_h, stride_lat_t, stride_pa_t, stride_pa_h, stride_pa_s, stride_pl_t, stride_pl_h,
         N: gl.constexpr, R: gl.constexpr, DR: gl.constexpr, PAGE_SIZE: gl.constexpr, COLS: gl.constexpr,
-        STAGES: gl.constexpr, SPLIT: gl.constexpr,
+        STAGES: gl.constexpr, SPLIT: gl.constexpr, CONVERT: gl.constexpr = True,
     ):
         # Grid: (head blocks, decode sequences, splits); one query token per sequence.
         BN: gl.constexpr = 64
@@ -269,7 +293,7 @@ if _GLUON_ERROR is None:
                           (tok - abs_base) * stride_lat_t, pid_s,
                           stride_qa_h, stride_qp_t, stride_qp_h, stride_lat_h, stride_pa_t, stride_pa_h, stride_pa_s,
                           stride_pl_t, stride_pl_h,
-                          N, BLOCK_C, DR, COLS, BN, STAGES, SPLIT)),
+                          N, BLOCK_C, DR, COLS, BN, STAGES, SPLIT, CONVERT)),
              (_loader, (kv_desc, kpe_desc, kv0_s, kv1_s, kpe_s, full, empty, pt_row, kv_lo, n_tiles,
                         PAGE_SIZE, BLOCK_C, R, DR, BN, STAGES))],
             [1], [40])  # one loader warp; its register budget (setmaxnreg)
@@ -291,7 +315,8 @@ def cache_descriptors(mla_cache: torch.Tensor, r: int, dr: int):
 def kernel_meta(num_heads: int, r: int, dr: int, page_size: int, cfg: GluonDecodeConfig, split: bool) -> dict:
     """Constexprs and launch options of one variant (SPLIT writes partials, else the latent)."""
     return dict(N=num_heads, R=r, DR=dr, PAGE_SIZE=page_size, COLS=cfg.cols, STAGES=cfg.stages, SPLIT=split,
-                num_warps=NUM_WARPS, maxnreg=MAXNREG)
+                CONVERT=cfg.convert,
+                num_warps=NUM_WARPS, maxnreg=cfg.maxnreg)
 
 
 def kernel_args(descs, q_abs, q_pe, page_table, cu_seqlen, seq_len, latent, part_acc, part_lse, *, seq_base: int,

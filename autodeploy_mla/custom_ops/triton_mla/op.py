@@ -549,14 +549,14 @@ class _GluonDecodeLaunch:
 
 def _plan_gluon_decode(call: _Call, dims: MLADims, page_size: int, n_seqs: int, kv_bound: int,
                        dev: torch.device) -> _GluonDecodeLaunch:
-    """Split count from the wave model with one resident program per SM (the KV ring fills shared
-    memory) and the fp32 partials counted in tiles, as for the `tl` heads-on-N kernel."""
+    """Split count from the wave model with the programs an SM holds (shared memory bound) and the
+    fp32 partials counted in tiles, as for the `tl` heads-on-N kernel."""
     n, r, dr = dims.num_heads, dims.kv_lora_rank, dims.qk_rope_head_dim
     gcfg = GD.config_for(n, r, dr)
     num_hb = -(-n // gcfg.cols)
     partial = gcfg.cols * r * 8 / (GD.BLOCK_N * (r + dr) * 2)
     splits, _ = split_plan_waves(n_seqs * num_hb, kv_bound, GD.BLOCK_N, call.policy.decode_splits, dev,
-                                 num_sms(dev), partial)
+                                 num_sms(dev) * GD.resident_programs(r, dr, gcfg), partial)
     chunk = -(-min_chunk(dev) // GD.BLOCK_N) * GD.BLOCK_N
     split = splits > 1
     attn = call.bound(GD.gluon_decode_kernel, GD.kernel_meta(n, r, dr, page_size, gcfg, split))
