@@ -66,10 +66,11 @@ def decode_core_gluon(case: Case, q_abs: torch.Tensor, latent: torch.Tensor, for
     ok, why = GD.supports(n, r, dr, case.cache.shape[1], q_abs.dtype, case.cache.dtype, dev)
     if not ok:
         raise RuntimeError(why)
-    cfg = GD.config_for(n, r, dr)
+    one = GD.candidate_configs(n, r, dr)[0]
+    hb = -(-n // one.cols)
+    cfg = GD.config_for(n, r, dr, b * hb, tuning.num_sms(dev))
     if two_per_sm:
         cfg = GD.GluonDecodeConfig(cfg.cols, 2, convert=False, maxnreg=128)
-    hb = -(-n // cfg.cols)
     partial = cfg.cols * r * 8 / (GD.BLOCK_N * (r + dr) * case.cache.element_size())
     splits, _ = tuning.split_plan_waves(b * hb, kv, GD.BLOCK_N, forced_splits, dev,
                                         tuning.num_sms(dev) * GD.resident_programs(r, dr, cfg), partial)

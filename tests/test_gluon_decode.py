@@ -20,16 +20,20 @@ REAL_DIMS = {"deepseek_v3_tp8_n16": (16, 512, 64), "glm_4_7_flash_n20": (20, 512
 
 def test_config_fits_shared_memory():
     for n, r, dr in REAL_DIMS.values():
-        cfg = GD.config_for(n, r, dr)
-        assert cfg.cols >= n and cfg.cols in (16, 32)
-        assert 2 <= cfg.stages <= 4
-        assert GD.smem_bytes(r, dr, cfg.cols, cfg.stages) <= GD.SMEM_LIMIT
-    assert GD.config_for(16, 512, 64).stages == 2  # a 576-wide tile: two 72 KB buffers, one program per SM
-    assert GD.resident_programs(512, 64, GD.config_for(16, 512, 64)) == 1
-    two = GD.config_for(32, 256, 64)  # R 256: two programs share an SM (shared memory and registers)
+        for cfg in GD.candidate_configs(n, r, dr):
+            assert cfg.cols >= n and cfg.cols in (16, 32)
+            assert 2 <= cfg.stages <= 4
+            assert GD.resident_programs(r, dr, cfg) * GD.smem_bytes(r, dr, cfg.cols, cfg.stages, cfg.convert) \
+                <= GD.SMEM_PER_SM
+    one = GD.config_for(16, 512, 64, 8, 132)  # a 576-wide tile: two 72 KB buffers, one program per SM
+    assert one.stages == 2 and GD.resident_programs(512, 64, one) == 1
+    assert len(GD.candidate_configs(16, 512, 64)) == 1
+    # R 256: two programs share an SM (shared memory and registers) while the batch fills half the SMs
+    two = GD.config_for(32, 256, 64, 64, 132)
     assert (two.stages, two.convert, two.maxnreg) == (2, False, 128)
     assert GD.resident_programs(256, 64, two) == 2
-    assert 2 * GD.smem_bytes(256, 64, two.cols, two.stages, two.convert) <= GD.SMEM_PER_SM
+    big = GD.config_for(32, 256, 64, 128, 132)
+    assert big.maxnreg == 224 and GD.resident_programs(256, 64, big) == 1 and big.stages == 4
 
 
 @pytest.mark.parametrize("args, needle", [
@@ -102,7 +106,7 @@ def test_gpu_gluon_decode_matches_oracle(dims_name, splits, variant):
     latent = torch.full_like(q_abs, float("nan"))
     part_acc = torch.full((b, n, splits, r), float("nan"), dtype=torch.float32, device=dev)
     part_lse = torch.full((b, n, splits), float("nan"), dtype=torch.float32, device=dev)
-    cfg = GD.config_for(n, r, dr)
+    cfg = GD.config_for(n, r, dr, b, 132)
     if variant == "other":
         cfg = _other_config(cfg)
         assert GD.smem_bytes(r, dr, cfg.cols, cfg.stages, cfg.convert) <= GD.SMEM_LIMIT

@@ -99,20 +99,30 @@ def supports(num_heads: int, r: int, dr: int, page_size: int, q_dtype: torch.dty
     return True, "ok"
 
 
-def config_for(num_heads: int, r: int, dr: int) -> GluonDecodeConfig:
-    """COLS = heads rounded up to 16 or 32. Where two programs fit an SM (2 KV stages, no epilogue
-    layout change, 128 registers at launch: R 256) they share it; otherwise one program with as many
-    KV stages as shared memory holds (at most 4; R 512 holds 2). H200, Mistral-Small-4 dims (N 32,
-    R 256), decode core vs one program with 4 stages (docs/benchmarks/decode_gluon.md): 0.96-0.98x
-    the time at batch 1-64 (B64 x kv4096 61.3 vs 63.6 us), 1.02x at B32 x kv1024 and B128 x kv8192."""
+def candidate_configs(num_heads: int, r: int, dr: int) -> tuple[GluonDecodeConfig, ...]:
+    """The configs `config_for` may return for these dims (all are compiled before a graph capture):
+    one program per SM with as many KV stages as shared memory holds (at most 4; R 512 holds 2), and,
+    where two programs fit an SM (2 stages, no epilogue layout change, 128 registers at launch: R 256),
+    that one too. COLS = heads rounded up to 16 or 32."""
     cols = 16 if num_heads <= 16 else 32
-    two = GluonDecodeConfig(cols, 2, convert=False, maxnreg=128)
-    if resident_programs(r, dr, two) >= 2:
-        return two
     stages = 4
     while stages > 2 and smem_bytes(r, dr, cols, stages) > SMEM_LIMIT:
         stages -= 1
-    return GluonDecodeConfig(cols, stages)
+    one = GluonDecodeConfig(cols, stages)
+    two = GluonDecodeConfig(cols, 2, convert=False, maxnreg=128)
+    return (one, two) if resident_programs(r, dr, two) >= 2 else (one,)
+
+
+def config_for(num_heads: int, r: int, dr: int, programs: int, sms: int) -> GluonDecodeConfig:
+    """Two programs per SM where they fit and the launch's `programs` (sequences x head blocks, before
+    splits) fill at most half the `sms`; else one. H200, Mistral-Small-4 dims (N 32, R 256), decode
+    core, two per SM vs one with 4 stages (docs/benchmarks/decode_gluon.md): batch 1-8 0.97-0.98x the
+    time, B64 x kv4096 61.6 vs 63.6 us, but B128 x kv2048 63.0 vs 60.3 and B128 x kv8192 175.1 vs 170.3
+    (two per SM needs 2 splits to fill the SMs there, one per SM none)."""
+    cands = candidate_configs(num_heads, r, dr)
+    if len(cands) > 1 and 2 * programs <= sms:
+        return cands[1]
+    return cands[0]
 
 if _GLUON_ERROR is None:
 

@@ -552,8 +552,8 @@ def _plan_gluon_decode(call: _Call, dims: MLADims, page_size: int, n_seqs: int, 
     """Split count from the wave model with the programs an SM holds (shared memory bound) and the
     fp32 partials counted in tiles, as for the `tl` heads-on-N kernel."""
     n, r, dr = dims.num_heads, dims.kv_lora_rank, dims.qk_rope_head_dim
-    gcfg = GD.config_for(n, r, dr)
-    num_hb = -(-n // gcfg.cols)
+    num_hb = -(-n // GD.candidate_configs(n, r, dr)[0].cols)
+    gcfg = GD.config_for(n, r, dr, n_seqs * num_hb, num_sms(dev))
     partial = gcfg.cols * r * 8 / (GD.BLOCK_N * (r + dr) * 2)
     splits, _ = split_plan_waves(n_seqs * num_hb, kv_bound, GD.BLOCK_N, call.policy.decode_splits, dev,
                                  num_sms(dev) * GD.resident_programs(r, dr, gcfg), partial)
@@ -580,18 +580,20 @@ def _launch_gluon_decode(call: _Call, q_abs, q_pe, mla_cache, page_table, cu_seq
                      lambda: _plan_gluon_decode(call, dims, page_size, n_seqs, kv_bound, dev))
     common = dict(seq_base=seq_base, tok_base=tok_base, abs_base=abs_base, chunk=plan.chunk, qk_scale=qk_scale)
     if not _capturing_on(dev):
-        # Both variants (SPLIT or not) loaded eagerly: a decode graph captured later plans its splits
-        # from the static capacity and may need the other one (no module loads while capturing).
+        # Every variant (SPLIT or not, each candidate config) loaded eagerly: a decode graph captured
+        # later plans its splits from the static capacity and its config from its batch size, and may
+        # need another one (no module loads while capturing).
         wkey = ("gluon", dims, q_abs.dtype, mla_cache.dtype, page_size, dev)
         if call.warmed is None or wkey not in call.warmed:
-            gcfg = GD.config_for(n, r, dr)
             dummy_acc = torch.empty(1, n, 2, r, dtype=torch.float32, device=dev)
             dummy_lse = torch.empty(1, n, 2, dtype=torch.float32, device=dev)
             for split in (False, True):
                 pa, pl = (dummy_acc, dummy_lse) if split else (latent, latent)
                 ptrs, scalars = GD.kernel_args(descs, q_abs, q_pe, page_table, cu_seqlen, seq_len, latent, pa, pl,
                                                split=split, **common)
-                call.bound(GD.gluon_decode_kernel, GD.kernel_meta(n, r, dr, page_size, gcfg, split)).warmup(ptrs, scalars)
+                for gcfg in GD.candidate_configs(n, r, dr):  # a graph of another batch size may pick the other
+                    call.bound(GD.gluon_decode_kernel, GD.kernel_meta(n, r, dr, page_size, gcfg, split)).warmup(
+                        ptrs, scalars)
                 if split:
                     call.bound(K.split_reduce_kernel, _reduce_meta(r)).warmup(
                         (pa, pl, latent, cu_seqlen), (tok_base, abs_base, 2, *pa.stride()[:3], *pl.stride()[:2],
