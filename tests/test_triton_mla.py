@@ -462,6 +462,27 @@ def test_check_table(row):
     assert res.ok == ok and frag in res.reason, res
 
 
+@pytest.mark.parametrize("dims, dtype, device, page_size, frag", [
+    (MLADims(16, 128, 64, 128, 512), torch.bfloat16, H200, 64, "decode on the Gluon warp-specialised kernel"),
+    (MLADims(32, 64, 64, 128, 256), torch.float16, H200, 128, "decode on the Gluon warp-specialised kernel"),
+    (MLADims(128, 128, 64, 128, 512), torch.bfloat16, H200, 64, "not Gluon: gluon decode keeps <= 32 heads"),
+    (MLADims(40, 64, 32, 64, 256), torch.bfloat16, H200, 64, "not Gluon: gluon decode needs R in (256, 512) and Dr == 64"),
+    (MLADims(16, 128, 64, 128, 512), torch.bfloat16, H200, 16, "not Gluon: gluon decode needs pages of whole 64"),
+    (MLADims(16, 128, 64, 128, 512), torch.float32, H200, 64, "not Gluon: gluon decode runs bf16/fp16"),
+    (MLADims(16, 128, 64, 128, 512), torch.bfloat16, DeviceInfo("cuda", (10, 0)), 64, "written for SM90"),
+])
+def test_check_says_which_decode_kernel_runs(dims, dtype, device, page_size, frag):
+    """The capability check names the decode path of TritonPolicy.decode_kernel='auto' and, where it
+    is not the Gluon kernel, why not."""
+    from autodeploy_mla.custom_ops.triton_mla import gluon_decode
+
+    res = get_backend("triton").check(dims, dtype, Target(device, V_OK, page_size))
+    assert res.ok, res
+    if gluon_decode._GLUON_ERROR is not None:  # a triton without Gluon: every decode on the tl kernels
+        frag = "gluon unavailable"
+    assert frag in res.reason, res.reason
+
+
 def test_check_cpu_only_under_interpreter(monkeypatch):
     be, d = get_backend("triton"), MLADims(4, 16, 8, 16, 32)
     monkeypatch.setenv("TRITON_INTERPRET", "1")

@@ -79,17 +79,16 @@ def resident_programs(r: int, dr: int, cfg: "GluonDecodeConfig") -> int:
                       65536 // (256 * cfg.maxnreg)))
 
 
-def supports(num_heads: int, r: int, dr: int, page_size: int, q_dtype: torch.dtype, cache_dtype: torch.dtype,
-             device: torch.device) -> tuple[bool, str]:
-    """Whether the Gluon decode kernel serves these dims on this device, and why not."""
+def dims_supported(num_heads: int, r: int, dr: int, page_size: int, dtype: torch.dtype,
+                   sm: Optional[int]) -> tuple[bool, str]:
+    """Whether the Gluon decode kernel serves these dims, model dtype and compute capability (SM as
+    90 for 9.0; None: not a CUDA device), and why not. The cache dtype and device are `supports`'s."""
     if _GLUON_ERROR is not None:
         return False, f"gluon unavailable ({_GLUON_ERROR})"
-    if device.type != "cuda":
-        return False, "gluon decode runs on CUDA only"
-    if torch.cuda.get_device_capability(device)[0] != 9:
-        return False, f"gluon decode is written for SM90 (wgmma + TMA), device is SM{torch.cuda.get_device_capability(device)}"
-    if q_dtype not in (torch.bfloat16, torch.float16) or cache_dtype != q_dtype:
-        return False, f"gluon decode needs a bf16/fp16 cache equal to the query dtype, got {cache_dtype} / {q_dtype}"
+    if sm is None or sm // 10 != 9:
+        return False, f"gluon decode is written for SM90 (wgmma + TMA), device is {'SM' + str(sm) if sm else 'not CUDA'}"
+    if dtype not in (torch.bfloat16, torch.float16):
+        return False, f"gluon decode runs bf16/fp16 queries and caches, model dtype is {dtype}"
     if r not in (256, 512) or dr != 64:
         return False, f"gluon decode needs R in (256, 512) and Dr == 64, got R={r} Dr={dr}"
     if page_size % BLOCK_N:
@@ -97,6 +96,18 @@ def supports(num_heads: int, r: int, dr: int, page_size: int, q_dtype: torch.dty
     if num_heads > 32:
         return False, f"gluon decode keeps <= 32 heads on the MMA's N side, N={num_heads}"
     return True, "ok"
+
+
+def supports(num_heads: int, r: int, dr: int, page_size: int, q_dtype: torch.dtype, cache_dtype: torch.dtype,
+             device: torch.device) -> tuple[bool, str]:
+    """Whether the Gluon decode kernel serves this decode (dims, query and cache dtypes, device), and
+    why not."""
+    if device.type != "cuda":
+        return False, "gluon decode runs on CUDA only"
+    major, minor = torch.cuda.get_device_capability(device)
+    if cache_dtype != q_dtype:
+        return False, f"gluon decode needs a cache in the query dtype, got {cache_dtype} / {q_dtype}"
+    return dims_supported(num_heads, r, dr, page_size, q_dtype, major * 10 + minor)
 
 
 def candidate_configs(num_heads: int, r: int, dr: int) -> tuple[GluonDecodeConfig, ...]:

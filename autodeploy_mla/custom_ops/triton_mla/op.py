@@ -993,6 +993,11 @@ class TritonMLABackend(MLABackend):
             return CheckResult(False, why)
         note = "" if expansion_supported(dims) else f"; prefill absorbed only (Dn/Dv > {MAX_EXPAND_HEAD_DIM})"
         where = "CPU interpreter (slow, for tests)" if device.type == "cpu" else device.short()
+        if device.type == "cuda":
+            g_ok, g_why = GD.dims_supported(dims.num_heads, dims.kv_lora_rank, dims.qk_rope_head_dim,
+                                            target.page_size, dtype, device.sm)
+            note += ("; decode on the Gluon warp-specialised kernel (16-bit cache)" if g_ok
+                     else f"; decode on the tl kernels (not Gluon: {g_why})")
         return CheckResult(True, f"triton on {where}: any N, R<= {MAX_KV_LORA_RANK}, Dr<= {MAX_ROPE_DIM}{note}")
 
     def check_cache(self, dims: MLADims, dtype: torch.dtype, cache_dtype: torch.dtype, target: Target) -> CheckResult:
