@@ -35,6 +35,8 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--layout", default="auto", choices=("auto", "heads_on_m", "heads_on_n"),
                     help="TritonPolicy.decode_layout (decode and multi-token decode kernels)")
+    ap.add_argument("--decode-kernel", default="auto", choices=("auto", "triton", "gluon"),
+                    help="TritonPolicy.decode_kernel (Gluon warp-specialised or tl decode kernels)")
     ap.add_argument("--json", default=None, help="write the host median and device time here")
     args = ap.parse_args()
     be = get_backend("triton")
@@ -44,7 +46,8 @@ def main() -> None:
         dims, info, op_args = build_step_data(be, SHAPES[args.shape], torch.bfloat16, "cuda")
         from autodeploy_mla.custom_ops.triton_mla import TritonPolicy
 
-        step = api.step(be, dims, torch.bfloat16, info, op_args, TritonPolicy(decode_layout=args.layout))
+        step = api.step(be, dims, torch.bfloat16, info, op_args, TritonPolicy(decode_layout=args.layout,
+                                                                         decode_kernel=args.decode_kernel))
         step.prepare()
         with step.context():
             for _ in range(20):
@@ -81,12 +84,13 @@ def main() -> None:
             with torch.cuda.graph(graph):
                 step.op(*step.args)
             dev_us = triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median") * 1e3
-            print(f"{args.shape} [{args.layout}]: device {dev_us:.1f} us per call (CUDA-graph replay of one call)")
+            print(f"{args.shape} [{args.layout}, {args.decode_kernel}]: device {dev_us:.1f} us per call (CUDA-graph replay of one call)")
             if args.json:
                 import json
 
                 Path(args.json).write_text(json.dumps({
-                    "shape": args.shape, "via": args.via, "layout": args.layout, "host_us_median": statistics.median(times),
+                    "shape": args.shape, "via": args.via, "layout": args.layout,
+                    "decode_kernel": args.decode_kernel, "host_us_median": statistics.median(times),
                     "host_us_p10": sorted(times)[len(times) // 10], "device_us": dev_us,
                     "gpu": torch.cuda.get_device_name(), "session": sess.stats()}))
             prof = cProfile.Profile()
