@@ -183,8 +183,8 @@ def decode_core_triton(case: Case, cfg=None, forced_splits: int = 0, decode_kern
     kv = max(c + n for c, n in case.seqs)
     # cfg None: what the op runs (the Gluon decode kernel where TritonPolicy.decode_kernel="auto" picks it)
     call = top._Call(TritonPolicy(decode_splits=forced_splits, decode_kernel=decode_kernel), warmed=set())
-    gluon = cfg is None and top._gluon_decode_choice(
-        call, tuning.decode_config(d, case.dtype, case.cache.dtype), d, q_abs.dtype, case.cache, torch.device(case.device), False)
+    gluon = cfg is None and top._gluon_decode_choice(call, tuning.decode_config(d, case.dtype, case.cache.dtype), d,
+                                                     q_abs.dtype, case.cache, torch.device(case.device), False)
     cfg = cfg or tuning.decode_config(d, case.dtype, case.cache.dtype)
     top._launch_append(case.x[2], case.x[3], case.cache, info.get("cache_loc"), B, d)
 

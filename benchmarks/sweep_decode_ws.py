@@ -53,7 +53,8 @@ VARIANTS: dict[str, dict | None] = {
 def decode_core_gluon(case: Case, q_abs: torch.Tensor, latent: torch.Tensor, forced_splits: int = 0,
                       two_per_sm: bool = False):
     """The warp-specialised Gluon decode kernel on the default variant's queries: returns (run, splits).
-    Splits from the wave plan with one resident program per SM (its KV ring fills shared memory)."""
+    Config and splits as the op plans them (`_plan_gluon_decode`), or forced: `forced_splits` > 0,
+    `two_per_sm` (2 KV stages, no epilogue layout change, 128 registers at launch)."""
     from autodeploy_mla.custom_ops.triton_mla import gluon_decode as GD
     from autodeploy_mla.custom_ops.triton_mla import kernels as K
     from autodeploy_mla.custom_ops.triton_mla.op import _reduce_meta

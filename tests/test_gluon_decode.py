@@ -15,7 +15,8 @@ import torch
 from autodeploy_mla.custom_ops.triton_mla import gluon_decode as GD
 
 #: (N, R, Dr): DeepSeek-V3 TP-8, GLM-4.7-Flash, Mistral-Small-4
-REAL_DIMS = {"deepseek_v3_tp8_n16": (16, 512, 64), "glm_4_7_flash_n20": (20, 512, 64), "mistral_small_4_n32": (32, 256, 64)}
+REAL_DIMS = {"deepseek_v3_tp8_n16": (16, 512, 64), "glm_4_7_flash_n20": (20, 512, 64),
+             "mistral_small_4_n32": (32, 256, 64)}
 
 
 def test_config_fits_shared_memory():

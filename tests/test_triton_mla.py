@@ -404,8 +404,8 @@ def test_bad_inputs_are_explained():
 
 
 def test_forced_gluon_decode_explains_why_it_cannot_run():
-    """decode_kernel='gluon' where the Gluon kernel cannot run (here the interpreter or a CPU, and dims
-    it does not serve) raises, naming the reason; the prefill step before it runs."""
+    """decode_kernel='gluon' where the Gluon kernel cannot run (here: the interpreter) raises at the
+    decode step, naming the reason; decode_kernel='triton' runs the same steps on the tl kernels."""
     with pytest.raises(ValueError, match="decode_kernel='fast'"):
         TritonPolicy(decode_kernel="fast")
     with pytest.raises(MLAShapeError, match="decode_kernel='gluon'.*(interpreter|CUDA)"):

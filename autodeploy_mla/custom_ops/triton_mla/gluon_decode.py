@@ -11,7 +11,8 @@ the next tiles are always in flight while a tile is computed.
 Layout per program (head block x sequence x split chunk), heads on the MMA's N side (COLS columns):
   s^T [BLOCK_N, COLS]  = KV[:, :C] q^T[:C] + KV[:, C:] q^T[C:] + KPE q_pe^T      (3 wgmmas, A = cache tile)
   o^T [C, COLS] (x2)  += KV[:, half]^T p^T                                      (2 wgmmas, A = tile^T)
-with C = R / 2 (the TMA box and the wgmma operand stay <= 256 wide). The row sum of p is accumulated
+with C = R / 2 (a wgmma operand is at most 256 wide; the compiler issues each half as 64-column TMA
+boxes, the widest a 128-byte swizzle takes). The row sum of p is accumulated
 per element and reduced once at the end; only the running max is reduced per tile.
 
 Scope (the capability check in `supports` says so): bf16/fp16 cache and queries, one query token per
@@ -57,7 +58,7 @@ class GluonDecodeConfig:
     cols: int
     stages: int
     convert: bool = True
-    maxnreg: int = 224  # the kernel's register cap per thread: 8 warps x 224 fill an SM's register file
+    maxnreg: int = 224  # registers per thread at launch: 8 warps x 224 leave room for one program per SM
 
 
 def smem_bytes(r: int, dr: int, cols: int, stages: int, convert: bool = True) -> int:
@@ -86,7 +87,8 @@ def dims_supported(num_heads: int, r: int, dr: int, page_size: int, dtype: torch
     if _GLUON_ERROR is not None:
         return False, f"gluon unavailable ({_GLUON_ERROR})"
     if sm is None or sm // 10 != 9:
-        return False, f"gluon decode is written for SM90 (wgmma + TMA), device is {'SM' + str(sm) if sm else 'not CUDA'}"
+        where = f"SM{sm}" if sm else "not CUDA"
+        return False, f"gluon decode is written for SM90 (wgmma + TMA), device is {where}"
     if dtype not in (torch.bfloat16, torch.float16):
         return False, f"gluon decode runs bf16/fp16 queries and caches, model dtype is {dtype}"
     if r not in (256, 512) or dr != 64:
@@ -134,6 +136,7 @@ def config_for(num_heads: int, r: int, dr: int, programs: int, sms: int) -> Gluo
     if len(cands) > 1 and 2 * programs <= sms:
         return cands[1]
     return cands[0]
+
 
 if _GLUON_ERROR is None:
 
@@ -328,8 +331,9 @@ def cache_descriptors(mla_cache: torch.Tensor, r: int, dr: int):
     if (flat.stride(0) * flat.element_size()) % 16 or flat.data_ptr() % 16:
         return None
     gdt = gl.bfloat16 if flat.dtype == torch.bfloat16 else gl.float16
-    kv = TensorDescriptor.from_tensor(flat, [BLOCK_N, r // 2], gl.NVMMASharedLayout.get_default_for([BLOCK_N, r // 2], gdt))
-    kpe = TensorDescriptor.from_tensor(flat, [BLOCK_N, dr], gl.NVMMASharedLayout.get_default_for([BLOCK_N, dr], gdt))
+    kv_box, kpe_box = [BLOCK_N, r // 2], [BLOCK_N, dr]
+    kv = TensorDescriptor.from_tensor(flat, kv_box, gl.NVMMASharedLayout.get_default_for(kv_box, gdt))
+    kpe = TensorDescriptor.from_tensor(flat, kpe_box, gl.NVMMASharedLayout.get_default_for(kpe_box, gdt))
     return kv, kpe
 
 
