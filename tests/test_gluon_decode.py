@@ -45,6 +45,61 @@ def test_supports_refuses_cpu(args, needle):
     assert not ok and (needle in why or "gluon unavailable" in why)
 
 
+_GLUON_COMPILE_CHECK = """
+import re
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import GluonASTSource
+from autodeploy_mla.custom_ops.triton_mla import gluon_decode as GD
+
+fn = GD.gluon_decode_kernel
+ptrs = {"Q_ABS": "*bf16", "Q_PE": "*bf16", "PAGE_TABLE": "*i32", "CU_SEQLEN": "*i32", "SEQ_LEN": "*i32",
+        "LATENT": "*bf16", "PART_ACC": "*fp32", "PART_LSE": "*fp32"}
+for n, r, dr in ((16, 512, 64), (20, 512, 64), (32, 256, 64)):
+    for cfg in GD.candidate_configs(n, r, dr):
+        meta = GD.kernel_meta(n, r, dr, 64, cfg, True)
+        opts = {"num_warps": meta.pop("num_warps"), "maxnreg": meta.pop("maxnreg")}
+        sig = {}
+        for p in fn.arg_names:
+            if p in meta:
+                sig[p] = "constexpr"
+            elif p in ("kv_desc", "kpe_desc"):
+                block = [GD.BLOCK_N, r // 2] if p == "kv_desc" else [GD.BLOCK_N, dr]
+                lay = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
+                sig[p] = f"tensordesc<bf16[{block[0]},{block[1]}],{lay!r}>"
+            else:
+                sig[p] = ptrs.get(p, "fp32" if p == "qk_scale" else "i32")
+        attrs = {(fn.arg_names.index(p),): [["tt.divisibility", 16]] for p in ptrs}
+        k = triton.compile(GluonASTSource(fn, sig, constexprs=meta, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                           options=opts)
+        ptx = k.asm["ptx"]
+        print("gluon", n, r, cfg.stages, int(cfg.convert), cfg.maxnreg, k.metadata.shared,
+              GD.smem_bytes(r, dr, cfg.cols, cfg.stages, cfg.convert), len(re.findall(r"wgmma\\.mma_async", ptx)),
+              len(re.findall(r"cp\\.async\\.bulk\\.tensor", ptx)), int("setmaxnreg" in ptx))
+"""
+
+
+def test_gluon_decode_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
+    """Every candidate config of the Gluon kernel through the installed Triton's compiler to SM90: it
+    compiles (the interpreter never runs Gluon), warp-specialised (setmaxnreg per partition), with the
+    expected wgmmas (QK: (2 R/2 + Dr) / 16 k-steps; PV: two halves of R/2 / 64 x 4) and TMA copies
+    (three per tile, 64-column boxes), in the shared memory `smem_bytes` plans for."""
+    from autodeploy_mla.testing.sm90_compile import run_sm90_compile_check, sm90_backend_missing
+
+    if GD._GLUON_ERROR is not None:
+        pytest.skip(f"no Gluon in this triton: {GD._GLUON_ERROR}")
+    if why := sm90_backend_missing():
+        pytest.skip(why)
+    res = run_sm90_compile_check(_GLUON_COMPILE_CHECK, tmp_path / "triton_cache")
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [ln.split()[1:] for ln in res.stdout.splitlines() if ln.startswith("gluon ")]
+    assert len(rows) == sum(len(GD.candidate_configs(n, r, dr)) for n, r, dr in REAL_DIMS.values()), res.stdout
+    for n, r, stages, convert, maxnreg, shared, planned, wgmma, tma, ws in (map(int, row) for row in rows):
+        assert shared <= planned <= GD.SMEM_LIMIT, (n, r, stages, shared, planned)
+        assert wgmma == (r + 64) // 16 + 2 * (r // 2 // 64) * 4, (n, r, wgmma)
+        assert tma == 2 * (r // 2 // 64) + 1, (n, r, tma)
+        assert ws == 1
+
+
 def _oracle(q_abs, q_pe, cache, page_table, seq_len, scale):
     """[N, B, R] latent in float64: softmax over each sequence's history of q_abs . ckv + q_pe . kpe."""
     n, b, r = q_abs.shape
@@ -121,3 +176,69 @@ def test_gpu_gluon_decode_matches_oracle(dims_name, splits, variant):
     assert torch.isfinite(got).all()
     err = float((got - ref).abs().max() / ref.abs().max())
     assert 0 < err < 1e-2, err
+
+
+def test_gluon_compile_failure_falls_back_or_explains(monkeypatch):
+    """A Triton whose Gluon cannot build the kernel: decode_kernel='auto' warns once with the compiler's
+    reason and the op decodes on the tl kernels (the launcher returns 0: nothing launched);
+    decode_kernel='gluon' raises, naming the triton version and the reason."""
+    import warnings
+
+    from autodeploy_mla.custom_ops import MLADims, MLAShapeError
+    from autodeploy_mla.custom_ops.triton_mla import TritonPolicy
+    from autodeploy_mla.custom_ops.triton_mla import op as top
+
+    if GD._GLUON_ERROR is not None:
+        pytest.skip(f"no Gluon in this triton: {GD._GLUON_ERROR}")
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("while lowering\nunknown op 'ttng.example'")
+
+    monkeypatch.setattr(top, "_warm_gluon_decode", fails)
+    dims = MLADims(16, 128, 64, 128, 512)
+    b = 2
+    cache = torch.zeros(3, 64, 576, dtype=torch.bfloat16)
+    q_abs = torch.zeros(16, b, 512, dtype=torch.bfloat16)
+    q_pe = torch.zeros(1, b, 16, 64, dtype=torch.bfloat16)
+    args = (q_abs, q_pe, cache, torch.zeros(b, 2, dtype=torch.int32), torch.arange(b + 1, dtype=torch.int32),
+            torch.ones(b, dtype=torch.int32), torch.empty_like(q_abs))
+    kw = dict(seq_base=0, n_seqs=b, tok_base=0, abs_base=0, kv_bound=64, dims=dims, qk_scale=1.0)
+    call = top._Call(TritonPolicy(), warmed=set())
+    with pytest.warns(RuntimeWarning, match="unknown op 'ttng.example'.*tl kernels"):
+        assert top._launch_gluon_decode(call, *args, **kw) == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # remembered for the model: no second attempt, no second warning
+        assert top._launch_gluon_decode(call, *args, **kw) == 0
+    forced = top._Call(TritonPolicy(decode_kernel="gluon"), warmed=set())
+    with pytest.raises(MLAShapeError, match="did not compile with triton .*unknown op 'ttng.example'"):
+        top._launch_gluon_decode(forced, *args, **kw)
+
+
+def test_gluon_warm_up_loads_every_variant(monkeypatch):
+    """Before any capture the op compiles every variant a later decode graph may launch: each candidate
+    config with and without SPLIT, and the split merge (recorded here instead of compiled: no GPU)."""
+    from autodeploy_mla.custom_ops import MLADims
+    from autodeploy_mla.custom_ops.triton_mla import TritonPolicy
+    from autodeploy_mla.custom_ops.triton_mla import kernels as K
+    from autodeploy_mla.custom_ops.triton_mla import op as top
+
+    if GD._GLUON_ERROR is not None:
+        pytest.skip(f"no Gluon in this triton: {GD._GLUON_ERROR}")
+    seen = []
+    monkeypatch.setattr(top.BoundKernel, "warmup",
+                        lambda self, ptrs, scalars: seen.append((self.fn, dict(self.constexprs), len(ptrs))))
+    dims = MLADims(32, 64, 64, 128, 256)  # Mistral-Small-4: two candidate configs
+    b = 3
+    cache = torch.zeros(4, 64, 320, dtype=torch.bfloat16)
+    q_abs = torch.zeros(32, b, 256, dtype=torch.bfloat16)
+    latent = torch.empty_like(q_abs)
+    common = dict(seq_base=0, tok_base=0, abs_base=0, chunk=128, qk_scale=1.0)
+    top._warm_gluon_decode(top._Call(TritonPolicy(), warmed=set()), GD.cache_descriptors(cache, 256, 64), q_abs,
+                           torch.zeros(1, b, 32, 64, dtype=torch.bfloat16), torch.zeros(b, 2, dtype=torch.int32),
+                           torch.arange(b + 1, dtype=torch.int32), torch.ones(b, dtype=torch.int32), latent, dims, 64,
+                           common)
+    gluon = {(c["SPLIT"], c["STAGES"], c["CONVERT"], c["maxnreg"]) for f, c, _ in seen if f is GD.gluon_decode_kernel}
+    want = {(split, cfg.stages, cfg.convert, cfg.maxnreg) for split in (False, True)
+            for cfg in GD.candidate_configs(32, 256, 64)}
+    assert gluon == want and len(want) == 4
+    assert [n for f, _, n in seen if f is K.split_reduce_kernel] == [4]

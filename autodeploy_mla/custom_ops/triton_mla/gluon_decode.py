@@ -40,6 +40,10 @@ try:  # Gluon ships with triton >= 3.5; absent or broken, `supports` says so and
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+    # Names that changed after triton 3.6 (the GPU image): the CTA barrier (`thread_barrier` ->
+    # `barrier`) and the TMA load (`async_copy_global_to_shared` -> `async_load`).
+    _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     _GLUON_ERROR: Optional[str] = None
 except Exception as e:  # noqa: BLE001 - any import failure means "not available"
     _GLUON_ERROR = f"{type(e).__name__}: {e}"
@@ -156,9 +160,9 @@ if _GLUON_ERROR is None:
             page = gl.load(pt_row + (start + BN) // PAGE_SIZE, mask=t + 1 < n_tiles, other=0)
             mbarrier.wait(empty.index(s), ph ^ 1)  # a fresh barrier passes parity 1
             mbarrier.expect(full.index(s), nbytes)
-            tma.async_copy_global_to_shared(kv_desc, [row0, 0], full.index(s), kv0_s.index(s))
-            tma.async_copy_global_to_shared(kv_desc, [row0, BLOCK_C], full.index(s), kv1_s.index(s))
-            tma.async_copy_global_to_shared(kpe_desc, [row0, R], full.index(s), kpe_s.index(s))
+            _tma_load(kv_desc, [row0, 0], full.index(s), kv0_s.index(s))
+            _tma_load(kv_desc, [row0, BLOCK_C], full.index(s), kv1_s.index(s))
+            _tma_load(kpe_desc, [row0, R], full.index(s), kpe_s.index(s))
 
     @gluon.jit
     def _zero_rows(buf, valid, W: gl.constexpr, BN: gl.constexpr, CHUNK: gl.constexpr):
@@ -190,7 +194,7 @@ if _GLUON_ERROR is None:
         q1_s.store(gl.load(qa + BLOCK_C, mask=qm, other=0.0))
         qpe_s.store(gl.load(Q_PE + tok * stride_qp_t + qh[:, None] * stride_qp_h + qd[None, :], mask=qm, other=0.0))
         fence_async_shared()
-        gl.thread_barrier()
+        _cta_barrier()
 
         acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, COLS, 16])
@@ -212,7 +216,7 @@ if _GLUON_ERROR is None:
                 _zero_rows(kv1_s.index(s), valid, BLOCK_C, BN, 64)
                 _zero_rows(kpe_s.index(s), valid, DR, BN, 64)
                 fence_async_shared()
-                gl.thread_barrier()
+                _cta_barrier()
             sT = warpgroup_mma(kv0_s.index(s), q0_s.permute((1, 0)), gl.zeros([BN, COLS], gl.float32, acc_l),
                                use_acc=False, is_async=True)
             sT = warpgroup_mma(kv1_s.index(s), q1_s.permute((1, 0)), sT, is_async=True)
@@ -228,7 +232,7 @@ if _GLUON_ERROR is None:
             m_i = m_new
             p_s.store(gl.permute(p.to(p_s.dtype), (1, 0)))
             fence_async_shared()
-            gl.thread_barrier()
+            _cta_barrier()
             acc0 = warpgroup_mma(kv0_s.index(s).permute((1, 0)), p_s.permute((1, 0)), acc0 * alpha[None, :],
                                  is_async=True)
             acc1 = warpgroup_mma(kv1_s.index(s).permute((1, 0)), p_s.permute((1, 0)), acc1 * alpha[None, :],

@@ -27,6 +27,7 @@ call alone and launches through Triton's JIT launcher (docs/triton_backend.md, "
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Optional
@@ -564,6 +565,26 @@ def _plan_gluon_decode(call: _Call, dims: MLADims, page_size: int, n_seqs: int, 
     return _GluonDecodeLaunch(attn, reduce, GD.grid(n, n_seqs, splits, gcfg), splits, chunk)
 
 
+def _warm_gluon_decode(call: _Call, descs, q_abs, q_pe, page_table, cu_seqlen, seq_len, latent, dims: MLADims,
+                       page_size: int, common: dict[str, Any]) -> None:
+    """Compile and load every Gluon decode variant this layer may launch (SPLIT or not, each
+    candidate config) and the split merge, without launching them."""
+    n, r, dr = dims.num_heads, dims.kv_lora_rank, dims.qk_rope_head_dim
+    dev = q_abs.device
+    dummy_acc = torch.empty(1, n, 2, r, dtype=torch.float32, device=dev)
+    dummy_lse = torch.empty(1, n, 2, dtype=torch.float32, device=dev)
+    for split in (False, True):
+        pa, pl = (dummy_acc, dummy_lse) if split else (latent, latent)
+        ptrs, scalars = GD.kernel_args(descs, q_abs, q_pe, page_table, cu_seqlen, seq_len, latent, pa, pl,
+                                       split=split, **common)
+        for gcfg in GD.candidate_configs(n, r, dr):  # a graph of another batch size may pick the other
+            call.bound(GD.gluon_decode_kernel, GD.kernel_meta(n, r, dr, page_size, gcfg, split)).warmup(ptrs, scalars)
+        if split:
+            call.bound(K.split_reduce_kernel, _reduce_meta(r)).warmup(
+                (pa, pl, latent, cu_seqlen), (common["tok_base"], common["abs_base"], 2, *pa.stride()[:3],
+                                              *pl.stride()[:2], latent.stride(0), latent.stride(1)))
+
+
 def _launch_gluon_decode(call: _Call, q_abs, q_pe, mla_cache, page_table, cu_seqlen, seq_len, latent, *, seq_base,
                          n_seqs, tok_base, abs_base, kv_bound, dims: MLADims, qk_scale: float) -> int:
     """The decode sequences [seq_base, seq_base + n_seqs) on gluon_decode_kernel (+ the split merge).
@@ -576,30 +597,33 @@ def _launch_gluon_decode(call: _Call, q_abs, q_pe, mla_cache, page_table, cu_seq
     if descs is None:
         return 0
     page_size = mla_cache.shape[1]
+    wkey = ("gluon", dims, q_abs.dtype, mla_cache.dtype, page_size, dev)
+    if call.warmed is not None and ("gluon failed",) + wkey in call.warmed:
+        return 0
     plan = call.plan(("gluon_decode", dims, q_abs.dtype, page_size, n_seqs, kv_bound),
                      lambda: _plan_gluon_decode(call, dims, page_size, n_seqs, kv_bound, dev))
     common = dict(seq_base=seq_base, tok_base=tok_base, abs_base=abs_base, chunk=plan.chunk, qk_scale=qk_scale)
-    if not _capturing_on(dev):
+    if not _capturing_on(dev) and (call.warmed is None or wkey not in call.warmed):
         # Every variant (SPLIT or not, each candidate config) loaded eagerly: a decode graph captured
         # later plans its splits from the static capacity and its config from its batch size, and may
         # need another one (no module loads while capturing).
-        wkey = ("gluon", dims, q_abs.dtype, mla_cache.dtype, page_size, dev)
-        if call.warmed is None or wkey not in call.warmed:
-            dummy_acc = torch.empty(1, n, 2, r, dtype=torch.float32, device=dev)
-            dummy_lse = torch.empty(1, n, 2, dtype=torch.float32, device=dev)
-            for split in (False, True):
-                pa, pl = (dummy_acc, dummy_lse) if split else (latent, latent)
-                ptrs, scalars = GD.kernel_args(descs, q_abs, q_pe, page_table, cu_seqlen, seq_len, latent, pa, pl,
-                                               split=split, **common)
-                for gcfg in GD.candidate_configs(n, r, dr):  # a graph of another batch size may pick the other
-                    call.bound(GD.gluon_decode_kernel, GD.kernel_meta(n, r, dr, page_size, gcfg, split)).warmup(
-                        ptrs, scalars)
-                if split:
-                    call.bound(K.split_reduce_kernel, _reduce_meta(r)).warmup(
-                        (pa, pl, latent, cu_seqlen), (tok_base, abs_base, 2, *pa.stride()[:3], *pl.stride()[:2],
-                                                      latent.stride(0), latent.stride(1)))
+        try:
+            _warm_gluon_decode(call, descs, q_abs, q_pe, page_table, cu_seqlen, seq_len, latent, dims, page_size,
+                               common)
+        except Exception as e:  # noqa: BLE001 - a Triton whose Gluon cannot build the kernel
+            why = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300] if str(e).strip() else ''}"
+            if call.policy.decode_kernel == "gluon":
+                raise MLAShapeError(f"TritonPolicy(decode_kernel='gluon'): the Gluon decode kernel did not compile "
+                                    f"with triton {triton.__version__} ({why}). It was verified with triton 3.6; "
+                                    "use decode_kernel='auto' or 'triton'.") from e
+            warnings.warn(f"Gluon decode kernel did not compile with triton {triton.__version__} ({why}); this "
+                          "model decodes on the tl kernels (TritonPolicy.decode_kernel='triton' silences this).",
+                          RuntimeWarning, stacklevel=2)
             if call.warmed is not None:
-                call.warmed.add(wkey)
+                call.warmed.add(("gluon failed",) + wkey)
+            return 0
+        if call.warmed is not None:
+            call.warmed.add(wkey)
     split = plan.splits > 1
     if split:
         part_acc = call.empty(n_seqs, n, plan.splits, r, dtype=torch.float32, device=dev)
