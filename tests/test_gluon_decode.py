@@ -116,28 +116,10 @@ def _oracle(q_abs, q_pe, cache, page_table, seq_len, scale):
     return out
 
 
-def _other_config(cfg):
-    """The config config_for did not pick: two programs per SM (R 256) -> one with four KV stages and
-    the epilogue's layout change; one per SM (R 512) -> no layout change, 128 registers at launch."""
-    if cfg.maxnreg == 128:
-        return GD.GluonDecodeConfig(cfg.cols, 4)
-    return GD.GluonDecodeConfig(cfg.cols, cfg.stages, convert=False, maxnreg=128)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["chosen", "other"])
-@pytest.mark.parametrize("splits", [1, 3, 8])
-@pytest.mark.parametrize("dims_name", list(REAL_DIMS))
-def test_gpu_gluon_decode_matches_oracle(dims_name, splits, variant):
-    from autodeploy_mla.custom_ops.triton_mla import kernels as K
-    from autodeploy_mla.custom_ops.triton_mla.op import _reduce_meta
-
-    n, r, dr = REAL_DIMS[dims_name]
-    dev = torch.device("cuda")
-    ok, why = GD.supports(n, r, dr, 64, torch.bfloat16, torch.bfloat16, dev)
-    if not ok:
-        pytest.skip(why)
-    g = torch.Generator().manual_seed(hash(dims_name) % 1000 + splits)
+def _make_case(n, r, dr, splits, seed, dev):
+    """Ragged decode histories (partial last tiles, a one-token sequence) on shuffled 64-token pages
+    whose unused slots hold NaN, NaN-filled outputs, and the float64 oracle."""
+    g = torch.Generator().manual_seed(seed)
     lens = [1, 63, 64, 65, 700, 1000, 129, 2050]
     b, page = len(lens), 64
     pps = max(math.ceil(L / page) for L in lens)
@@ -162,6 +144,32 @@ def test_gpu_gluon_decode_matches_oracle(dims_name, splits, variant):
     latent = torch.full_like(q_abs, float("nan"))
     part_acc = torch.full((b, n, splits, r), float("nan"), dtype=torch.float32, device=dev)
     part_lse = torch.full((b, n, splits), float("nan"), dtype=torch.float32, device=dev)
+    return cache, page_table, q_abs, q_pe, cu, seq_len, latent, part_acc, part_lse, ref, scale, b, page
+
+
+def _other_config(cfg):
+    """The config config_for did not pick: two programs per SM (R 256) -> one with four KV stages and
+    the epilogue's layout change; one per SM (R 512) -> no layout change, 128 registers at launch."""
+    if cfg.maxnreg == 128:
+        return GD.GluonDecodeConfig(cfg.cols, 4)
+    return GD.GluonDecodeConfig(cfg.cols, cfg.stages, convert=False, maxnreg=128)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["chosen", "other"])
+@pytest.mark.parametrize("splits", [1, 3, 8])
+@pytest.mark.parametrize("dims_name", list(REAL_DIMS))
+def test_gpu_gluon_decode_matches_oracle(dims_name, splits, variant):
+    from autodeploy_mla.custom_ops.triton_mla import kernels as K
+    from autodeploy_mla.custom_ops.triton_mla.op import _reduce_meta
+
+    n, r, dr = REAL_DIMS[dims_name]
+    dev = torch.device("cuda")
+    ok, why = GD.supports(n, r, dr, 64, torch.bfloat16, torch.bfloat16, dev)
+    if not ok:
+        pytest.skip(why)
+    cache, page_table, q_abs, q_pe, cu, seq_len, latent, part_acc, part_lse, ref, scale, b, page = _make_case(
+        n, r, dr, splits, hash(dims_name) % 1000 + splits, dev)
     cfg = GD.config_for(n, r, dr, b, 132)
     if variant == "other":
         cfg = _other_config(cfg)
@@ -242,3 +250,78 @@ def test_gluon_warm_up_loads_every_variant(monkeypatch):
             for cfg in GD.candidate_configs(32, 256, 64)}
     assert gluon == want and len(want) == 4
     assert [n for f, _, n in seen if f is K.split_reduce_kernel] == [4]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [1, 3, 8])
+@pytest.mark.parametrize("n", [128, 64])
+def test_gpu_gluon_wide_matches_oracle(n, splits):
+    """WIP kernel (gluon_decode_wide.py, N > 32): against the float64 oracle on DeepSeek-V3 dims."""
+    from autodeploy_mla.custom_ops.triton_mla import gluon_decode_wide as GDW
+    from autodeploy_mla.custom_ops.triton_mla import kernels as K
+    from autodeploy_mla.custom_ops.triton_mla.op import _reduce_meta
+
+    r, dr = 512, 64
+    dev = torch.device("cuda")
+    if torch.cuda.get_device_capability(dev)[0] != 9 or GD._GLUON_ERROR is not None:
+        pytest.skip("SM90 and Gluon needed")
+    cache, page_table, q_abs, q_pe, cu, seq_len, latent, part_acc, part_lse, ref, scale, b, page = _make_case(
+        n, r, dr, splits, n + splits, dev)
+    GDW.launch_wide(GD.cache_descriptors(cache, r, dr), q_abs, q_pe, page_table, cu, seq_len, latent, part_acc,
+                    part_lse, n_seqs=b, seq_base=0, tok_base=0, abs_base=0, splits=splits, chunk=64,
+                    qk_scale=scale / math.log(2), num_heads=n, r=r, dr=dr, page_size=page)
+    if splits > 1:
+        K.split_reduce_kernel[(b, n)](part_acc, part_lse, latent, cu, 0, 0, splits, *part_acc.stride()[:3],
+                                      *part_lse.stride()[:2], latent.stride(0), latent.stride(1), **_reduce_meta(r))
+    got = latent.double().cpu()
+    assert torch.isfinite(got).all()
+    err = float((got - ref).abs().max() / ref.abs().max())
+    assert 0 < err < 1e-2, err
+
+
+_GLUON_WIDE_COMPILE_CHECK = """
+import re
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import GluonASTSource
+from autodeploy_mla.custom_ops.triton_mla import gluon_decode_wide as GDW
+
+fn = GDW.gluon_decode_wide_kernel
+ptrs = {"Q_ABS": "*bf16", "Q_PE": "*bf16", "PAGE_TABLE": "*i32", "CU_SEQLEN": "*i32", "SEQ_LEN": "*i32",
+        "LATENT": "*bf16", "PART_ACC": "*fp32", "PART_LSE": "*fp32"}
+for split in (True, False):
+    meta = GDW.wide_meta(128, 512, 64, 64, split)
+    opts = {"num_warps": meta.pop("num_warps"), "maxnreg": meta.pop("maxnreg")}
+    sig = {}
+    for p in fn.arg_names:
+        if p in meta:
+            sig[p] = "constexpr"
+        elif p in ("kv_desc", "kpe_desc"):
+            block = [64, 256] if p == "kv_desc" else [64, 64]
+            lay = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
+            sig[p] = f"tensordesc<bf16[{block[0]},{block[1]}],{lay!r}>"
+        else:
+            sig[p] = ptrs.get(p, "fp32" if p == "qk_scale" else "i32")
+    attrs = {(fn.arg_names.index(p),): [["tt.divisibility", 16]] for p in ptrs}
+    k = triton.compile(GluonASTSource(fn, sig, constexprs=meta, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                       options=opts)
+    ptx = k.asm["ptx"]
+    print("wide", int(split), k.metadata.shared, k.metadata.num_warps, len(re.findall(r"wgmma\\.mma_async", ptx)),
+          len(re.findall(r"cp\\.async\\.bulk\\.tensor", ptx)))
+"""
+
+
+def test_gluon_wide_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
+    """WIP kernel: 12 warps (two consumer warpgroups + the loader's), within shared memory, 68 wgmmas
+    (QK 36 on WG0, PV 16 per warpgroup) and 9 TMA copies per tile."""
+    from autodeploy_mla.testing.sm90_compile import run_sm90_compile_check, sm90_backend_missing
+
+    if GD._GLUON_ERROR is not None:
+        pytest.skip(f"no Gluon in this triton: {GD._GLUON_ERROR}")
+    if why := sm90_backend_missing():
+        pytest.skip(why)
+    res = run_sm90_compile_check(_GLUON_WIDE_COMPILE_CHECK, tmp_path / "triton_cache")
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [list(map(int, ln.split()[1:])) for ln in res.stdout.splitlines() if ln.startswith("wide ")]
+    assert len(rows) == 2, res.stdout
+    for split, shared, warps, wgmma, tma in rows:
+        assert shared <= GD.SMEM_LIMIT and warps == 12 and wgmma == 68 and tma == 9, rows
