@@ -45,36 +45,44 @@ def test_supports_refuses_cpu(args, needle):
     assert not ok and (needle in why or "gluon unavailable" in why)
 
 
-_GLUON_COMPILE_CHECK = """
+#: prepended to both compile checks: compile_gluon(fn, meta, r, dr) -> (compiled kernel, its PTX)
+_GLUON_COMPILE_PRELUDE = """
 import re
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
+
+PTRS = {"Q_ABS": "*bf16", "Q_PE": "*bf16", "PAGE_TABLE": "*i32", "CU_SEQLEN": "*i32", "SEQ_LEN": "*i32",
+        "LATENT": "*bf16", "PART_ACC": "*fp32", "PART_LSE": "*fp32"}
+
+
+def compile_gluon(fn, meta, r, dr):
+    meta = dict(meta)
+    opts = {"num_warps": meta.pop("num_warps"), "maxnreg": meta.pop("maxnreg")}
+    sig = {}
+    for p in fn.arg_names:
+        if p in meta:
+            sig[p] = "constexpr"
+        elif p in ("kv_desc", "kpe_desc"):
+            block = [64, r // 2] if p == "kv_desc" else [64, dr]
+            lay = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
+            sig[p] = f"tensordesc<bf16[{block[0]},{block[1]}],{lay!r}>"
+        else:
+            sig[p] = PTRS.get(p, "fp32" if p == "qk_scale" else "i32")
+    attrs = {(fn.arg_names.index(p),): [["tt.divisibility", 16]] for p in PTRS}
+    k = triton.compile(GluonASTSource(fn, sig, constexprs=meta, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                       options=opts)
+    ptx = k.asm["ptx"]
+    return k, ptx, len(re.findall(r"wgmma\\.mma_async", ptx)), len(re.findall(r"cp\\.async\\.bulk\\.tensor", ptx))
+"""
+
+_GLUON_COMPILE_CHECK = _GLUON_COMPILE_PRELUDE + """
 from autodeploy_mla.custom_ops.triton_mla import gluon_decode as GD
 
-fn = GD.gluon_decode_kernel
-ptrs = {"Q_ABS": "*bf16", "Q_PE": "*bf16", "PAGE_TABLE": "*i32", "CU_SEQLEN": "*i32", "SEQ_LEN": "*i32",
-        "LATENT": "*bf16", "PART_ACC": "*fp32", "PART_LSE": "*fp32"}
 for n, r, dr in ((16, 512, 64), (20, 512, 64), (32, 256, 64)):
     for cfg in GD.candidate_configs(n, r, dr):
-        meta = GD.kernel_meta(n, r, dr, 64, cfg, True)
-        opts = {"num_warps": meta.pop("num_warps"), "maxnreg": meta.pop("maxnreg")}
-        sig = {}
-        for p in fn.arg_names:
-            if p in meta:
-                sig[p] = "constexpr"
-            elif p in ("kv_desc", "kpe_desc"):
-                block = [GD.BLOCK_N, r // 2] if p == "kv_desc" else [GD.BLOCK_N, dr]
-                lay = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
-                sig[p] = f"tensordesc<bf16[{block[0]},{block[1]}],{lay!r}>"
-            else:
-                sig[p] = ptrs.get(p, "fp32" if p == "qk_scale" else "i32")
-        attrs = {(fn.arg_names.index(p),): [["tt.divisibility", 16]] for p in ptrs}
-        k = triton.compile(GluonASTSource(fn, sig, constexprs=meta, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                           options=opts)
-        ptx = k.asm["ptx"]
+        k, ptx, wgmma, tma = compile_gluon(GD.gluon_decode_kernel, GD.kernel_meta(n, r, dr, 64, cfg, True), r, dr)
         print("gluon", n, r, cfg.stages, int(cfg.convert), cfg.maxnreg, k.metadata.shared,
-              GD.smem_bytes(r, dr, cfg.cols, cfg.stages, cfg.convert), len(re.findall(r"wgmma\\.mma_async", ptx)),
-              len(re.findall(r"cp\\.async\\.bulk\\.tensor", ptx)), int("setmaxnreg" in ptx))
+              GD.smem_bytes(r, dr, cfg.cols, cfg.stages, cfg.convert), wgmma, tma, int("setmaxnreg" in ptx))
 """
 
 
@@ -147,6 +155,20 @@ def _make_case(n, r, dr, splits, seed, dev):
     return cache, page_table, q_abs, q_pe, cu, seq_len, latent, part_acc, part_lse, ref, scale, b, page
 
 
+def _merge_and_check(part_acc, part_lse, latent, cu, ref, b, n, r, splits):
+    """Merge the split partials (split_reduce_kernel) and compare the latent with the float64 oracle."""
+    from autodeploy_mla.custom_ops.triton_mla import kernels as K
+    from autodeploy_mla.custom_ops.triton_mla.op import _reduce_meta
+
+    if splits > 1:
+        K.split_reduce_kernel[(b, n)](part_acc, part_lse, latent, cu, 0, 0, splits, *part_acc.stride()[:3],
+                                      *part_lse.stride()[:2], latent.stride(0), latent.stride(1), **_reduce_meta(r))
+    got = latent.double().cpu()
+    assert torch.isfinite(got).all()
+    err = float((got - ref).abs().max() / ref.abs().max())
+    assert 0 < err < 1e-2, err
+
+
 def _other_config(cfg):
     """The config config_for did not pick: two programs per SM (R 256) -> one with four KV stages and
     the epilogue's layout change; one per SM (R 512) -> no layout change, 128 registers at launch."""
@@ -160,9 +182,6 @@ def _other_config(cfg):
 @pytest.mark.parametrize("splits", [1, 3, 8])
 @pytest.mark.parametrize("dims_name", list(REAL_DIMS))
 def test_gpu_gluon_decode_matches_oracle(dims_name, splits, variant):
-    from autodeploy_mla.custom_ops.triton_mla import kernels as K
-    from autodeploy_mla.custom_ops.triton_mla.op import _reduce_meta
-
     n, r, dr = REAL_DIMS[dims_name]
     dev = torch.device("cuda")
     ok, why = GD.supports(n, r, dr, 64, torch.bfloat16, torch.bfloat16, dev)
@@ -177,13 +196,7 @@ def test_gpu_gluon_decode_matches_oracle(dims_name, splits, variant):
     GD.launch(GD.cache_descriptors(cache, r, dr), q_abs, q_pe, page_table, cu, seq_len, latent, part_acc, part_lse,
               n_seqs=b, seq_base=0, tok_base=0, abs_base=0, splits=splits, chunk=64, qk_scale=scale / math.log(2),
               num_heads=n, r=r, dr=dr, page_size=page, cfg=cfg)
-    if splits > 1:
-        K.split_reduce_kernel[(b, n)](part_acc, part_lse, latent, cu, 0, 0, splits, *part_acc.stride()[:3],
-                                      *part_lse.stride()[:2], latent.stride(0), latent.stride(1), **_reduce_meta(r))
-    got = latent.double().cpu()
-    assert torch.isfinite(got).all()
-    err = float((got - ref).abs().max() / ref.abs().max())
-    assert 0 < err < 1e-2, err
+    _merge_and_check(part_acc, part_lse, latent, cu, ref, b, n, r, splits)
 
 
 def test_gluon_compile_failure_falls_back_or_explains(monkeypatch):
@@ -258,8 +271,6 @@ def test_gluon_warm_up_loads_every_variant(monkeypatch):
 def test_gpu_gluon_wide_matches_oracle(n, splits):
     """WIP kernel (gluon_decode_wide.py, N > 32): against the float64 oracle on DeepSeek-V3 dims."""
     from autodeploy_mla.custom_ops.triton_mla import gluon_decode_wide as GDW
-    from autodeploy_mla.custom_ops.triton_mla import kernels as K
-    from autodeploy_mla.custom_ops.triton_mla.op import _reduce_meta
 
     r, dr = 512, 64
     dev = torch.device("cuda")
@@ -270,43 +281,15 @@ def test_gpu_gluon_wide_matches_oracle(n, splits):
     GDW.launch_wide(GD.cache_descriptors(cache, r, dr), q_abs, q_pe, page_table, cu, seq_len, latent, part_acc,
                     part_lse, n_seqs=b, seq_base=0, tok_base=0, abs_base=0, splits=splits, chunk=64,
                     qk_scale=scale / math.log(2), num_heads=n, r=r, dr=dr, page_size=page)
-    if splits > 1:
-        K.split_reduce_kernel[(b, n)](part_acc, part_lse, latent, cu, 0, 0, splits, *part_acc.stride()[:3],
-                                      *part_lse.stride()[:2], latent.stride(0), latent.stride(1), **_reduce_meta(r))
-    got = latent.double().cpu()
-    assert torch.isfinite(got).all()
-    err = float((got - ref).abs().max() / ref.abs().max())
-    assert 0 < err < 1e-2, err
+    _merge_and_check(part_acc, part_lse, latent, cu, ref, b, n, r, splits)
 
 
-_GLUON_WIDE_COMPILE_CHECK = """
-import re
-from triton.experimental.gluon import language as gl
-from triton.experimental.gluon._runtime import GluonASTSource
+_GLUON_WIDE_COMPILE_CHECK = _GLUON_COMPILE_PRELUDE + """
 from autodeploy_mla.custom_ops.triton_mla import gluon_decode_wide as GDW
 
-fn = GDW.gluon_decode_wide_kernel
-ptrs = {"Q_ABS": "*bf16", "Q_PE": "*bf16", "PAGE_TABLE": "*i32", "CU_SEQLEN": "*i32", "SEQ_LEN": "*i32",
-        "LATENT": "*bf16", "PART_ACC": "*fp32", "PART_LSE": "*fp32"}
 for split in (True, False):
-    meta = GDW.wide_meta(128, 512, 64, 64, split)
-    opts = {"num_warps": meta.pop("num_warps"), "maxnreg": meta.pop("maxnreg")}
-    sig = {}
-    for p in fn.arg_names:
-        if p in meta:
-            sig[p] = "constexpr"
-        elif p in ("kv_desc", "kpe_desc"):
-            block = [64, 256] if p == "kv_desc" else [64, 64]
-            lay = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
-            sig[p] = f"tensordesc<bf16[{block[0]},{block[1]}],{lay!r}>"
-        else:
-            sig[p] = ptrs.get(p, "fp32" if p == "qk_scale" else "i32")
-    attrs = {(fn.arg_names.index(p),): [["tt.divisibility", 16]] for p in ptrs}
-    k = triton.compile(GluonASTSource(fn, sig, constexprs=meta, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                       options=opts)
-    ptx = k.asm["ptx"]
-    print("wide", int(split), k.metadata.shared, k.metadata.num_warps, len(re.findall(r"wgmma\\.mma_async", ptx)),
-          len(re.findall(r"cp\\.async\\.bulk\\.tensor", ptx)))
+    k, ptx, wgmma, tma = compile_gluon(GDW.gluon_decode_wide_kernel, GDW.wide_meta(128, 512, 64, 64, split), 512, 64)
+    print("wide", int(split), k.metadata.shared, k.metadata.num_warps, wgmma, tma)
 """
 
 
