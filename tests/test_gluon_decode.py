@@ -270,12 +270,11 @@ def test_gluon_warm_up_loads_every_variant(monkeypatch):
 @pytest.mark.parametrize("n", [128, 64])
 def test_gpu_gluon_wide_matches_oracle(n, splits):
     """WIP kernel (gluon_decode_wide.py, N > 32): against the float64 oracle on DeepSeek-V3 dims."""
-    from autodeploy_mla.custom_ops.triton_mla import gluon_decode_wide as GDW
-
     r, dr = 512, 64
     dev = torch.device("cuda")
     if torch.cuda.get_device_capability(dev)[0] != 9 or GD._GLUON_ERROR is not None:
         pytest.skip("SM90 and Gluon needed")
+    from autodeploy_mla.custom_ops.triton_mla import gluon_decode_wide as GDW
     cache, page_table, q_abs, q_pe, cu, seq_len, latent, part_acc, part_lse, ref, scale, b, page = _make_case(
         n, r, dr, splits, n + splits, dev)
     GDW.launch_wide(GD.cache_descriptors(cache, r, dr), q_abs, q_pe, page_table, cu, seq_len, latent, part_acc,
