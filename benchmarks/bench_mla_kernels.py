@@ -172,7 +172,7 @@ class Case:
         return sum(c + n for c, n in self.seqs)
 
 
-def decode_core_triton(case: Case, cfg=None, forced_splits: int = 0, decode_kernel: str = "auto"):
+def decode_core_triton(case: Case, cfg=None, forced_splits: int = 0):
     d = case.dims
     N, dn, r = d.num_heads, d.qk_nope_head_dim, d.kv_lora_rank
     w = case.w.view(N, dn + d.v_head_dim, r)
@@ -182,7 +182,7 @@ def decode_core_triton(case: Case, cfg=None, forced_splits: int = 0, decode_kern
     B = len(case.seqs)
     kv = max(c + n for c, n in case.seqs)
     # cfg None: what the op runs (the Gluon decode kernel where TritonPolicy.decode_kernel="auto" picks it)
-    call = top._Call(TritonPolicy(decode_splits=forced_splits, decode_kernel=decode_kernel), warmed=set())
+    call = top._Call(TritonPolicy(decode_splits=forced_splits), warmed=set())
     gluon = cfg is None and top._gluon_decode_choice(call, tuning.decode_config(d, case.dtype, case.cache.dtype), d,
                                                      q_abs.dtype, case.cache, torch.device(case.device), False)
     cfg = cfg or tuning.decode_config(d, case.dtype, case.cache.dtype)

@@ -2,7 +2,10 @@
 item 2: more KV bytes in flight at small N).
 
 Variants replace fields of the default `decode_config` (`dataclasses.replace`): Triton's automatic
-warp specialisation (`warp_spec`, 2026-11-25: docs/benchmarks/decode_ws.md). The 2026-11-26 sweep of
+warp specialisation (`warp_spec`, 2026-11-25: docs/benchmarks/decode_ws.md); `gluon*` variants run the
+warp-specialised Gluon kernel (`triton_mla/gluon_decode.py`: as the op plans it, with forced split
+counts, or two programs per SM; `gluon_wide` the work-in-progress kernel for N > 32), results in
+docs/benchmarks/decode_gluon.md. The 2026-11-26 sweep of
 page ids loaded in windows with deeper pipelines (docs/benchmarks/decode_pipeline.md) ran variants of
 an `AbsorbedConfig.page_window` knob that was removed after it measured slower (commit 8bc21eb).
 For each dim set and (batch, kv) it runs the default and each variant, checks each variant's latent
@@ -103,14 +106,8 @@ def decode_core_gluon(case: Case, q_abs: torch.Tensor, latent: torch.Tensor, for
     ok, why = GD.supports(n, r, dr, case.cache.shape[1], q_abs.dtype, case.cache.dtype, dev)
     if not ok:
         raise RuntimeError(why)
-    one = GD.candidate_configs(n, r, dr)[0]
-    hb = -(-n // one.cols)
-    cfg = GD.config_for(n, r, dr, b * hb, tuning.num_sms(dev))
-    if two_per_sm:
-        cfg = GD.GluonDecodeConfig(cfg.cols, 2, convert=False, maxnreg=128)
-    partial = cfg.cols * r * 8 / (GD.BLOCK_N * (r + dr) * case.cache.element_size())
-    splits, _ = tuning.split_plan_waves(b * hb, kv, GD.BLOCK_N, forced_splits, dev,
-                                        tuning.num_sms(dev) * GD.resident_programs(r, dr, cfg), partial)
+    two = GD.GluonDecodeConfig(16 if n <= 16 else 32, 2, convert=False, maxnreg=128) if two_per_sm else None
+    cfg, splits = GD.plan(n, r, dr, b, kv, forced_splits, torch.device(dev), cfg=two)
     chunk = tuning.MIN_SPLIT_CHUNK
     descs = GD.cache_descriptors(case.cache, r, dr)
     info = case.info

@@ -142,6 +142,21 @@ def config_for(num_heads: int, r: int, dr: int, programs: int, sms: int) -> Gluo
     return cands[0]
 
 
+def plan(num_heads: int, r: int, dr: int, n_seqs: int, kv_bound: int, forced_splits: int, device: torch.device,
+         cfg: Optional[GluonDecodeConfig] = None) -> tuple[GluonDecodeConfig, int]:
+    """(config, split count) of one launch over `n_seqs` decode sequences of at most `kv_bound` tokens:
+    `config_for` (unless `cfg` is given) and `tuning.split_plan_waves` over the programs an SM holds,
+    the fp32 partials a split writes counted in KV-tile bytes. `forced_splits` > 0 fixes the count."""
+    from .tuning import num_sms, split_plan_waves
+
+    programs = n_seqs * -(-num_heads // candidate_configs(num_heads, r, dr)[0].cols)
+    cfg = cfg or config_for(num_heads, r, dr, programs, num_sms(device))
+    partial = cfg.cols * r * 8 / (BLOCK_N * (r + dr) * 2)
+    splits, _ = split_plan_waves(programs, kv_bound, BLOCK_N, forced_splits, device,
+                                 num_sms(device) * resident_programs(r, dr, cfg), partial)
+    return cfg, splits
+
+
 if _GLUON_ERROR is None:
 
     @gluon.jit

@@ -550,14 +550,10 @@ class _GluonDecodeLaunch:
 
 def _plan_gluon_decode(call: _Call, dims: MLADims, page_size: int, n_seqs: int, kv_bound: int,
                        dev: torch.device) -> _GluonDecodeLaunch:
-    """Split count from the wave model with the programs an SM holds (shared memory bound) and the
-    fp32 partials counted in tiles, as for the `tl` heads-on-N kernel."""
+    """Config and split count from `gluon_decode.plan` (the wave model, as for the `tl` heads-on-N
+    kernel), bound kernels for the step's layers."""
     n, r, dr = dims.num_heads, dims.kv_lora_rank, dims.qk_rope_head_dim
-    num_hb = -(-n // GD.candidate_configs(n, r, dr)[0].cols)
-    gcfg = GD.config_for(n, r, dr, n_seqs * num_hb, num_sms(dev))
-    partial = gcfg.cols * r * 8 / (GD.BLOCK_N * (r + dr) * 2)
-    splits, _ = split_plan_waves(n_seqs * num_hb, kv_bound, GD.BLOCK_N, call.policy.decode_splits, dev,
-                                 num_sms(dev) * GD.resident_programs(r, dr, gcfg), partial)
+    gcfg, splits = GD.plan(n, r, dr, n_seqs, kv_bound, call.policy.decode_splits, dev)
     chunk = -(-min_chunk(dev) // GD.BLOCK_N) * GD.BLOCK_N
     split = splits > 1
     attn = call.bound(GD.gluon_decode_kernel, GD.kernel_meta(n, r, dr, page_size, gcfg, split))
