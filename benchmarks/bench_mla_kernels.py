@@ -503,9 +503,9 @@ def write_report(res: dict, out_dir: str) -> None:
         "",
         "heads on M / heads on N = the decode core on each kernel (absorbed_attn_kernel / "
         "absorbed_attn_heads_on_n_kernel, `tl` kernels); *layout* = what the op runs (its time is the core "
-        "column): `decode_config`'s pick, or *gluon* = the warp-specialised Gluon kernel "
-        "(`triton_mla/gluon_decode.py`, heads on N), which `TritonPolicy.decode_kernel=\"auto\"` runs on SM90 for "
-        "N <= 32, R 256/512, Dr 64.",
+        "column): `decode_config`'s pick, or *gluon* = the warp-specialised Gluon kernels "
+        "(`triton_mla/gluon_decode.py`, heads on N, N <= 32; `gluon_decode_wide.py`, 64 heads per program on M, "
+        "N > 32), which `TritonPolicy.decode_kernel=\"auto\"` runs on SM90 for R 256/512 (N > 32: R 512), Dr 64.",
         "",
         "| dims | B | kv | layout | splits | triton core µs | TB/s | %4.3 | TFLOP/s | heads on M µs | heads on N µs "
         "| FI core µs | triton/FI | FI plan ms | triton op µs | triton op eager µs | FI op µs | torch op µs |",

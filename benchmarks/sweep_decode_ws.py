@@ -4,8 +4,8 @@ item 2: more KV bytes in flight at small N).
 Variants replace fields of the default `decode_config` (`dataclasses.replace`): Triton's automatic
 warp specialisation (`warp_spec`, 2026-11-25: docs/benchmarks/decode_ws.md); `gluon*` variants run the
 warp-specialised Gluon kernel (`triton_mla/gluon_decode.py`: as the op plans it, with forced split
-counts, or two programs per SM; `gluon_wide` the work-in-progress kernel for N > 32), results in
-docs/benchmarks/decode_gluon.md. The 2026-11-26 sweep of
+counts, or two programs per SM; at N > 32 `gluon` is the many-heads kernel, gluon_decode_wide.py),
+results in docs/benchmarks/decode_gluon.md and decode_gluon_wide.md. The 2026-11-26 sweep of
 page ids loaded in windows with deeper pipelines (docs/benchmarks/decode_pipeline.md) ran variants of
 an `AbsorbedConfig.page_window` knob that was removed after it measured slower (commit 8bc21eb).
 For each dim set and (batch, kv) it runs the default and each variant, checks each variant's latent
@@ -50,45 +50,11 @@ VARIANTS: dict[str, dict | None] = {
     "gluon_s4": "gluon",
     "gluon_s8": "gluon",
     "gluon_2cta": "gluon",  # 2 KV stages and no epilogue layout change: two programs per SM where they fit
-    "gluon_wide": "gluon",  # WIP gluon_decode_wide.py: N > 32, two consumer warpgroups, 64 heads per program
 }
 
 
-def _decode_core_gluon_wide(case: Case, q_abs: torch.Tensor, latent: torch.Tensor):
-    """The WIP many-heads Gluon kernel (one program per SM, 64 heads each), wave split plan."""
-    from autodeploy_mla.custom_ops.triton_mla import gluon_decode as GD
-    from autodeploy_mla.custom_ops.triton_mla import gluon_decode_wide as GDW
-    from autodeploy_mla.custom_ops.triton_mla import kernels as K
-    from autodeploy_mla.custom_ops.triton_mla.op import _reduce_meta
-
-    d = case.dims
-    n, r, dr = d.num_heads, d.kv_lora_rank, d.qk_rope_head_dim
-    b = len(case.seqs)
-    kv = max(c + m for c, m in case.seqs)
-    dev = case.device
-    hb = -(-n // GDW.COLS)
-    partial = GDW.COLS * r * 8 / (GD.BLOCK_N * (r + dr) * case.cache.element_size())
-    splits, _ = tuning.split_plan_waves(b * hb, kv, GD.BLOCK_N, 0, dev, tuning.num_sms(dev), partial)
-    descs = GD.cache_descriptors(case.cache, r, dr)
-    info = case.info
-    cu, sl, pt = info.get("cu_seqlen"), info.get("seq_len_with_cache"), info.get("page_table")
-    part_acc = torch.empty(b, n, splits, r, dtype=torch.float32, device=dev)
-    part_lse = torch.empty(b, n, splits, dtype=torch.float32, device=dev)
-
-    def run():
-        GDW.launch_wide(descs, q_abs, case.x[1], pt, cu, sl, latent, part_acc, part_lse, n_seqs=b, seq_base=0,
-                        tok_base=0, abs_base=0, splits=splits, chunk=tuning.MIN_SPLIT_CHUNK,
-                        qk_scale=case.scale * top.LOG2E, num_heads=n, r=r, dr=dr, page_size=case.cache.shape[1])
-        if splits > 1:
-            K.split_reduce_kernel[(b, n)](part_acc, part_lse, latent, cu, 0, 0, splits,
-                                          *part_acc.stride()[:3], *part_lse.stride()[:2],
-                                          latent.stride(0), latent.stride(1), **_reduce_meta(r))
-
-    return run, splits
-
-
 def decode_core_gluon(case: Case, q_abs: torch.Tensor, latent: torch.Tensor, forced_splits: int = 0,
-                      two_per_sm: bool = False, wide: bool = False):
+                      two_per_sm: bool = False):
     """The warp-specialised Gluon decode kernel on the default variant's queries: returns (run, splits).
     Config and splits as the op plans them (`_plan_gluon_decode`), or forced: `forced_splits` > 0,
     `two_per_sm` (2 KV stages, no epilogue layout change, 128 registers at launch)."""
@@ -101,8 +67,6 @@ def decode_core_gluon(case: Case, q_abs: torch.Tensor, latent: torch.Tensor, for
     b = len(case.seqs)
     kv = max(c + m for c, m in case.seqs)
     dev = case.device
-    if wide:
-        return _decode_core_gluon_wide(case, q_abs, latent)
     ok, why = GD.supports(n, r, dr, case.cache.shape[1], q_abs.dtype, case.cache.dtype, dev)
     if not ok:
         raise RuntimeError(why)
@@ -156,8 +120,7 @@ def main() -> None:
                             raise RuntimeError("the gluon variant runs after the default (its queries and oracle)")
                         latent = torch.full_like(q_abs, float("nan"))
                         forced = int(vname.split("_s")[1]) if vname.startswith("gluon_s") else 0
-                        run, splits = decode_core_gluon(case, q_abs, latent, forced, vname == "gluon_2cta",
-                                                        vname == "gluon_wide")
+                        run, splits = decode_core_gluon(case, q_abs, latent, forced, vname == "gluon_2cta")
                         cfg = None
                     else:
                         cfg = base if v is None else dataclasses.replace(base, **v)

@@ -35,6 +35,14 @@ def test_config_fits_shared_memory():
     assert GD.resident_programs(256, 64, two) == 2
     big = GD.config_for(32, 256, 64, 128, 132)
     assert big.maxnreg == 224 and GD.resident_programs(256, 64, big) == 1 and big.stages == 4
+    # N > 32: the many-heads kernel, 64 heads per program, one per SM
+    for n in (64, 128):
+        wide = GD.config_for(n, 512, 64, 8, 132)
+        assert wide.wide and wide.cols == 64 and GD.resident_programs(512, 64, wide) == 1
+        assert GD.config_smem(512, 64, wide) <= GD.SMEM_LIMIT
+        assert GD.plan(n, 512, 64, 32, 8192, 0, torch.device("cpu"))[0] is wide
+    ok, why = GD.dims_supported(64, 256, 64, 64, torch.bfloat16, 90)
+    assert not ok and "R = 512" in why, why
 
 
 @pytest.mark.parametrize("args, needle", [
@@ -269,32 +277,36 @@ def test_gluon_warm_up_loads_every_variant(monkeypatch):
 @pytest.mark.parametrize("splits", [1, 3, 8])
 @pytest.mark.parametrize("n", [128, 64])
 def test_gpu_gluon_wide_matches_oracle(n, splits):
-    """WIP kernel (gluon_decode_wide.py, N > 32): against the float64 oracle on DeepSeek-V3 dims."""
+    """The N > 32 kernel (gluon_decode_wide.py): against the float64 oracle on DeepSeek-V3 dims (ragged
+    histories: odd and even tile counts, partial last tiles, empty splits)."""
     r, dr = 512, 64
     dev = torch.device("cuda")
-    if torch.cuda.get_device_capability(dev)[0] != 9 or GD._GLUON_ERROR is not None:
-        pytest.skip("SM90 and Gluon needed")
-    from autodeploy_mla.custom_ops.triton_mla import gluon_decode_wide as GDW
+    ok, why = GD.supports(n, r, dr, 64, torch.bfloat16, torch.bfloat16, dev)
+    if not ok:
+        pytest.skip(why)
     cache, page_table, q_abs, q_pe, cu, seq_len, latent, part_acc, part_lse, ref, scale, b, page = _make_case(
         n, r, dr, splits, n + splits, dev)
-    GDW.launch_wide(GD.cache_descriptors(cache, r, dr), q_abs, q_pe, page_table, cu, seq_len, latent, part_acc,
-                    part_lse, n_seqs=b, seq_base=0, tok_base=0, abs_base=0, splits=splits, chunk=64,
-                    qk_scale=scale / math.log(2), num_heads=n, r=r, dr=dr, page_size=page)
+    GD.launch(GD.cache_descriptors(cache, r, dr), q_abs, q_pe, page_table, cu, seq_len, latent, part_acc, part_lse,
+              n_seqs=b, seq_base=0, tok_base=0, abs_base=0, splits=splits, chunk=64, qk_scale=scale / math.log(2),
+              num_heads=n, r=r, dr=dr, page_size=page, cfg=GD.WIDE_CONFIG)
     _merge_and_check(part_acc, part_lse, latent, cu, ref, b, n, r, splits)
 
 
 _GLUON_WIDE_COMPILE_CHECK = _GLUON_COMPILE_PRELUDE + """
-from autodeploy_mla.custom_ops.triton_mla import gluon_decode_wide as GDW
+from autodeploy_mla.custom_ops.triton_mla import gluon_decode as GD
 
+cfg = GD.WIDE_CONFIG
 for split in (True, False):
-    k, ptx, wgmma, tma = compile_gluon(GDW.gluon_decode_wide_kernel, GDW.wide_meta(128, 512, 64, 64, split), 512, 64)
-    print("wide", int(split), k.metadata.shared, k.metadata.num_warps, wgmma, tma)
+    k, ptx, wgmma, tma = compile_gluon(GD.kernel_for(cfg), GD.kernel_meta(128, 512, 64, 64, cfg, split), 512, 64)
+    print("wide", int(split), k.metadata.shared, GD.config_smem(512, 64, cfg), k.metadata.num_warps, wgmma, tma,
+          int("setmaxnreg" in ptx))
 """
 
 
 def test_gluon_wide_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
-    """WIP kernel: 12 warps (two consumer warpgroups + the loader's), within shared memory, 68 wgmmas
-    (QK 36 on WG0, PV 16 per warpgroup) and 9 TMA copies per tile."""
+    """The many-heads kernel: 12 warps (two consumer warpgroups + the loader's), warp-specialised, in the
+    shared memory `config_smem` plans for, 132 wgmmas (WG0: 36 QK + 4 PV per tile, the loop unrolled by
+    two plus the odd tile; WG1: 4 PV per tile, three times) and 9 TMA copies per tile."""
     from autodeploy_mla.testing.sm90_compile import run_sm90_compile_check, sm90_backend_missing
 
     if GD._GLUON_ERROR is not None:
@@ -305,5 +317,5 @@ def test_gluon_wide_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     rows = [list(map(int, ln.split()[1:])) for ln in res.stdout.splitlines() if ln.startswith("wide ")]
     assert len(rows) == 2, res.stdout
-    for split, shared, warps, wgmma, tma in rows:
-        assert shared <= GD.SMEM_LIMIT and warps == 12 and wgmma == 68 and tma == 9, rows
+    for split, shared, planned, warps, wgmma, tma, ws in rows:
+        assert shared <= planned <= GD.SMEM_LIMIT and warps == 12 and wgmma == 132 and tma == 9 and ws == 1, rows

@@ -465,7 +465,9 @@ def test_check_table(row):
 @pytest.mark.parametrize("dims, dtype, device, page_size, frag", [
     (MLADims(16, 128, 64, 128, 512), torch.bfloat16, H200, 64, "decode on the Gluon warp-specialised kernel"),
     (MLADims(32, 64, 64, 128, 256), torch.float16, H200, 128, "decode on the Gluon warp-specialised kernel"),
-    (MLADims(128, 128, 64, 128, 512), torch.bfloat16, H200, 64, "not Gluon: gluon decode keeps <= 32 heads"),
+    (MLADims(128, 128, 64, 128, 512), torch.bfloat16, H200, 64,
+     "decode on the Gluon warp-specialised kernel, 64 heads per program"),
+    (MLADims(64, 64, 64, 128, 256), torch.bfloat16, H200, 64, "not Gluon: gluon decode of N > 32 heads"),
     (MLADims(40, 64, 32, 64, 256), torch.bfloat16, H200, 64, "not Gluon: gluon decode needs R in (256, 512) and Dr == 64"),
     (MLADims(16, 128, 64, 128, 512), torch.bfloat16, H200, 16, "not Gluon: gluon decode needs pages of whole 64"),
     (MLADims(16, 128, 64, 128, 512), torch.float32, H200, 64, "not Gluon: gluon decode runs bf16/fp16"),
@@ -581,17 +583,18 @@ def test_gpu_multi_token_decode(dims_name, layout):
 def _gluon_launches(session) -> int:
     from autodeploy_mla.custom_ops.triton_mla import gluon_decode
 
-    return sum(bk.jit_launches + bk.direct_launches for bk in session.launches._bound.values()
-               if bk.fn is getattr(gluon_decode, "gluon_decode_kernel", None))
+    kernels = [gluon_decode.kernel_for(gluon_decode.GluonDecodeConfig(16, 2)),
+               gluon_decode.kernel_for(gluon_decode.WIDE_CONFIG)] if gluon_decode._GLUON_ERROR is None else []
+    return sum(bk.jit_launches + bk.direct_launches for bk in session.launches._bound.values() if bk.fn in kernels)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kernel", ["triton", "gluon", "auto"])
-@pytest.mark.parametrize("dims_name", ["deepseek_v3_tp8_n16", "glm_4_7_flash", "mistral_small_4"])
+@pytest.mark.parametrize("dims_name", ["deepseek_v3_tp8_n16", "glm_4_7_flash", "mistral_small_4", "deepseek_v3_n128"])
 def test_gpu_decode_kernels(dims_name, kernel):
-    """The tl heads-on-N decode and the Gluon warp-specialised one (gluon_decode.py) through the op on
-    the dims Gluon serves: ragged histories whose last tiles are partial (NaN-poisoned cache and
-    buffers), split and unsplit steps; "auto" must pick Gluon on SM90."""
+    """The tl decode and the Gluon warp-specialised ones (gluon_decode.py, N > 32 gluon_decode_wide.py)
+    through the op on the dims Gluon serves: ragged histories whose last tiles are partial
+    (NaN-poisoned cache and buffers), split and unsplit steps; "auto" must pick Gluon on SM90."""
     sch = [{0: 1000, 1: 130, 2: 64, 3: 7}] + [{0: 1, 1: 1, 2: 1, 3: 1}] * 3
     for splits in (0, 1):
         res = scenario(GPU_DIMS[dims_name], sch, "auto", splits, kernel=kernel, page_size=64, dtype=torch.bfloat16,

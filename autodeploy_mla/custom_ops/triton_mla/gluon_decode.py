@@ -17,6 +17,8 @@ per element and reduced once at the end; only the running max is reduced per til
 
 Scope (the capability check in `supports` says so): bf16/fp16 cache and queries, one query token per
 sequence (decode), R in {256, 512}, Dr == 64, pages holding whole 64-token tiles, COLS <= 32.
+More heads (N > 32, R 512) run `gluon_decode_wide.py` (64 heads per program on the MMA's M side, two
+consumer warpgroups): the configs, plan, arguments and launch here serve both (`GluonDecodeConfig.wide`).
 Outputs are those of the `tl` kernel: the latent (one split) or normalised fp32 partials plus base-2
 log-sum-exp per split, merged by kernels.split_reduce_kernel.
 """
@@ -53,16 +55,26 @@ NUM_WARPS = 4
 SMEM_LIMIT = 232448
 
 
+#: Above this many heads a program takes 64 heads on the MMA's M side (gluon_decode_wide.py).
+NARROW_MAX_HEADS = 32
+WIDE_HEADS = 64
+
+
 @dataclass(frozen=True)
 class GluonDecodeConfig:
     """Launch constants: COLS head columns per program (16 or 32), STAGES KV buffers, and whether the
     epilogue changes the output's layout through shared memory before storing (whole-line stores;
-    off saves that scratch, which can let two programs share an SM)."""
+    off saves that scratch, which can let two programs share an SM). `wide`: the many-heads kernel
+    (gluon_decode_wide.py; cols = 64 heads, 2 stages, 12 warps)."""
 
     cols: int
     stages: int
     convert: bool = True
     maxnreg: int = 224  # registers per thread at launch: 8 warps x 224 leave room for one program per SM
+    wide: bool = False
+
+
+WIDE_CONFIG = GluonDecodeConfig(WIDE_HEADS, 2, convert=False, maxnreg=168, wide=True)
 
 
 def smem_bytes(r: int, dr: int, cols: int, stages: int, convert: bool = True) -> int:
@@ -73,15 +85,24 @@ def smem_bytes(r: int, dr: int, cols: int, stages: int, convert: bool = True) ->
         + 16 * stages + 1024
 
 
+def config_smem(r: int, dr: int, cfg: GluonDecodeConfig) -> int:
+    """Shared memory one program of `cfg` plans for. The wide kernel: queries [64, R + Dr] and the KV
+    ring (bf16), the published maxima and row sums (fp32), barriers."""
+    if not cfg.wide:
+        return smem_bytes(r, dr, cfg.cols, cfg.stages, cfg.convert)
+    return cfg.cols * (r + dr) * 2 + cfg.stages * BLOCK_N * (r + dr) * 2 + (cfg.stages + 1) * cfg.cols * 4 + 1024
+
+
 #: Shared memory of one SM (H100 / H200); one program may use at most SMEM_LIMIT of it.
 SMEM_PER_SM = 233472
 
 
 def resident_programs(r: int, dr: int, cfg: "GluonDecodeConfig") -> int:
     """Programs one SM holds at once: shared memory, and the register file (65536 registers; a program
-    is 8 warps, the consumer warpgroup and the loader padded to a warpgroup, at `maxnreg` each)."""
-    return max(1, min(SMEM_PER_SM // smem_bytes(r, dr, cfg.cols, cfg.stages, cfg.convert),
-                      65536 // (256 * cfg.maxnreg)))
+    is 8 warps, the consumer warpgroup and the loader padded to a warpgroup, or 12 for the wide kernel,
+    at `maxnreg` each)."""
+    threads = 384 if cfg.wide else 256
+    return max(1, min(SMEM_PER_SM // config_smem(r, dr, cfg), 65536 // (threads * cfg.maxnreg)))
 
 
 def dims_supported(num_heads: int, r: int, dr: int, page_size: int, dtype: torch.dtype,
@@ -99,8 +120,9 @@ def dims_supported(num_heads: int, r: int, dr: int, page_size: int, dtype: torch
         return False, f"gluon decode needs R in (256, 512) and Dr == 64, got R={r} Dr={dr}"
     if page_size % BLOCK_N:
         return False, f"gluon decode needs pages of whole {BLOCK_N}-token tiles, page size is {page_size}"
-    if num_heads > 32:
-        return False, f"gluon decode keeps <= 32 heads on the MMA's N side, N={num_heads}"
+    if num_heads > NARROW_MAX_HEADS and r != 512:
+        return False, (f"gluon decode of N > {NARROW_MAX_HEADS} heads (64 per program) is built and verified "
+                       f"for R = 512, got N={num_heads} R={r}")
     return True, "ok"
 
 
@@ -120,7 +142,9 @@ def candidate_configs(num_heads: int, r: int, dr: int) -> tuple[GluonDecodeConfi
     """The configs `config_for` may return for these dims (all are compiled before a graph capture):
     one program per SM with as many KV stages as shared memory holds (at most 4; R 512 holds 2), and,
     where two programs fit an SM (2 stages, no epilogue layout change, 128 registers at launch: R 256),
-    that one too. COLS = heads rounded up to 16 or 32."""
+    that one too. COLS = heads rounded up to 16 or 32. N > 32: the wide kernel's one config."""
+    if num_heads > NARROW_MAX_HEADS:
+        return (WIDE_CONFIG,)
     cols = 16 if num_heads <= 16 else 32
     stages = 4
     while stages > 2 and smem_bytes(r, dr, cols, stages) > SMEM_LIMIT:
@@ -356,8 +380,21 @@ def cache_descriptors(mla_cache: torch.Tensor, r: int, dr: int):
     return kv, kpe
 
 
+def kernel_for(cfg: GluonDecodeConfig):
+    """The @gluon.jit kernel a config launches."""
+    if cfg.wide:
+        from .gluon_decode_wide import gluon_decode_wide_kernel
+
+        return gluon_decode_wide_kernel
+    return gluon_decode_kernel
+
+
 def kernel_meta(num_heads: int, r: int, dr: int, page_size: int, cfg: GluonDecodeConfig, split: bool) -> dict:
     """Constexprs and launch options of one variant (SPLIT writes partials, else the latent)."""
+    if cfg.wide:
+        from .gluon_decode_wide import wide_meta
+
+        return wide_meta(num_heads, r, dr, page_size, split)
     return dict(N=num_heads, R=r, DR=dr, PAGE_SIZE=page_size, COLS=cfg.cols, STAGES=cfg.stages, SPLIT=split,
                 CONVERT=cfg.convert,
                 num_warps=NUM_WARPS, maxnreg=cfg.maxnreg)
@@ -389,5 +426,5 @@ def launch(descs, q_abs, q_pe, page_table, cu_seqlen, seq_len, latent, part_acc,
     ptrs, scalars = kernel_args(descs, q_abs, q_pe, page_table, cu_seqlen, seq_len, latent, part_acc, part_lse,
                                 seq_base=seq_base, tok_base=tok_base, abs_base=abs_base, chunk=chunk,
                                 qk_scale=qk_scale, split=split)
-    gluon_decode_kernel[grid(num_heads, n_seqs, splits, cfg)](
+    kernel_for(cfg)[grid(num_heads, n_seqs, splits, cfg)](
         *ptrs, *scalars, **kernel_meta(num_heads, r, dr, page_size, cfg, split))

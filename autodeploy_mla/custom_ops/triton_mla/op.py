@@ -124,10 +124,10 @@ class TritonPolicy:
     built for) and the step's longest prefill has at least tuning.FA3_PREFILL_MIN_TOKENS new tokens,
     else `expanded_prefill_kernel`; "triton" / "flashinfer" force one ("flashinfer" where FA3 cannot
     run is refused when the session is made). decode_kernel: "auto" = the warp-specialised Gluon decode
-    kernel (gluon_decode.py) wherever decode runs heads-on-N and `gluon_decode.supports` accepts the
-    dims and device (SM90, 16-bit cache, N <= 32, R 256/512, Dr 64, pages of whole 64-token tiles),
-    else the `tl` kernels; "triton" never uses it; "gluon" requires it (a decode it cannot serve
-    raises, naming why)."""
+    kernels wherever `gluon_decode.supports` accepts the dims and device (SM90, 16-bit cache, R 256/512
+    with N <= 32 or R 512 with N > 32, Dr 64, pages of whole 64-token tiles) and, at N <= 32, decode
+    runs heads-on-N (gluon_decode.py; N > 32: gluon_decode_wide.py), else the `tl` kernels;
+    "triton" never uses them; "gluon" requires them (a decode they cannot serve raises, naming why)."""
 
     prefill_mode: Literal["auto", "expand", "absorb"] = "auto"
     decode_splits: int = 0
@@ -517,9 +517,10 @@ def _launch_absorbed(call: _Call, q_abs, q_pe, mla_cache, page_table, cu_seqlen,
 
 def _gluon_decode_choice(call: _Call, cfg, dims: MLADims, q_dtype: torch.dtype, mla_cache: torch.Tensor,
                          dev: torch.device, scaled: bool) -> bool:
-    """Whether this step's decode runs on the Gluon kernel (TritonPolicy.decode_kernel). "auto": where
-    decode runs heads-on-N and gluon_decode.supports accepts the dims and device; "gluon" raises
-    where it cannot serve them."""
+    """Whether this step's decode runs on the Gluon kernels (TritonPolicy.decode_kernel). "auto": where
+    gluon_decode.supports accepts the dims and device and either the `tl` decode would run heads-on-N
+    or N > 32 (the many-heads Gluon kernel: 2.3-3.0x the `tl` kernel's throughput at N 64 / 128,
+    docs/benchmarks/decode_gluon_wide.md); "gluon" raises where it cannot serve them."""
     want = call.policy.decode_kernel
     if want == "triton":
         return False
@@ -533,7 +534,7 @@ def _gluon_decode_choice(call: _Call, cfg, dims: MLADims, q_dtype: torch.dtype, 
     if want == "gluon" and not ok:
         raise MLAShapeError(f"TritonPolicy(decode_kernel='gluon') cannot run this decode: {why}. "
                             "Use decode_kernel='auto' or 'triton'.")
-    return ok and (want == "gluon" or cfg.heads_on_n)
+    return ok and (want == "gluon" or cfg.heads_on_n or dims.num_heads > GD.NARROW_MAX_HEADS)
 
 
 @dataclass(frozen=True)
@@ -556,7 +557,7 @@ def _plan_gluon_decode(call: _Call, dims: MLADims, page_size: int, n_seqs: int, 
     gcfg, splits = GD.plan(n, r, dr, n_seqs, kv_bound, call.policy.decode_splits, dev)
     chunk = -(-min_chunk(dev) // GD.BLOCK_N) * GD.BLOCK_N
     split = splits > 1
-    attn = call.bound(GD.gluon_decode_kernel, GD.kernel_meta(n, r, dr, page_size, gcfg, split))
+    attn = call.bound(GD.kernel_for(gcfg), GD.kernel_meta(n, r, dr, page_size, gcfg, split))
     reduce = call.bound(K.split_reduce_kernel, _reduce_meta(r)) if split else None
     return _GluonDecodeLaunch(attn, reduce, GD.grid(n, n_seqs, splits, gcfg), splits, chunk)
 
@@ -574,7 +575,7 @@ def _warm_gluon_decode(call: _Call, descs, q_abs, q_pe, page_table, cu_seqlen, s
         ptrs, scalars = GD.kernel_args(descs, q_abs, q_pe, page_table, cu_seqlen, seq_len, latent, pa, pl,
                                        split=split, **common)
         for gcfg in GD.candidate_configs(n, r, dr):  # a graph of another batch size may pick the other
-            call.bound(GD.gluon_decode_kernel, GD.kernel_meta(n, r, dr, page_size, gcfg, split)).warmup(ptrs, scalars)
+            call.bound(GD.kernel_for(gcfg), GD.kernel_meta(n, r, dr, page_size, gcfg, split)).warmup(ptrs, scalars)
         if split:
             call.bound(K.split_reduce_kernel, _reduce_meta(r)).warmup(
                 (pa, pl, latent, cu_seqlen), (common["tok_base"], common["abs_base"], 2, *pa.stride()[:3],
@@ -1016,8 +1017,9 @@ class TritonMLABackend(MLABackend):
         if device.type == "cuda":
             g_ok, g_why = GD.dims_supported(dims.num_heads, dims.kv_lora_rank, dims.qk_rope_head_dim,
                                             target.page_size, dtype, device.sm)
-            note += ("; decode on the Gluon warp-specialised kernel (16-bit cache)" if g_ok
-                     else f"; decode on the tl kernels (not Gluon: {g_why})")
+            wide = dims.num_heads > GD.NARROW_MAX_HEADS
+            note += ((f"; decode on the Gluon warp-specialised kernel{', 64 heads per program' if wide else ''} "
+                      "(16-bit cache)") if g_ok else f"; decode on the tl kernels (not Gluon: {g_why})")
         return CheckResult(True, f"triton on {where}: any N, R<= {MAX_KV_LORA_RANK}, Dr<= {MAX_ROPE_DIM}{note}")
 
     def check_cache(self, dims: MLADims, dtype: torch.dtype, cache_dtype: torch.dtype, target: Target) -> CheckResult:
