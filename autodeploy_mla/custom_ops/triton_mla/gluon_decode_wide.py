@@ -5,7 +5,7 @@ the `tl` heads-on-N kernel reaches ~218 TFLOP/s where FlashInfer's fa3 reaches ~
 >= 450 and FlashInfer's time). docs/benchmarks/decode_gluon_wide.md has the measured alternatives.
 
 Layout per program: 64 heads on the MMA's M side, one (sequence, split chunk), 64-token KV tiles.
-- A loader warp feeds a 2-stage TMA ring (`gluon_decode._loader`: page id -> cache rows).
+- A loader warp feeds a 2-stage TMA ring (`gluon_common._loader`: page id -> cache rows).
 - WG0 (4 warps) computes s = q K^T for every tile (36 wgmmas m64n64k16, both operands in shared
   memory), the online softmax, and o[:, :R/2] += p V[:, :R/2] with p from registers (4 wgmmas
   m64n256k16). It publishes p (bf16) in the tile's rope slot, dead after its QK, and the running max.
@@ -26,7 +26,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma, \
     warpgroup_mma_wait
 
-from .gluon_decode import _cta_barrier, _loader, _zero_rows
+from .gluon_common import _cta_barrier, _loader, _zero_rows
 
 
 @gluon.jit

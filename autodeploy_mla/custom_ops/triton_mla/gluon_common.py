@@ -1,0 +1,63 @@
+"""What both Gluon decode kernels share (gluon_decode.py, N <= 32; gluon_decode_wide.py, N > 32): the
+Gluon imports (absent or broken, `_GLUON_ERROR` says why and nothing launches), the names Gluon renamed
+after triton 3.6, the tile size, the TMA loader partition and the partial-tile zeroing."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+BLOCK_N = 64  # tokens per KV tile
+
+try:  # Gluon ships with triton >= 3.5; absent or broken, `supports` says so and nothing launches
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: F401 - what the kernels import
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: F401
+
+    # Names that changed after triton 3.6 (the GPU image): the CTA barrier (`thread_barrier` ->
+    # `barrier`) and the TMA load (`async_copy_global_to_shared` -> `async_load`).
+    _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _GLUON_ERROR: Optional[str] = None
+except Exception as e:  # noqa: BLE001 - any import failure means "not available"
+    _GLUON_ERROR = f"{type(e).__name__}: {e}"
+
+
+if _GLUON_ERROR is None:
+
+    @gluon.jit
+    def _loader(kv_desc, kpe_desc, kv0_s, kv1_s, kpe_s, full, empty, pt_row, kv_lo, n_tiles,
+                PAGE_SIZE: gl.constexpr, BLOCK_C: gl.constexpr, R: gl.constexpr, DR: gl.constexpr,
+                BN: gl.constexpr, STAGES: gl.constexpr):
+        nbytes: gl.constexpr = BN * (2 * BLOCK_C + DR) * 2
+        # The next tile's page id is loaded before waiting for its buffer, so its latency is not added
+        # to each refill (a chunk's tiles start on BN, so each lies inside one page).
+        page = gl.load(pt_row + kv_lo // PAGE_SIZE, mask=n_tiles > 0, other=0)
+        for t in range(n_tiles):
+            s = t % STAGES
+            ph = (t // STAGES) & 1
+            start = kv_lo + t * BN
+            row0 = page * PAGE_SIZE + start % PAGE_SIZE
+            page = gl.load(pt_row + (start + BN) // PAGE_SIZE, mask=t + 1 < n_tiles, other=0)
+            mbarrier.wait(empty.index(s), ph ^ 1)  # a fresh barrier passes parity 1
+            mbarrier.expect(full.index(s), nbytes)
+            _tma_load(kv_desc, [row0, 0], full.index(s), kv0_s.index(s))
+            _tma_load(kv_desc, [row0, BLOCK_C], full.index(s), kv1_s.index(s))
+            _tma_load(kpe_desc, [row0, R], full.index(s), kpe_s.index(s))
+
+    @gluon.jit
+    def _zero_rows(buf, valid, W: gl.constexpr, BN: gl.constexpr, CHUNK: gl.constexpr):
+        """Rows >= valid of a landed tile buffer [BN, W] set to zero: slots past a sequence's history
+        may hold anything (NaN included), and p = 0 does not cancel NaN in the PV product."""
+        lay: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        rows = gl.arange(0, BN, layout=gl.SliceLayout(1, lay))
+        for c in gl.static_range(W // CHUNK):
+            part = buf.slice(c * CHUNK, CHUNK, dim=1)
+            x = part.load(lay)
+            part.store(gl.where((rows < valid)[:, None], x, gl.zeros_like(x)))
