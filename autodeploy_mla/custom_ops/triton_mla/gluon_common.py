@@ -1,6 +1,6 @@
 """What both Gluon decode kernels share (gluon_decode.py, N <= 32; gluon_decode_wide.py, N > 32): the
 Gluon imports (absent or broken, `_GLUON_ERROR` says why and nothing launches), the names Gluon renamed
-after triton 3.6, the tile size, the TMA loader partition and the partial-tile zeroing."""
+after triton 3.6, the tile size, the query load, the TMA loader partition and the partial-tile zeroing."""
 
 from __future__ import annotations
 
@@ -61,3 +61,21 @@ if _GLUON_ERROR is None:
             part = buf.slice(c * CHUNK, CHUNK, dim=1)
             x = part.load(lay)
             part.store(gl.where((rows < valid)[:, None], x, gl.zeros_like(x)))
+
+    @gluon.jit
+    def _store_queries(q0_s, q1_s, qpe_s, Q_ABS, Q_PE, head0, tok, q_off, stride_qa_h, stride_qp_t, stride_qp_h,
+                       N: gl.constexpr, BLOCK_C: gl.constexpr, DR: gl.constexpr, ROWS: gl.constexpr):
+        """One token's queries of heads [head0, head0 + ROWS) -> shared memory as [ROWS, K] (K-major, the
+        QK's wgmma operand): both latent halves and the rope part, zero past N; fenced for the async
+        proxy and visible to the whole (4-warp) partition."""
+        ql: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+        qh = head0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, ql))
+        qr = gl.arange(0, BLOCK_C, layout=gl.SliceLayout(0, ql))
+        qd = gl.arange(0, DR, layout=gl.SliceLayout(0, ql))
+        qm = (qh < N)[:, None]
+        qa = Q_ABS + qh[:, None] * stride_qa_h + q_off + qr[None, :]
+        q0_s.store(gl.load(qa, mask=qm, other=0.0))
+        q1_s.store(gl.load(qa + BLOCK_C, mask=qm, other=0.0))
+        qpe_s.store(gl.load(Q_PE + tok * stride_qp_t + qh[:, None] * stride_qp_h + qd[None, :], mask=qm, other=0.0))
+        fence_async_shared()
+        _cta_barrier()

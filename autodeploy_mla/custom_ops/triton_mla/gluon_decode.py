@@ -43,7 +43,7 @@ if _GLUON_ERROR is None:
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from .gluon_common import _cta_barrier, _loader, _zero_rows
+    from .gluon_common import _cta_barrier, _loader, _store_queries, _zero_rows
 
 NUM_WARPS = 4
 SMEM_LIMIT = 232448
@@ -186,17 +186,8 @@ if _GLUON_ERROR is None:
                   BN: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, CONVERT: gl.constexpr):
         # Queries -> shared memory as [COLS, K] (the wgmma B operand, K-major), zero past N. Here, not
         # before the fork, so the loader's first copies do not wait for these loads.
-        ql: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
-        qh = head0 + gl.arange(0, COLS, layout=gl.SliceLayout(1, ql))
-        qr = gl.arange(0, BLOCK_C, layout=gl.SliceLayout(0, ql))
-        qd = gl.arange(0, DR, layout=gl.SliceLayout(0, ql))
-        qm = (qh < N)[:, None]
-        qa = Q_ABS + qh[:, None] * stride_qa_h + q_off + qr[None, :]
-        q0_s.store(gl.load(qa, mask=qm, other=0.0))
-        q1_s.store(gl.load(qa + BLOCK_C, mask=qm, other=0.0))
-        qpe_s.store(gl.load(Q_PE + tok * stride_qp_t + qh[:, None] * stride_qp_h + qd[None, :], mask=qm, other=0.0))
-        fence_async_shared()
-        _cta_barrier()
+        _store_queries(q0_s, q1_s, qpe_s, Q_ABS, Q_PE, head0, tok, q_off, stride_qa_h, stride_qp_t, stride_qp_h,
+                       N, BLOCK_C, DR, COLS)
 
         acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, COLS, 16])

@@ -26,7 +26,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma, \
     warpgroup_mma_wait
 
-from .gluon_common import _cta_barrier, _loader, _zero_rows
+from .gluon_common import _cta_barrier, _loader, _store_queries, _zero_rows
 
 
 @gluon.jit
@@ -103,17 +103,8 @@ def _wg(ME: gl.constexpr, q0_s, q1_s, qpe_s, kv0_s, kv1_s, kpe_s, m_s, l_s, full
         stride_pl_t, stride_pl_h, N: gl.constexpr, BLOCK_C: gl.constexpr, DR: gl.constexpr, HEADS: gl.constexpr,
         BN: gl.constexpr, SPLIT: gl.constexpr):
     if ME == 0:  # queries -> shared memory [HEADS, K] (the QK's A operand), zero past N
-        ql: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
-        qh = head0 + gl.arange(0, HEADS, layout=gl.SliceLayout(1, ql))
-        qr = gl.arange(0, BLOCK_C, layout=gl.SliceLayout(0, ql))
-        qd = gl.arange(0, DR, layout=gl.SliceLayout(0, ql))
-        qm = (qh < N)[:, None]
-        qa = Q_ABS + qh[:, None] * stride_qa_h + q_off + qr[None, :]
-        q0_s.store(gl.load(qa, mask=qm, other=0.0))
-        q1_s.store(gl.load(qa + BLOCK_C, mask=qm, other=0.0))
-        qpe_s.store(gl.load(Q_PE + tok * stride_qp_t + qh[:, None] * stride_qp_h + qd[None, :], mask=qm, other=0.0))
-        fence_async_shared()
-        _cta_barrier()
+        _store_queries(q0_s, q1_s, qpe_s, Q_ABS, Q_PE, head0, tok, q_off, stride_qa_h, stride_qp_t, stride_qp_h,
+                       N, BLOCK_C, DR, HEADS)
 
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
