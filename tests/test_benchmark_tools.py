@@ -58,3 +58,21 @@ def test_e2e_roofline_runs_each_variant_in_its_own_process(tmp_path):
     assert [r["variant"] for r in data["runs"]] == ["base", "moe"]
     assert all(r["peaks"]["copy_gb_s"] > 0 and r["decode"] and r["prefill"] for r in data["runs"])
     assert proc.stdout.count("in a fresh process") == 2
+
+
+def test_host_floor_smoke(tmp_path):
+    """`host_floor.py --smoke` (CPU, the kernels through the Triton interpreter): every piece of the
+    lean decode call and their sequence are timed and written to the JSON."""
+    import json
+    import os
+    import subprocess
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "host_floor.py"
+    out = tmp_path / "floor.json"
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, str(script), "--smoke", "--json", str(out)], capture_output=True,
+                          text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    pieces = json.loads(out.read_text())["pieces"]
+    assert "sequence: 2 bmm + 1 empty + 3 launches" in pieces and len(pieces) == 5
+    assert all(p["p10_us"] <= p["median_us"] <= p["p90_us"] for p in pieces.values())
