@@ -68,6 +68,7 @@ class GluonDecodeConfig:
     wide: bool = False
 
 
+#: 12 warps x 168 registers at launch fill the register file; setmaxnreg gives WG0 256, WG1 200, the loader 40.
 WIDE_CONFIG = GluonDecodeConfig(WIDE_HEADS, 2, convert=False, maxnreg=168, wide=True)
 
 
@@ -348,7 +349,7 @@ def kernel_meta(num_heads: int, r: int, dr: int, page_size: int, cfg: GluonDecod
     if cfg.wide:
         from .gluon_decode_wide import wide_meta
 
-        return wide_meta(num_heads, r, dr, page_size, split)
+        return wide_meta(num_heads, r, dr, page_size, split, cfg.cols, cfg.maxnreg)
     return dict(N=num_heads, R=r, DR=dr, PAGE_SIZE=page_size, COLS=cfg.cols, STAGES=cfg.stages, SPLIT=split,
                 CONVERT=cfg.convert,
                 num_warps=NUM_WARPS, maxnreg=cfg.maxnreg)

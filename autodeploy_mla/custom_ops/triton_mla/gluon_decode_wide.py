@@ -223,13 +223,11 @@ def gluon_decode_wide_kernel(
         [4, 1], [WG1_REGS, 40])
 
 
-HEADS = 64
-MAXNREG = 168  # 12 warps x 168 registers at launch fill the register file; setmaxnreg redistributes
 WG1_REGS = 200  # WG1 holds o[:, R/2:] (128 fp32 registers) and little else; WG0 takes the rest (256)
 
 
-def wide_meta(num_heads: int, r: int, dr: int, page_size: int, split: bool) -> dict:
-    """Constexprs and launch options of one variant of gluon_decode_wide_kernel."""
-    return dict(N=num_heads, R=r, DR=dr, PAGE_SIZE=page_size, HEADS=HEADS, SPLIT=split, WG1_REGS=WG1_REGS,
-                num_warps=4, maxnreg=MAXNREG)
-
+def wide_meta(num_heads: int, r: int, dr: int, page_size: int, split: bool, heads: int, maxnreg: int) -> dict:
+    """Constexprs and launch options of one variant of gluon_decode_wide_kernel (`heads` per program
+    and registers at launch from gluon_decode.WIDE_CONFIG)."""
+    return dict(N=num_heads, R=r, DR=dr, PAGE_SIZE=page_size, HEADS=heads, SPLIT=split, WG1_REGS=WG1_REGS,
+                num_warps=4, maxnreg=maxnreg)

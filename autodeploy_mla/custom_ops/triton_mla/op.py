@@ -519,8 +519,8 @@ def _gluon_decode_choice(call: _Call, cfg, dims: MLADims, q_dtype: torch.dtype, 
                          dev: torch.device, scaled: bool) -> bool:
     """Whether this step's decode runs on the Gluon kernels (TritonPolicy.decode_kernel). "auto": where
     gluon_decode.supports accepts the dims and device and either the `tl` decode would run heads-on-N
-    or N > 32 (the many-heads Gluon kernel: 2.3-3.0x the `tl` kernel's throughput at N 64 / 128,
-    docs/benchmarks/decode_gluon_wide.md); "gluon" raises where it cannot serve them."""
+    or N > 32 (the many-heads Gluon kernel: 1.2-3.0x faster than the `tl` kernel on all 24 measured
+    N 64 / 128 shapes, docs/benchmarks/decode_gluon_wide.md); "gluon" raises where it cannot serve them."""
     want = call.policy.decode_kernel
     if want == "triton":
         return False
