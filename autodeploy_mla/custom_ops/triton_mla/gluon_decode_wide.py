@@ -1,8 +1,9 @@
 """Warp-specialised Gluon decode for many heads (N > 32: DeepSeek-V3 N 128, TP-2 N 64), SM90.
 
 Why: at N = 128 decode is compute-bound (64 heads x 64 tokens x (576 + 512) MACs per KV tile), and
-the `tl` heads-on-N kernel reaches ~218 TFLOP/s where FlashInfer's fa3 reaches ~590 (issue 14 asks
->= 450 and FlashInfer's time). docs/benchmarks/decode_gluon_wide.md has the measured alternatives.
+the `tl` heads-on-N kernel reaches ~218 TFLOP/s where FlashInfer's fa3 reaches ~580 (issue 14 asks
+>= 450 and FlashInfer's time). This kernel: 557 TFLOP/s at batch 128 x kv 8192 on an H200, 1.03-1.24x
+FlashInfer's time at batch >= 32 (docs/benchmarks/decode_gluon_wide.md, with the variants measured).
 
 Layout per program: 64 heads on the MMA's M side, one (sequence, split chunk), 64-token KV tiles.
 - A loader warp feeds a 2-stage TMA ring (`gluon_common._loader`: page id -> cache rows).
@@ -159,7 +160,7 @@ def gluon_decode_wide_kernel(
     stride_qa_h, stride_qa_t, stride_qp_t, stride_qp_h, stride_pt_b,
     stride_lat_h, stride_lat_t, stride_pa_t, stride_pa_h, stride_pa_s, stride_pl_t, stride_pl_h,
     N: gl.constexpr, R: gl.constexpr, DR: gl.constexpr, PAGE_SIZE: gl.constexpr, HEADS: gl.constexpr,
-    SPLIT: gl.constexpr, WG1_REGS: gl.constexpr = 200,
+    SPLIT: gl.constexpr, WG1_REGS: gl.constexpr,
 ):
     BN: gl.constexpr = 64
     STAGES: gl.constexpr = 2  # what shared memory holds; the tile loop is unrolled by it
