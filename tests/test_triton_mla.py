@@ -414,6 +414,31 @@ def test_forced_gluon_decode_explains_why_it_cannot_run():
     assert 0 < res.max_rel_error() < 1e-5
 
 
+def test_auto_decode_kernel_rule(monkeypatch):
+    """decode_kernel='auto' where Gluon can run (supports stubbed: no GPU here): N > 32 always takes the
+    many-heads Gluon kernel, whatever the `tl` decode layout; N <= 32 only where the `tl` decode would
+    run heads-on-N; 'triton' never; cache scales never."""
+    from types import SimpleNamespace
+
+    from autodeploy_mla.custom_ops.triton_mla import gluon_decode
+    from autodeploy_mla.custom_ops.triton_mla import op as top
+
+    monkeypatch.setattr(top, "interpreting", lambda: False)
+    monkeypatch.setattr(gluon_decode, "supports", lambda *a, **k: (True, "ok"))
+    cache = torch.zeros(2, 64, 576, dtype=torch.bfloat16)
+    dev = torch.device("cuda")
+
+    def choice(n, heads_on_n, kernel="auto", scaled=False):
+        call = top._Call(TritonPolicy(decode_kernel=kernel), warmed=set())
+        return top._gluon_decode_choice(call, SimpleNamespace(heads_on_n=heads_on_n), MLADims(n, 128, 64, 128, 512),
+                                        torch.bfloat16, cache, dev, scaled)
+
+    assert choice(128, False) and choice(64, False) and choice(128, True)
+    assert choice(16, True) and not choice(16, False)
+    assert choice(16, False, kernel="gluon")
+    assert not choice(128, False, kernel="triton") and not choice(128, False, scaled=True)
+
+
 # ----------------------------------------------------------------------------- cost rule
 def test_prefill_cost_rule():
     ds = MLADims(128, 128, 64, 128, 512)
