@@ -70,6 +70,8 @@ def decode_core_gluon(case: Case, q_abs: torch.Tensor, latent: torch.Tensor, for
     ok, why = GD.supports(n, r, dr, case.cache.shape[1], q_abs.dtype, case.cache.dtype, dev)
     if not ok:
         raise RuntimeError(why)
+    if two_per_sm and n > GD.NARROW_MAX_HEADS:
+        raise RuntimeError(f"two programs per SM is a variant of the N <= {GD.NARROW_MAX_HEADS} kernel, N={n}")
     two = GD.GluonDecodeConfig(16 if n <= 16 else 32, 2, convert=False, maxnreg=128) if two_per_sm else None
     cfg, splits = GD.plan(n, r, dr, b, kv, forced_splits, torch.device(dev), cfg=two)
     chunk = tuning.MIN_SPLIT_CHUNK
