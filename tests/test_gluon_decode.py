@@ -83,6 +83,20 @@ def compile_gluon(fn, meta, r, dr):
     return k, ptx, len(re.findall(r"wgmma\\.mma_async", ptx)), len(re.findall(r"cp\\.async\\.bulk\\.tensor", ptx))
 """
 
+def _compiled_rows(script: str, tag: str, tmp_path) -> list[list[int]]:
+    """Run a compile-check script (a fresh process, SM90 target, no GPU) and return its `tag` rows as
+    ints; skips where this Triton has no Gluon or no SM90 backend."""
+    from autodeploy_mla.testing.sm90_compile import run_sm90_compile_check, sm90_backend_missing
+
+    if GD._GLUON_ERROR is not None:
+        pytest.skip(f"no Gluon in this triton: {GD._GLUON_ERROR}")
+    if why := sm90_backend_missing():
+        pytest.skip(why)
+    res = run_sm90_compile_check(script, tmp_path / "triton_cache")
+    assert res.returncode == 0, res.stderr[-3000:]
+    return [list(map(int, ln.split()[1:])) for ln in res.stdout.splitlines() if ln.startswith(tag + " ")]
+
+
 _GLUON_COMPILE_CHECK = _GLUON_COMPILE_PRELUDE + """
 from autodeploy_mla.custom_ops.triton_mla import gluon_decode as GD
 
@@ -99,17 +113,9 @@ def test_gluon_decode_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
     compiles (the interpreter never runs Gluon), warp-specialised (setmaxnreg per partition), with the
     expected wgmmas (QK: (2 R/2 + Dr) / 16 k-steps; PV: two halves of R/2 / 64 x 4) and TMA copies
     (three per tile, 64-column boxes), in the shared memory `smem_bytes` plans for."""
-    from autodeploy_mla.testing.sm90_compile import run_sm90_compile_check, sm90_backend_missing
-
-    if GD._GLUON_ERROR is not None:
-        pytest.skip(f"no Gluon in this triton: {GD._GLUON_ERROR}")
-    if why := sm90_backend_missing():
-        pytest.skip(why)
-    res = run_sm90_compile_check(_GLUON_COMPILE_CHECK, tmp_path / "triton_cache")
-    assert res.returncode == 0, res.stderr[-3000:]
-    rows = [ln.split()[1:] for ln in res.stdout.splitlines() if ln.startswith("gluon ")]
-    assert len(rows) == sum(len(GD.candidate_configs(n, r, dr)) for n, r, dr in REAL_DIMS.values()), res.stdout
-    for n, r, stages, convert, maxnreg, shared, planned, wgmma, tma, ws in (map(int, row) for row in rows):
+    rows = _compiled_rows(_GLUON_COMPILE_CHECK, "gluon", tmp_path)
+    assert len(rows) == sum(len(GD.candidate_configs(n, r, dr)) for n, r, dr in REAL_DIMS.values()), rows
+    for n, r, stages, convert, maxnreg, shared, planned, wgmma, tma, ws in rows:
         assert shared <= planned <= GD.SMEM_LIMIT, (n, r, stages, shared, planned)
         assert wgmma == (r + 64) // 16 + 2 * (r // 2 // 64) * 4, (n, r, wgmma)
         assert tma == 2 * (r // 2 // 64) + 1, (n, r, tma)
@@ -307,15 +313,7 @@ def test_gluon_wide_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
     """The many-heads kernel: 12 warps (two consumer warpgroups + the loader's), warp-specialised, in the
     shared memory `config_smem` plans for, 132 wgmmas (WG0: 36 QK + 4 PV per tile, the loop unrolled by
     two plus the odd tile; WG1: 4 PV per tile, three times) and 9 TMA copies per tile."""
-    from autodeploy_mla.testing.sm90_compile import run_sm90_compile_check, sm90_backend_missing
-
-    if GD._GLUON_ERROR is not None:
-        pytest.skip(f"no Gluon in this triton: {GD._GLUON_ERROR}")
-    if why := sm90_backend_missing():
-        pytest.skip(why)
-    res = run_sm90_compile_check(_GLUON_WIDE_COMPILE_CHECK, tmp_path / "triton_cache")
-    assert res.returncode == 0, res.stderr[-3000:]
-    rows = [list(map(int, ln.split()[1:])) for ln in res.stdout.splitlines() if ln.startswith("wide ")]
-    assert len(rows) == 2, res.stdout
+    rows = _compiled_rows(_GLUON_WIDE_COMPILE_CHECK, "wide", tmp_path)
+    assert len(rows) == 2, rows
     for split, shared, planned, warps, wgmma, tma, ws in rows:
         assert shared <= planned <= GD.SMEM_LIMIT and warps == 12 and wgmma == 132 and tma == 9 and ws == 1, rows

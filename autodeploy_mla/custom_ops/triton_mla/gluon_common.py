@@ -1,6 +1,7 @@
 """What both Gluon decode kernels share (gluon_decode.py, N <= 32; gluon_decode_wide.py, N > 32): the
 Gluon imports (absent or broken, `_GLUON_ERROR` says why and nothing launches), the names Gluon renamed
-after triton 3.6, the tile size, the query load, the TMA loader partition and the partial-tile zeroing."""
+after triton 3.6, the tile size, a program's work item and shared buffers, the query load, the TMA loader
+partition and the partial-tile zeroing."""
 
 from __future__ import annotations
 
@@ -79,3 +80,47 @@ if _GLUON_ERROR is None:
         qpe_s.store(gl.load(Q_PE + tok * stride_qp_t + qh[:, None] * stride_qp_h + qd[None, :], mask=qm, other=0.0))
         fence_async_shared()
         _cta_barrier()
+
+    @gluon.jit
+    def _work_item(CU_SEQLEN, SEQ_LEN, seq_base, chunk_size, BN: gl.constexpr):
+        """This program's decode sequence b (grid axis 1), split pid_s (axis 2), its token, history length
+        and KV chunk [kv_lo, kv_hi) (at least `chunk_size`, whole tiles)."""
+        b = seq_base + gl.program_id(1)
+        pid_s = gl.program_id(2)
+        tok = gl.load(CU_SEQLEN + b).to(gl.int64)
+        kv_limit = gl.load(SEQ_LEN + b)
+        per = gl.maximum(gl.cdiv(kv_limit, gl.num_programs(2)), chunk_size)
+        chunk = gl.cdiv(per, BN) * BN
+        kv_lo = pid_s * chunk
+        kv_hi = gl.minimum(kv_lo + chunk, kv_limit)
+        return b, pid_s, tok, kv_limit, kv_lo, kv_hi
+
+    @gluon.jit
+    def _empty_split_lse(PART_LSE, rel, head0, pid_s, stride_pl_t, stride_pl_h, N: gl.constexpr,
+                         ROWS: gl.constexpr):
+        """lse = -inf for a split whose chunk starts past its sequence (a static split count, a shorter
+        sequence): the merge then ignores its partial, which is never written."""
+        lay1: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        hh = head0 + gl.arange(0, ROWS, layout=lay1)
+        gl.store(PART_LSE + rel * stride_pl_t + hh * stride_pl_h + pid_s,
+                 gl.full([ROWS], float("-inf"), gl.float32, lay1), mask=hh < N)
+
+    @gluon.jit
+    def _alloc_queries(dt: gl.constexpr, ROWS: gl.constexpr, BLOCK_C: gl.constexpr, DR: gl.constexpr):
+        """Shared buffers of one token's queries, [ROWS, K] per latent half and rope part (K-major)."""
+        q0_s = gl.allocate_shared_memory(dt, [ROWS, BLOCK_C], gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_C], dt))
+        q1_s = gl.allocate_shared_memory(dt, [ROWS, BLOCK_C], gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_C], dt))
+        qpe_s = gl.allocate_shared_memory(dt, [ROWS, DR], gl.NVMMASharedLayout.get_default_for([ROWS, DR], dt))
+        return q0_s, q1_s, qpe_s
+
+    @gluon.jit
+    def _alloc_ring(dt: gl.constexpr, kv_desc, kpe_desc, STAGES: gl.constexpr, BN: gl.constexpr,
+                    BLOCK_C: gl.constexpr, DR: gl.constexpr):
+        """The KV ring `_loader` fills: latent halves and rope part per stage, and its full / empty
+        barriers (not initialised: the kernel knows how many consumers release a stage)."""
+        kv0_s = gl.allocate_shared_memory(dt, [STAGES, BN, BLOCK_C], kv_desc.layout)
+        kv1_s = gl.allocate_shared_memory(dt, [STAGES, BN, BLOCK_C], kv_desc.layout)
+        kpe_s = gl.allocate_shared_memory(dt, [STAGES, BN, DR], kpe_desc.layout)
+        full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        return kv0_s, kv1_s, kpe_s, full, empty

@@ -43,7 +43,16 @@ if _GLUON_ERROR is None:
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from .gluon_common import _cta_barrier, _loader, _store_queries, _zero_rows
+    from .gluon_common import (
+        _alloc_queries,
+        _alloc_ring,
+        _cta_barrier,
+        _empty_split_lse,
+        _loader,
+        _store_queries,
+        _work_item,
+        _zero_rows,
+    )
 
 NUM_WARPS = 4
 SMEM_LIMIT = 232448
@@ -274,35 +283,19 @@ if _GLUON_ERROR is None:
         BN: gl.constexpr = 64
         BLOCK_C: gl.constexpr = R // 2
         hb = gl.program_id(0)
-        b = seq_base + gl.program_id(1)
-        pid_s = gl.program_id(2)
-        tok = gl.load(CU_SEQLEN + b).to(gl.int64)
-        kv_limit = gl.load(SEQ_LEN + b)
-        per = gl.maximum(gl.cdiv(kv_limit, gl.num_programs(2)), chunk_size)
-        chunk = gl.cdiv(per, BN) * BN
-        kv_lo = pid_s * chunk
-        kv_hi = gl.minimum(kv_lo + chunk, kv_limit)
+        b, pid_s, tok, kv_limit, kv_lo, kv_hi = _work_item(CU_SEQLEN, SEQ_LEN, seq_base, chunk_size, BN)
         head0 = hb * COLS
-        rel = tok - tok_base
+        rel = tok - tok_base  # the token's row among the partials
         if SPLIT:
             if kv_lo >= kv_limit:  # a static split count and a shorter sequence: lse = -inf only
-                lay1: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-                hh = head0 + gl.arange(0, COLS, layout=lay1)
-                gl.store(PART_LSE + rel * stride_pl_t + hh * stride_pl_h + pid_s,
-                         gl.full([COLS], float("-inf"), gl.float32, lay1), mask=hh < N)
+                _empty_split_lse(PART_LSE, rel, head0, pid_s, stride_pl_t, stride_pl_h, N, COLS)
                 return
         n_tiles = gl.cdiv(kv_hi - kv_lo, BN)
 
         dt: gl.constexpr = Q_ABS.dtype.element_ty
-        q0_s = gl.allocate_shared_memory(dt, [COLS, BLOCK_C], gl.NVMMASharedLayout.get_default_for([COLS, BLOCK_C], dt))
-        q1_s = gl.allocate_shared_memory(dt, [COLS, BLOCK_C], gl.NVMMASharedLayout.get_default_for([COLS, BLOCK_C], dt))
-        qpe_s = gl.allocate_shared_memory(dt, [COLS, DR], gl.NVMMASharedLayout.get_default_for([COLS, DR], dt))
+        q0_s, q1_s, qpe_s = _alloc_queries(dt, COLS, BLOCK_C, DR)
         p_s = gl.allocate_shared_memory(dt, [COLS, BN], gl.NVMMASharedLayout.get_default_for([COLS, BN], dt))
-        kv0_s = gl.allocate_shared_memory(dt, [STAGES, BN, BLOCK_C], kv_desc.layout)
-        kv1_s = gl.allocate_shared_memory(dt, [STAGES, BN, BLOCK_C], kv_desc.layout)
-        kpe_s = gl.allocate_shared_memory(dt, [STAGES, BN, DR], kpe_desc.layout)
-        full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        kv0_s, kv1_s, kpe_s, full, empty = _alloc_ring(dt, kv_desc, kpe_desc, STAGES, BN, BLOCK_C, DR)
         for i in gl.static_range(STAGES):
             mbarrier.init(full.index(i), count=1)
             mbarrier.init(empty.index(i), count=1)
