@@ -29,12 +29,19 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--kv", type=int, default=8192)
     ap.add_argument("--time", action="store_true", help="time both as CUDA-graph replays instead of profiling")
+    ap.add_argument("--splits", default="0",
+                    help="comma list of KV split counts to force on the Triton core (0: the count the op plans)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("profile_decode_ncu.py needs a CUDA GPU")
     d, b, kv = DIMS[args.dims], args.batch, args.kv
     case = Case(d, [(kv - 1, 1)] * b, torch.bfloat16, torch.device("cuda"), seed=b * 7 + kv)
-    run, q_abs, _, splits = decode_core_triton(case)  # cfg None: the kernel the op picks
+    forced = [int(s) for s in args.splits.split(",")]
+    if any(s < 0 for s in forced) or (not args.time and len(forced) > 1):
+        sys.exit(f"--splits {args.splits!r}: expected counts >= 0, and a single count unless --time")
+    # cfg None: the kernel the op picks
+    runs = [decode_core_triton(case, forced_splits=s) for s in forced]
+    run, q_abs, _, splits = runs[0]
     fi = FlashInferDecode(case, q_abs)
     fi.plan()
     for _ in range(3):  # compile, JIT-build and warm both outside the profiled range
@@ -43,7 +50,8 @@ def main() -> None:
     torch.cuda.synchronize()
     flops = 2 * b * kv * d.num_heads * (2 * d.kv_lora_rank + d.qk_rope_head_dim)
     if args.time:
-        for name, fn in ((f"triton ({run.kernel}, {splits} splits)", run), ("flashinfer", fi.run)):
+        named = [(f"triton ({r.kernel}, {n} splits)", r) for r, _, _, n in runs] + [("flashinfer", fi.run)]
+        for name, fn in named:
             us, _ = time_us(fn, graph=True, rep_ms=10)
             print(f"{args.dims} B{b} kv{kv} {name}: {us:.1f} us, {flops / us / 1e6:.0f} TFLOP/s")
         return

@@ -25,6 +25,7 @@ log-sum-exp per split, merged by kernels.split_reduce_kernel.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -328,6 +329,25 @@ def cache_descriptors(mla_cache: torch.Tensor, r: int, dr: int):
     return kv, kpe
 
 
+def query_descriptor(q_abs: torch.Tensor, heads: int):
+    """TMA descriptor of the latent queries for the many-heads kernel: q_abs [N, T, R] viewed as
+    [N, T * R] rows, [heads, R/2] boxes (rows past N read as zero). None where the token rows are not
+    contiguous or not 16-byte aligned (the kernel is then not launched)."""
+    n, t, r = q_abs.shape
+    if (q_abs.stride(2) != 1 or q_abs.stride(1) != r or (q_abs.stride(0) * q_abs.element_size()) % 16
+            or q_abs.data_ptr() % 16 or t * r >= 2**31):
+        return None
+    box = [heads, r // 2]
+    return TensorDescriptor(q_abs, [n, t * r], [q_abs.stride(0), 1], box, _box_layout(heads, r // 2, q_abs.dtype))
+
+
+@functools.lru_cache(maxsize=16)
+def _box_layout(rows: int, cols: int, dtype: torch.dtype):
+    """The shared layout of a [rows, cols] 16-bit TMA box (constant per shape: computing it costs
+    ~5 us of host time per call)."""
+    return gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
+
+
 def kernel_for(cfg: GluonDecodeConfig):
     """The @gluon.jit kernel a config launches."""
     if cfg.wide:
@@ -349,13 +369,15 @@ def kernel_meta(num_heads: int, r: int, dr: int, page_size: int, cfg: GluonDecod
 
 
 def kernel_args(descs, q_abs, q_pe, page_table, cu_seqlen, seq_len, latent, part_acc, part_lse, *, seq_base: int,
-                tok_base: int, abs_base: int, chunk: int, qk_scale: float, split: bool):
-    """(pointer-like arguments, scalar arguments) of gluon_decode_kernel, in signature order.
+                tok_base: int, abs_base: int, chunk: int, qk_scale: float, split: bool, q_desc=None):
+    """(pointer-like arguments, scalar arguments) of gluon_decode_kernel, in signature order, or of
+    gluon_decode_wide_kernel with `q_desc` (`query_descriptor(q_abs)`), its third argument.
     q_abs / latent are [N, T, R] views (head stride first), q_pe is [1, T, N, Dr]; part_acc
     [T', N, S, R] / part_lse [T', N, S] are indexed by token - tok_base (unused unless split)."""
     pa = part_acc.stride()[:3] if split else (0, 0, 0)
     pl = part_lse.stride()[:2] if split else (0, 0)
-    ptrs = (descs[0], descs[1], q_abs, q_pe, page_table, cu_seqlen, seq_len, latent, part_acc, part_lse)
+    ptrs = (descs[0], descs[1], *(() if q_desc is None else (q_desc,)), q_abs, q_pe, page_table, cu_seqlen, seq_len,
+            latent, part_acc, part_lse)
     scalars = (seq_base, tok_base, abs_base, chunk, qk_scale, q_abs.stride(0), q_abs.stride(1), q_pe.stride(1),
                q_pe.stride(2), page_table.stride(0), latent.stride(0), latent.stride(1), *pa, *pl)
     return ptrs, scalars
@@ -371,8 +393,14 @@ def launch(descs, q_abs, q_pe, page_table, cu_seqlen, seq_len, latent, part_acc,
     """One launch through Triton's JIT launcher (tests, benchmarks; the op launches a BoundKernel).
     `splits` > 1 writes part_acc / part_lse (merged by split_reduce_kernel); 1 writes the latent."""
     split = splits > 1
+    q_desc = None
+    if cfg.wide:
+        q_desc = query_descriptor(q_abs, cfg.cols)
+        if q_desc is None:
+            raise ValueError(f"q_abs {tuple(q_abs.shape)} strides {q_abs.stride()}: the many-heads kernel needs "
+                             "contiguous, 16-byte aligned token rows (a torch.bmm output)")
     ptrs, scalars = kernel_args(descs, q_abs, q_pe, page_table, cu_seqlen, seq_len, latent, part_acc, part_lse,
                                 seq_base=seq_base, tok_base=tok_base, abs_base=abs_base, chunk=chunk,
-                                qk_scale=qk_scale, split=split)
+                                qk_scale=qk_scale, split=split, q_desc=q_desc)
     kernel_for(cfg)[grid(num_heads, n_seqs, splits, cfg)](
         *ptrs, *scalars, **kernel_meta(num_heads, r, dr, page_size, cfg, split))

@@ -27,8 +27,36 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma, \
     warpgroup_mma_wait
 
-from .gluon_common import _alloc_queries, _alloc_ring, _cta_barrier, _empty_split_lse, _loader, _store_queries, \
-    _work_item, _zero_rows
+from .gluon_common import _alloc_queries, _alloc_ring, _as_fp32, _cta_barrier, _empty_split_lse, _loader, \
+    _tma_load, _work_item, _zero_rows
+
+
+@gluon.jit
+def _query_loader(q_desc, q0_s, q1_s, qbar, head0, q_col, kv_desc, kpe_desc, kv0_s, kv1_s, kpe_s, full, empty,
+                  pt_row, kv_lo, n_tiles, PAGE_SIZE: gl.constexpr, BLOCK_C: gl.constexpr, R: gl.constexpr,
+                  DR: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr):
+    """The loader warp: the latent queries [HEADS, R] by TMA first (rows past N are zero-filled), then
+    the KV ring (`gluon_common._loader`). Loaded by WG0's threads, the queries took ~13,000 cycles of a
+    program's start (clock64 on an H200, a third of a 512-token program)."""
+    mbarrier.expect(qbar, 2 * q_desc.block_type.nbytes)
+    _tma_load(q_desc, [head0, q_col], qbar, q0_s)
+    _tma_load(q_desc, [head0, q_col + BLOCK_C], qbar, q1_s)
+    _loader(kv_desc, kpe_desc, kv0_s, kv1_s, kpe_s, full, empty, pt_row, kv_lo, n_tiles, PAGE_SIZE, BLOCK_C, R, DR,
+            BN, STAGES)
+
+
+@gluon.jit
+def _store_rope_queries(qpe_s, Q_PE, head0, tok, stride_qp_t, stride_qp_h, N: gl.constexpr, DR: gl.constexpr,
+                        ROWS: gl.constexpr):
+    """The rope queries [ROWS, DR] -> shared memory (zero past N), fenced for the wgmma and visible to
+    the warpgroup (8 KB: plain loads, while the latent queries arrive by TMA)."""
+    ql: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    qh = head0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, ql))
+    qd = gl.arange(0, DR, layout=gl.SliceLayout(0, ql))
+    qpe_s.store(gl.load(Q_PE + tok * stride_qp_t + qh[:, None] * stride_qp_h + qd[None, :], mask=(qh < N)[:, None],
+                        other=0.0))
+    fence_async_shared()
+    _cta_barrier()
 
 
 @gluon.jit
@@ -99,14 +127,14 @@ def _tile(ME: gl.constexpr, ST: gl.constexpr, ph, valid, acc, m_run, l_i, q0_s, 
 
 
 @gluon.jit
-def _wg(ME: gl.constexpr, q0_s, q1_s, qpe_s, kv0_s, kv1_s, kpe_s, m_s, l_s, full, empty, ready, fin,
-        kv_lo, kv_hi, n_tiles, qk_scale, Q_ABS, Q_PE, tok, LATENT, PART_ACC, PART_LSE, head0, rel, q_off, lat_off,
-        pid_s, stride_qa_h, stride_qp_t, stride_qp_h, stride_lat_h, stride_pa_t, stride_pa_h, stride_pa_s,
+def _wg(ME: gl.constexpr, q0_s, q1_s, qpe_s, kv0_s, kv1_s, kpe_s, m_s, l_s, full, empty, ready, fin, qbar,
+        kv_lo, kv_hi, n_tiles, qk_scale, Q_PE, tok, LATENT, PART_ACC, PART_LSE, head0, rel, lat_off,
+        pid_s, stride_qp_t, stride_qp_h, stride_lat_h, stride_pa_t, stride_pa_h, stride_pa_s,
         stride_pl_t, stride_pl_h, N: gl.constexpr, BLOCK_C: gl.constexpr, DR: gl.constexpr, HEADS: gl.constexpr,
         BN: gl.constexpr, SPLIT: gl.constexpr):
-    if ME == 0:  # queries -> shared memory [HEADS, K] (the QK's A operand), zero past N
-        _store_queries(q0_s, q1_s, qpe_s, Q_ABS, Q_PE, head0, tok, q_off, stride_qa_h, stride_qp_t, stride_qp_h,
-                       N, BLOCK_C, DR, HEADS)
+    if ME == 0:  # queries -> shared memory [HEADS, K] (the QK's A operand): rope part here, the rest by TMA
+        _store_rope_queries(qpe_s, Q_PE, head0, tok, stride_qp_t, stride_qp_h, N, DR, HEADS)
+        mbarrier.wait(qbar, 0)
 
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -139,24 +167,41 @@ def _wg(ME: gl.constexpr, q0_s, q1_s, qpe_s, kv0_s, kv1_s, kpe_s, m_s, l_s, full
     has = l_tot > 0.0
     inv = gl.convert_layout(1.0 / gl.where(has, l_tot, 1.0), orow)
     out = acc * inv[:, None]
-    head = head0 + gl.arange(0, HEADS, layout=orow)
+    # The output goes through this warpgroup's half of the ring (free now: every tile is consumed and
+    # nothing reads it) to leave as whole lines. Stored from the accumulator's layout, each warp
+    # instruction writes 8 rows x 16 B: 4,096 partial-line writes per program, ~10,000 cycles.
+    if ME == 0:
+        ring = kv0_s
+    else:
+        ring = kv1_s
+    if SPLIT:  # fp32 [HEADS, R/2]: the half's two stages
+        st_l: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0])
+        stage = _as_fp32(ring, HEADS, BLOCK_C)
+        stage.store(out)
+    else:  # LATENT's dtype [HEADS, R/2]: one stage
+        st_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+        stage = ring.index(0)
+        stage.store(out.to(LATENT.dtype.element_ty))
+    _cta_barrier()
+    res = stage.load(st_l)
+    head = head0 + gl.arange(0, HEADS, layout=gl.SliceLayout(1, st_l))
     ok = (head < N)[:, None]
-    offs_r = ME * BLOCK_C + gl.arange(0, BLOCK_C, layout=gl.SliceLayout(0, o_l))[None, :]
+    offs_r = ME * BLOCK_C + gl.arange(0, BLOCK_C, layout=gl.SliceLayout(0, st_l))[None, :]
     if SPLIT:
         pa = PART_ACC + rel * stride_pa_t + head[:, None] * stride_pa_h + pid_s * stride_pa_s + offs_r
-        gl.store(pa, out, mask=ok)
+        gl.store(pa, res, mask=ok)
         if ME == 0:
             hs = head0 + gl.arange(0, HEADS, layout=srow)
             lse = gl.where(has, m_run + gl.log2(gl.where(has, l_tot, 1.0)), float("-inf"))
             gl.store(PART_LSE + rel * stride_pl_t + hs * stride_pl_h + pid_s, lse, mask=hs < N)
     else:
         la = LATENT + head[:, None] * stride_lat_h + lat_off + offs_r
-        gl.store(la, out.to(LATENT.dtype.element_ty), mask=ok)
+        gl.store(la, res, mask=ok)
 
 
 @gluon.jit
 def gluon_decode_wide_kernel(
-    kv_desc, kpe_desc, Q_ABS, Q_PE, PAGE_TABLE, CU_SEQLEN, SEQ_LEN, LATENT, PART_ACC, PART_LSE,
+    kv_desc, kpe_desc, q_desc, Q_ABS, Q_PE, PAGE_TABLE, CU_SEQLEN, SEQ_LEN, LATENT, PART_ACC, PART_LSE,
     seq_base, tok_base, abs_base, chunk_size, qk_scale,
     stride_qa_h, stride_qa_t, stride_qp_t, stride_qp_h, stride_pt_b,
     stride_lat_h, stride_lat_t, stride_pa_t, stride_pa_h, stride_pa_s, stride_pl_t, stride_pl_h,
@@ -184,28 +229,30 @@ def gluon_decode_wide_kernel(
     kv0_s, kv1_s, kpe_s, full, empty = _alloc_ring(dt, kv_desc, kpe_desc, STAGES, BN, BLOCK_C, DR)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     fin = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    qbar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(full.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # both consumer warpgroups release a tile
         # WG0 -> WG1: this stage's p and max are published
         mbarrier.init(ready.index(i), count=1)
     mbarrier.init(fin, count=1)
+    mbarrier.init(qbar, count=1)
     fence_async_shared()
     pt_row = PAGE_TABLE + b.to(gl.int64) * stride_pt_b
-    q_off = (tok - abs_base) * stride_qa_t
+    q_col = ((tok - abs_base) * stride_qa_t).to(gl.int32)  # the token's latent queries in q_desc's [N, T * R]
     lat_off = (tok - abs_base) * stride_lat_t
 
     gl.warp_specialize(
-        [(_wg, (0, q0_s, q1_s, qpe_s, kv0_s, kv1_s, kpe_s, m_s, l_s, full, empty, ready, fin, kv_lo, kv_hi,
-                n_tiles, qk_scale, Q_ABS, Q_PE, tok, LATENT, PART_ACC, PART_LSE, head0, rel, q_off, lat_off, pid_s,
-                stride_qa_h, stride_qp_t, stride_qp_h, stride_lat_h, stride_pa_t, stride_pa_h, stride_pa_s,
+        [(_wg, (0, q0_s, q1_s, qpe_s, kv0_s, kv1_s, kpe_s, m_s, l_s, full, empty, ready, fin, qbar, kv_lo, kv_hi,
+                n_tiles, qk_scale, Q_PE, tok, LATENT, PART_ACC, PART_LSE, head0, rel, lat_off, pid_s,
+                stride_qp_t, stride_qp_h, stride_lat_h, stride_pa_t, stride_pa_h, stride_pa_s,
                 stride_pl_t, stride_pl_h, N, BLOCK_C, DR, HEADS, BN, SPLIT)),
-         (_wg, (1, q0_s, q1_s, qpe_s, kv0_s, kv1_s, kpe_s, m_s, l_s, full, empty, ready, fin, kv_lo, kv_hi,
-                n_tiles, qk_scale, Q_ABS, Q_PE, tok, LATENT, PART_ACC, PART_LSE, head0, rel, q_off, lat_off, pid_s,
-                stride_qa_h, stride_qp_t, stride_qp_h, stride_lat_h, stride_pa_t, stride_pa_h, stride_pa_s,
+         (_wg, (1, q0_s, q1_s, qpe_s, kv0_s, kv1_s, kpe_s, m_s, l_s, full, empty, ready, fin, qbar, kv_lo, kv_hi,
+                n_tiles, qk_scale, Q_PE, tok, LATENT, PART_ACC, PART_LSE, head0, rel, lat_off, pid_s,
+                stride_qp_t, stride_qp_h, stride_lat_h, stride_pa_t, stride_pa_h, stride_pa_s,
                 stride_pl_t, stride_pl_h, N, BLOCK_C, DR, HEADS, BN, SPLIT)),
-         (_loader, (kv_desc, kpe_desc, kv0_s, kv1_s, kpe_s, full, empty, pt_row, kv_lo, n_tiles,
-                    PAGE_SIZE, BLOCK_C, R, DR, BN, STAGES))],
+         (_query_loader, (q_desc, q0_s, q1_s, qbar, head0, q_col, kv_desc, kpe_desc, kv0_s, kv1_s, kpe_s, full,
+                          empty, pt_row, kv_lo, n_tiles, PAGE_SIZE, BLOCK_C, R, DR, BN, STAGES))],
         [4, 1], [WG1_REGS, 40])
 
 

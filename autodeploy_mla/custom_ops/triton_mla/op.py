@@ -540,13 +540,15 @@ def _gluon_decode_choice(call: _Call, cfg, dims: MLADims, q_dtype: torch.dtype, 
 @dataclass(frozen=True)
 class _GluonDecodeLaunch:
     """The Gluon decode of a step, planned once for every layer: the kernel variant, its split merge,
-    grid, split count and minimum chunk."""
+    grid, split count and minimum chunk; `q_heads` > 0: the many-heads kernel, which reads the latent
+    queries through a TMA descriptor with boxes of that many heads."""
 
     attn: BoundKernel
     reduce: Optional[BoundKernel]
     grid: tuple[int, int, int]
     splits: int
     chunk: int
+    q_heads: int = 0
 
 
 def _plan_gluon_decode(call: _Call, dims: MLADims, page_size: int, n_seqs: int, kv_bound: int,
@@ -559,11 +561,12 @@ def _plan_gluon_decode(call: _Call, dims: MLADims, page_size: int, n_seqs: int, 
     split = splits > 1
     attn = call.bound(GD.kernel_for(gcfg), GD.kernel_meta(n, r, dr, page_size, gcfg, split))
     reduce = call.bound(K.split_reduce_kernel, _reduce_meta(r)) if split else None
-    return _GluonDecodeLaunch(attn, reduce, GD.grid(n, n_seqs, splits, gcfg), splits, chunk)
+    return _GluonDecodeLaunch(attn, reduce, GD.grid(n, n_seqs, splits, gcfg), splits, chunk,
+                              gcfg.cols if gcfg.wide else 0)
 
 
 def _warm_gluon_decode(call: _Call, descs, q_abs, q_pe, page_table, cu_seqlen, seq_len, latent, dims: MLADims,
-                       page_size: int, common: dict[str, Any]) -> None:
+                       page_size: int, common: dict[str, Any], q_desc=None) -> None:
     """Compile and load every Gluon decode variant this layer may launch (SPLIT or not, each
     candidate config) and the split merge, without launching them."""
     n, r, dr = dims.num_heads, dims.kv_lora_rank, dims.qk_rope_head_dim
@@ -572,9 +575,9 @@ def _warm_gluon_decode(call: _Call, descs, q_abs, q_pe, page_table, cu_seqlen, s
     dummy_lse = torch.empty(1, n, 2, dtype=torch.float32, device=dev)
     for split in (False, True):
         pa, pl = (dummy_acc, dummy_lse) if split else (latent, latent)
-        ptrs, scalars = GD.kernel_args(descs, q_abs, q_pe, page_table, cu_seqlen, seq_len, latent, pa, pl,
-                                       split=split, **common)
         for gcfg in GD.candidate_configs(n, r, dr):  # a graph of another batch size may pick the other
+            ptrs, scalars = GD.kernel_args(descs, q_abs, q_pe, page_table, cu_seqlen, seq_len, latent, pa, pl,
+                                           split=split, q_desc=q_desc if gcfg.wide else None, **common)
             call.bound(GD.kernel_for(gcfg), GD.kernel_meta(n, r, dr, page_size, gcfg, split)).warmup(ptrs, scalars)
         if split:
             call.bound(K.split_reduce_kernel, _reduce_meta(r)).warmup(
@@ -600,13 +603,18 @@ def _launch_gluon_decode(call: _Call, q_abs, q_pe, mla_cache, page_table, cu_seq
     plan = call.plan(("gluon_decode", dims, q_abs.dtype, page_size, n_seqs, kv_bound),
                      lambda: _plan_gluon_decode(call, dims, page_size, n_seqs, kv_bound, dev))
     common = dict(seq_base=seq_base, tok_base=tok_base, abs_base=abs_base, chunk=plan.chunk, qk_scale=qk_scale)
+    q_desc = None
+    if plan.q_heads:
+        q_desc = GD.query_descriptor(q_abs, plan.q_heads)
+        if q_desc is None:
+            return 0
     if not _capturing_on(dev) and (call.warmed is None or wkey not in call.warmed):
         # Every variant (SPLIT or not, each candidate config) loaded eagerly: a decode graph captured
         # later plans its splits from the static capacity and its config from its batch size, and may
         # need another one (no module loads while capturing).
         try:
             _warm_gluon_decode(call, descs, q_abs, q_pe, page_table, cu_seqlen, seq_len, latent, dims, page_size,
-                               common)
+                               common, q_desc)
         except Exception as e:  # noqa: BLE001 - a Triton whose Gluon cannot build the kernel
             why = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300] if str(e).strip() else ''}"
             if call.policy.decode_kernel == "gluon":
@@ -628,7 +636,7 @@ def _launch_gluon_decode(call: _Call, q_abs, q_pe, mla_cache, page_table, cu_seq
     else:
         part_acc = part_lse = latent  # unused
     ptrs, scalars = GD.kernel_args(descs, q_abs, q_pe, page_table, cu_seqlen, seq_len, latent, part_acc, part_lse,
-                                   split=split, **common)
+                                   split=split, q_desc=q_desc, **common)
     plan.attn.launch(plan.grid, ptrs, scalars)
     if plan.reduce is not None:
         plan.reduce.launch((n_seqs, n), (part_acc, part_lse, latent, cu_seqlen),
