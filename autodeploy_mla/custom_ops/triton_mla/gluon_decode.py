@@ -80,6 +80,10 @@ class GluonDecodeConfig:
 
 #: 12 warps x 168 registers at launch fill the register file; setmaxnreg gives WG0 256, WG1 200, the loader 40.
 WIDE_CONFIG = GluonDecodeConfig(WIDE_HEADS, 2, convert=False, maxnreg=168, wide=True)
+#: What splitting costs the many-heads kernel once (the merge launch, the partials' write latency), in
+#: ~1.9 us tile times. Measured (H200, N 128): batch 32 x kv 512 takes 26.5 us in one split and 29.4 us
+#: in two, where the wave model without this term picked two; batch 32 x kv 2048, 72.7 vs 52.4 us.
+WIDE_SPLIT_FIXED_TILES = 2.0
 
 
 def smem_bytes(r: int, dr: int, cols: int, stages: int, convert: bool = True) -> int:
@@ -182,7 +186,8 @@ def plan(num_heads: int, r: int, dr: int, n_seqs: int, kv_bound: int, forced_spl
     cfg = cfg or config_for(num_heads, r, dr, programs, num_sms(device))
     partial = cfg.cols * r * 8 / (BLOCK_N * (r + dr) * 2)
     splits, _ = split_plan_waves(programs, kv_bound, BLOCK_N, forced_splits, device,
-                                 num_sms(device) * resident_programs(r, dr, cfg), partial)
+                                 num_sms(device) * resident_programs(r, dr, cfg), partial,
+                                 WIDE_SPLIT_FIXED_TILES if cfg.wide else 0.0)
     return cfg, splits
 
 

@@ -82,23 +82,29 @@ def _qk(ME: gl.constexpr, q0_s, q1_s, qpe_s, kv0_s, kv1_s, kpe_s, full, ph, vali
 
 
 @gluon.jit
-def _softmax(ME: gl.constexpr, s, m_prev, l_i, valid, qk_scale, kpe_s, m_s, ready, s_l: gl.constexpr,
-             BN: gl.constexpr, HEADS: gl.constexpr):
-    """The online softmax of the tile in ring stage ME after the running max `m_prev`; p (bf16) and the
-    new max are published to WG1 (p in the tile's rope slot, dead after its QK)."""
-    offs_n = gl.arange(0, BN, layout=gl.SliceLayout(0, s_l))
-    s = gl.where((offs_n < valid)[None, :], s * qk_scale, float("-inf"))
-    m_new = gl.maximum(m_prev, gl.max(s, axis=1))
-    p = gl.exp2(s - gl.where(m_new == float("-inf"), 0.0, m_new)[:, None])
+def _softmax(s, m_prev, l_i, valid, qk_scale, s_l: gl.constexpr, BN: gl.constexpr, dt: gl.constexpr):
+    """The online softmax of one tile after the running max `m_prev` (base 2, scaled units): p in `dt`,
+    the new max, the rescale of what came before and the new row sums. The scale is applied once, in
+    the exponent's FMA, and the mask only on a chunk's partial last tile: WG0's per-tile chain is the
+    kernel's critical path (H200 N 128, batch 128 x kv 2048: 139.1 -> 136.6 us)."""
+    if valid < BN:
+        offs_n = gl.arange(0, BN, layout=gl.SliceLayout(0, s_l))
+        s = gl.where((offs_n < valid)[None, :], s, float("-inf"))
+    m_new = gl.maximum(m_prev, gl.max(s, axis=1) * qk_scale)  # qk_scale > 0: max commutes with it
+    p = gl.exp2(s * qk_scale - gl.where(m_new == float("-inf"), 0.0, m_new)[:, None])
     alpha = _safe_scale(m_prev, m_new)
     l_i = l_i * alpha + gl.sum(p, axis=1)
-    pb = p.to(kpe_s.dtype)
+    return p.to(dt), m_new, alpha, l_i
+
+
+@gluon.jit
+def _publish(ME: gl.constexpr, pb, m_new, kpe_s, m_s, ready, HEADS: gl.constexpr):
+    """p (bf16) into the tile's rope slot and the new max, for WG1."""
     kpe_s.index(ME).store(pb)
     m_s.slice(ME * HEADS, HEADS).store(m_new)
     fence_async_shared()
     _cta_barrier()
     mbarrier.arrive(ready.index(ME), count=1)
-    return pb, m_new, alpha, l_i
 
 
 @gluon.jit
@@ -112,9 +118,12 @@ def _tile(ME: gl.constexpr, ST: gl.constexpr, ph, valid, acc, m_run, l_i, q0_s, 
     if ME == 0:
         s = _qk(ST, q0_s, q1_s, qpe_s, kv0_s, kv1_s, kpe_s, full, ph, valid, s_l, BLOCK_C, HEADS, BN)
         s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
-        pb, m_new, alpha, l_i = _softmax(ST, s, m_run, l_i, valid, qk_scale, kpe_s, m_s, ready, s_l, BN, HEADS)
+        pb, m_new, alpha, l_i = _softmax(s, m_run, l_i, valid, qk_scale, s_l, BN, kpe_s.dtype)
         acc = warpgroup_mma(gl.convert_layout(pb, p_l), kv0_s.index(ST), acc * gl.convert_layout(alpha, orow)[:, None],
                             is_async=True)
+        # Published while this PV runs: before it, the store, fence and barrier sat on WG0's chain
+        # (H200 N 128: 149 -> 139 us at batch 128 x kv 2048).
+        _publish(ST, pb, m_new, kpe_s, m_s, ready, HEADS)
     else:
         mbarrier.wait(ready.index(ST), ph)
         m_new = m_s.slice(ST * HEADS, HEADS).load(srow)

@@ -295,14 +295,15 @@ def resident_programs(cfg: AbsorbedConfig, dims: MLADims, cache_itemsize: int, d
 
 @functools.lru_cache(maxsize=4096)  # called per op call in eager steps: one search per distinct shape
 def split_plan_waves(progs: int, kv_bound: int, block_n: int, forced: int, device: torch.device, slots: int,
-                     partial_tiles: float) -> tuple[int, int]:
+                     partial_tiles: float, split_fixed_tiles: float = 0.0) -> tuple[int, int]:
     """split_plan for the heads-on-N decode: the split count that minimises a wave model of the launch,
-        ceil(programs x splits / slots) x (tiles per chunk + partial_tiles if split),
+        ceil(programs x splits / slots) x (tiles per chunk + partial_tiles if split) + split_fixed_tiles if split,
     where slots = SMs x resident_programs (programs finish in waves; a fifth split that adds a third
-    wave costs more than it saves: H200, GLM B64 kv8192, 4 splits 230 us vs 5 splits 268 us) and
+    wave costs more than it saves: H200, GLM B64 kv8192, 4 splits 230 us vs 5 splits 268 us),
     partial_tiles = the fp32 partial output a split program writes and the reduce reads, in KV-tile
-    bytes (at N 128 it is more than a tile). Ties go to fewer splits. CPU: split_plan (the interpreter
-    targets a few programs so split paths run in tests)."""
+    bytes (at N 128 it is more than a tile), and split_fixed_tiles = what splitting costs once (the
+    merge launch), in tile times. Ties go to fewer splits. CPU: split_plan (the interpreter targets a
+    few programs so split paths run in tests)."""
     if forced > 0 or device.type != "cuda":
         return split_plan(progs, kv_bound, block_n, forced, device)
     kv_bound = max(1, kv_bound)
@@ -312,7 +313,8 @@ def split_plan_waves(progs: int, kv_bound: int, block_n: int, forced: int, devic
         chunk = -(-tiles // want) * block_n
         splits = -(-kv_bound // chunk)
         waves = -(-(max(1, progs) * splits) // max(1, slots))
-        cost = waves * (chunk // block_n + (partial_tiles if splits > 1 else 0.0))
+        cost = waves * (chunk // block_n + (partial_tiles if splits > 1 else 0.0)) + \
+            (split_fixed_tiles if splits > 1 else 0.0)
         if best is None or cost < best[0] - 1e-9:
             best = (cost, splits, chunk)
     return best[1], best[2]
