@@ -60,6 +60,36 @@ def test_wide_split_plan_counts_the_merge(monkeypatch):
     assert tuning.split_plan_waves(64, 512, 64, 0, cuda, 132, 3.56, GD.WIDE_SPLIT_FIXED_TILES)[0] == 1
 
 
+def test_split_reduce_heads_kernel_matches_the_one_head_merge():
+    """The several-heads split merge (interpreted): the same latent as split_reduce_kernel on random
+    partials, with empty splits (LSE -inf, partial never written: NaN) skipped, and the host rule that
+    picks it (many-heads decode, many rows, few splits)."""
+    from autodeploy_mla.custom_ops.triton_mla import kernels as K
+    from autodeploy_mla.custom_ops.triton_mla import op as top
+
+    g = torch.Generator().manual_seed(5)
+    t, n, s, r = 3, 8, 3, 16
+    acc = torch.randn(t, n, s, r, generator=g)
+    lse = torch.randn(t, n, s, generator=g) * 3
+    lse[0, :, 2] = float("-inf")
+    acc[0, :, 2] = float("nan")
+    lse[1, 3, :] = float("-inf")  # a row with no history at all: zero
+    outs = []
+    for heads in (1, 4):
+        out = torch.full((n, t, r), float("nan"))
+        rest = (0, 0, s, *acc.stride()[:3], *lse.stride()[:2], out.stride(0), out.stride(1))
+        if heads == 1:
+            K.split_reduce_kernel[(t, n)](acc, lse, out, torch.zeros(t + 1, dtype=torch.int32), *rest, R=r, BLOCK_R=r)
+        else:
+            K.split_reduce_heads_kernel[(t, n // heads)](acc, lse, out, *rest, R=r, BLOCK_H=heads)
+        outs.append(out)
+    assert torch.isfinite(outs[1]).all() and bool((outs[1][3, 1] == 0).all())
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-6)
+    assert top._reduce_heads(128, 512, 32, 2) == top.REDUCE_HEADS
+    assert top._reduce_heads(128, 512, 8, 8) == 1 and top._reduce_heads(128, 512, 32, 8) == 1
+    assert top._reduce_heads(42, 512, 64, 2) == 1  # heads not a multiple of REDUCE_HEADS
+
+
 @pytest.mark.parametrize("args, needle", [
     ((16, 512, 64, 64, torch.bfloat16, torch.bfloat16, torch.device("cpu")), "CUDA"),
 ])
@@ -184,14 +214,17 @@ def _make_case(n, r, dr, splits, seed, dev):
     return cache, page_table, q_abs, q_pe, cu, seq_len, latent, part_acc, part_lse, ref, scale, b, page
 
 
-def _merge_and_check(part_acc, part_lse, latent, cu, ref, b, n, r, splits):
-    """Merge the split partials (split_reduce_kernel) and compare the latent with the float64 oracle."""
+def _merge_and_check(part_acc, part_lse, latent, cu, ref, b, n, r, splits, heads=1):
+    """Merge the split partials (split_reduce_kernel, or split_reduce_heads_kernel with `heads` per
+    program) and compare the latent with the float64 oracle."""
     from autodeploy_mla.custom_ops.triton_mla import kernels as K
-    from autodeploy_mla.custom_ops.triton_mla.op import _reduce_meta
+    from autodeploy_mla.custom_ops.triton_mla.op import _reduce_heads_meta, _reduce_meta
 
-    if splits > 1:
-        K.split_reduce_kernel[(b, n)](part_acc, part_lse, latent, cu, 0, 0, splits, *part_acc.stride()[:3],
-                                      *part_lse.stride()[:2], latent.stride(0), latent.stride(1), **_reduce_meta(r))
+    rest = (0, 0, splits, *part_acc.stride()[:3], *part_lse.stride()[:2], latent.stride(0), latent.stride(1))
+    if splits > 1 and heads > 1:
+        K.split_reduce_heads_kernel[(b, n // heads)](part_acc, part_lse, latent, *rest, **_reduce_heads_meta(r, heads))
+    elif splits > 1:
+        K.split_reduce_kernel[(b, n)](part_acc, part_lse, latent, cu, *rest, **_reduce_meta(r))
     got = latent.double().cpu()
     assert torch.isfinite(got).all()
     err = float((got - ref).abs().max() / ref.abs().max())
@@ -311,6 +344,9 @@ def test_gpu_gluon_wide_matches_oracle(n, splits):
               n_seqs=b, seq_base=0, tok_base=0, abs_base=0, splits=splits, chunk=64, qk_scale=scale / math.log(2),
               num_heads=n, r=r, dr=dr, page_size=page, cfg=GD.WIDE_CONFIG)
     _merge_and_check(part_acc, part_lse, latent, cu, ref, b, n, r, splits)
+    if splits > 1:  # the several-heads merge the op picks for large batches, on the same partials
+        latent.fill_(float("nan"))
+        _merge_and_check(part_acc, part_lse, latent, cu, ref, b, n, r, splits, heads=4)
 
 
 _GLUON_WIDE_COMPILE_CHECK = _GLUON_COMPILE_PRELUDE + """

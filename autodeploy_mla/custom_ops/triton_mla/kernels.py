@@ -15,7 +15,8 @@ Six kernels, all over the flat token batch and the paged latent cache
   and the heads (x query tokens) its N side (8..64 wide): 20 or 32 heads waste no padded rows, both
   products read the one tile, and whole tiles inside one page arrive by TMA. With an e4m3 cache and
   bf16 queries the MMAs run in fp16 (e4m3 -> fp16 is one hardware conversion; bf16 is not).
-- `split_reduce_kernel`: flash-decoding combine of the split-K partials by log-sum-exp.
+- `split_reduce_kernel`: flash-decoding combine of the split-K partials by log-sum-exp
+  (`split_reduce_heads_kernel`: several heads per program, for the many-heads decode's large batches).
 - `gather_kv_kernel`: copies the prefill sequences' whole history (prefix + new tokens) out of the
   pages into a flat `[sum kv_len, R + Dr]` buffer, for the "expand" prefill path.
 - `expanded_prefill_kernel`: FlashAttention-style causal attention on K/V expanded by kv_b_proj
@@ -470,6 +471,40 @@ def split_reduce_kernel(
     out = acc / tl.where(l > 0.0, l, 1.0)
     tl.store(LATENT + h * stride_lat_h + (tok_base + rel - abs_base) * stride_lat_t + offs_r,
              out.to(LATENT.dtype.element_ty), mask=rmask)
+
+
+@triton.jit(do_not_specialize=["tok_base", "abs_base", "num_splits"])
+def split_reduce_heads_kernel(
+    PART_ACC, PART_LSE, LATENT,
+    tok_base, abs_base, num_splits,
+    stride_pa_t, stride_pa_h, stride_pa_s, stride_pl_t, stride_pl_h,
+    stride_lat_h, stride_lat_t,
+    R: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """split_reduce_kernel for BLOCK_H heads per program (N % BLOCK_H == 0, R a power of two, no
+    static bounds), its loads independent of each other: the LSE no longer gates the partial's load
+    (an empty split's partial, never written, is read and discarded by `where`). Fewer, wider programs
+    with one memory round trip per split: H200, N 128, batch 32, two splits, 11.5 vs 12.6 us."""
+    rel = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_r = tl.arange(0, R)
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_sum = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, R], tl.float32)
+    for s in range(0, num_splits):
+        lse = tl.load(PART_LSE + rel * stride_pl_t + h * stride_pl_h + s)
+        x = tl.load(PART_ACC + rel * stride_pa_t + h[:, None] * stride_pa_h + s * stride_pa_s + offs_r[None, :])
+        x = tl.where((lse > float("-inf"))[:, None], x, 0.0)
+        m_new = tl.maximum(m, lse)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_safe)
+        w = tl.exp2(lse - m_safe)
+        acc = acc * alpha[:, None] + w[:, None] * x
+        l_sum = l_sum * alpha + w
+        m = m_new
+    out = acc / tl.where(l_sum > 0.0, l_sum, 1.0)[:, None]
+    tl.store(LATENT + h[:, None] * stride_lat_h + (tok_base + rel - abs_base) * stride_lat_t + offs_r[None, :],
+             out.to(LATENT.dtype.element_ty))
 
 
 @triton.jit
