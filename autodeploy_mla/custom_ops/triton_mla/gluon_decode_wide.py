@@ -2,22 +2,25 @@
 
 Why: at N = 128 decode is compute-bound (64 heads x 64 tokens x (576 + 512) MACs per KV tile), and
 the `tl` heads-on-N kernel reaches ~218 TFLOP/s where FlashInfer's fa3 reaches ~580 (issue 14 asks
->= 450 and FlashInfer's time). This kernel: 557 TFLOP/s at batch 128 x kv 8192 on an H200, 1.03-1.24x
+>= 450 and FlashInfer's time). This kernel: 619 TFLOP/s at batch 128 x kv 8192 on an H200, 0.87-0.97x
 FlashInfer's time at batch >= 32 (docs/benchmarks/decode_gluon_wide.md, with the variants measured).
 
 Layout per program: 64 heads on the MMA's M side, one (sequence, split chunk), 64-token KV tiles.
-- A loader warp feeds a 2-stage TMA ring (`gluon_common._loader`: page id -> cache rows).
-- WG0 (4 warps) computes s = q K^T for every tile (36 wgmmas m64n64k16, both operands in shared
-  memory), the online softmax, and o[:, :R/2] += p V[:, :R/2] with p from registers (4 wgmmas
-  m64n256k16). It publishes p (bf16) in the tile's rope slot, dead after its QK, and the running max.
+- A loader warp loads the latent queries [64, R] by TMA, then feeds a 2-stage TMA ring
+  (`gluon_common._loader`: page id -> cache rows).
+- WG0 (4 warps) loads the rope queries, computes s = q K^T for every tile (36 wgmmas m64n64k16, both
+  operands in shared memory), the online softmax, and o[:, :R/2] += p V[:, :R/2] with p from
+  registers (4 wgmmas m64n256k16); while those run it publishes p (bf16) in the tile's rope slot,
+  dead after its QK, and the running max.
 - WG1 (4 warps) computes o[:, R/2:] += p V[:, R/2:] with p read from shared memory, rescaled by the
   change of the published max. A tile is released when both warpgroups are done with it.
+- Each warpgroup's output half leaves through its half of the ring (free at the end) as whole lines.
 - Heads on M keep the softmax's row reductions inside a warp and let the PV use N = 256 wgmmas with
   p in registers: the first version (heads on N, 16 wgmmas m64n64 per half, both operands in shared
   memory) reached 459 TFLOP/s; a schedule where the two warpgroups took tiles in turn ran slower
   (its two-stage ring gave no tile of lookahead).
 Shared memory: queries [64, 576] 72 KB + ring 2 x 72 KB + the max and sum vectors (~217 KB).
-Outputs and split merge are gluon_decode's (the latent, or fp32 partials and base-2 LSE).
+Outputs are gluon_decode's (the latent, or fp32 partials and base-2 LSE for the split merge).
 """
 
 from __future__ import annotations
