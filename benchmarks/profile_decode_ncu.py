@@ -6,7 +6,9 @@ FlashInfer's MLA decode, inside cudaProfilerStart/Stop, for Nsight Compute.
 lts__t_sector_hit_rate.pct,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,smsp__cycles_active.avg \
         python benchmarks/profile_decode_ncu.py --dims deepseek_v3_n128 --batch 128 --kv 8192
 
-Without ncu (`--time`) it prints the CUDA-graph replay times of both instead. The numbers of
+Without ncu (`--time`) it prints the CUDA-graph replay times of both instead, the Triton core at each
+`--splits` count given (0: the op's own; e.g. `--kv 512 --splits 0,1,2,4` separates a launch's fixed
+cost from its per-tile cost). The numbers of
 docs/benchmarks/decode_gluon_wide.md's ncu table came from a development copy of this script run on
 the first many-heads kernel (commit 004cadc).
 """

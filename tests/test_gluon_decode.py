@@ -332,7 +332,8 @@ def test_gluon_warm_up_loads_every_variant(monkeypatch):
 @pytest.mark.parametrize("n", [128, 64])
 def test_gpu_gluon_wide_matches_oracle(n, splits):
     """The N > 32 kernel (gluon_decode_wide.py): against the float64 oracle on DeepSeek-V3 dims (ragged
-    histories: odd and even tile counts, partial last tiles, empty splits)."""
+    histories: odd and even tile counts, partial last tiles, empty splits), its partials merged by
+    split_reduce_kernel and by split_reduce_heads_kernel."""
     r, dr = 512, 64
     dev = torch.device("cuda")
     ok, why = GD.supports(n, r, dr, 64, torch.bfloat16, torch.bfloat16, dev)
