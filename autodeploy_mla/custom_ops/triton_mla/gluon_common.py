@@ -90,8 +90,8 @@ if _GLUON_ERROR is None:
         qd = gl.arange(0, DR, layout=gl.SliceLayout(0, ql))
         qm = (qh < N)[:, None]
         qa = Q_ABS + qh[:, None] * stride_qa_h + q_off + qr[None, :]
-        # Every load issued before the first store: interleaved, they cost three memory round trips
-        # (~7,000 of a 64-head program's cycles at N = 128, measured with clock64 on an H200).
+        # Every load issued before the first store, so the three parts' loads overlap (interleaved in
+        # program order, each part's load waited behind the previous part's store).
         q0 = gl.load(qa, mask=qm, other=0.0)
         q1 = gl.load(qa + BLOCK_C, mask=qm, other=0.0)
         qpe = gl.load(Q_PE + tok * stride_qp_t + qh[:, None] * stride_qp_h + qd[None, :], mask=qm, other=0.0)

@@ -607,6 +607,7 @@ def _warm_gluon_decode(call: _Call, descs, q_abs, q_pe, page_table, cu_seqlen, s
             call.bound(K.split_reduce_kernel, _reduce_meta(r)).warmup(
                 (pa, pl, latent, cu_seqlen), (common["tok_base"], common["abs_base"], 2, *pa.stride()[:3],
                                               *pl.stride()[:2], latent.stride(0), latent.stride(1)))
+            # The several-heads merge too, wherever some batch size of these dims would pick it.
             if any(c.wide for c in GD.candidate_configs(n, r, dr)) and _reduce_heads(n, r, 2048, 2) > 1:
                 call.bound(K.split_reduce_heads_kernel, _reduce_heads_meta(r, REDUCE_HEADS)).warmup(
                     (pa, pl, latent), (common["tok_base"], common["abs_base"], 2, *pa.stride()[:3],
