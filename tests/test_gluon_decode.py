@@ -60,6 +60,23 @@ def test_wide_split_plan_counts_the_merge(monkeypatch):
     assert tuning.split_plan_waves(64, 512, 64, 0, cuda, 132, 3.56, GD.WIDE_SPLIT_FIXED_TILES)[0] == 1
 
 
+def test_query_descriptor_views_token_rows_or_refuses():
+    """The many-heads kernel's query descriptor: q_abs [N, T, R] as [N, T * R] rows in [heads, R/2]
+    boxes; None (the op then runs the `tl` kernel) where token rows are not contiguous or not 16-byte
+    aligned."""
+    if GD._GLUON_ERROR is not None:
+        pytest.skip(f"no Gluon in this triton: {GD._GLUON_ERROR}")
+    n, t, r = 128, 5, 512
+    q = torch.zeros(n, t, r, dtype=torch.bfloat16)
+    d = GD.query_descriptor(q, 64)
+    assert list(d.shape) == [n, t * r] and list(d.strides) == [t * r, 1] and list(d.block_shape) == [64, r // 2]
+    wide = torch.zeros(n, t, 2 * r, dtype=torch.bfloat16)[:, :, :r]  # token stride 2R: not [N, T * R] rows
+    assert GD.query_descriptor(wide, 64) is None
+    assert GD.query_descriptor(torch.zeros(t, n, r, dtype=torch.bfloat16).transpose(0, 1), 64) is None
+    assert GD.query_descriptor(torch.zeros(n, r, t, dtype=torch.bfloat16).transpose(1, 2), 64) is None
+    assert GD.query_descriptor(torch.zeros(n * t * r + 1, dtype=torch.bfloat16)[1:].view(n, t, r), 64) is None
+
+
 def test_split_reduce_heads_kernel_matches_the_one_head_merge():
     """The several-heads split merge (interpreted): the same latent as split_reduce_kernel on random
     partials, with empty splits (LSE -inf, partial never written: NaN) skipped, and the host rule that
