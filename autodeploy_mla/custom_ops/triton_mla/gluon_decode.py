@@ -20,7 +20,8 @@ sequence (decode), R in {256, 512}, Dr == 64, pages holding whole 64-token tiles
 More heads (N > 32, R 512) run `gluon_decode_wide.py` (64 heads per program on the MMA's M side, two
 consumer warpgroups): the configs, plan, arguments and launch here serve both (`GluonDecodeConfig.wide`).
 Outputs are those of the `tl` kernel: the latent (one split) or normalised fp32 partials plus base-2
-log-sum-exp per split, merged by kernels.split_reduce_kernel.
+log-sum-exp per split, merged by kernels.split_reduce_kernel (or, for the many-heads kernel's large
+batches, split_reduce_heads_kernel: op._reduce_heads).
 """
 
 from __future__ import annotations
