@@ -74,14 +74,54 @@ def flashinfer_accepts(d: MLADims, dtype=torch.bfloat16) -> tuple[bool, str]:
 
 
 # ----------------------------------------------------------------------------- timing
-def _do_bench(fn, rep_ms: float) -> float:
+#: How L2 is emptied before each timed run. "zero": triton.testing.do_bench's own flush (it zeroes a
+#: 256 MB buffer, which leaves L2 full of dirty lines: the timed kernel's first reads pay their write-back,
+#: ~9.5 us of a streaming kernel's time on the H200, docs/benchmarks/read_floor.md). "read": a read of a
+#: 256 MB buffer instead (L2 left holding clean lines of other data: cold, with nothing to write back, as
+#: a decode step's attention finds it after small GEMMs).
+FLUSH_MODES = ("zero", "read")
+
+
+def _do_bench(fn, rep_ms: float, flush: str = "zero") -> float:
     import triton.testing
 
-    return float(triton.testing.do_bench(fn, warmup=max(5, rep_ms // 4), rep=rep_ms, return_mode="median")) * 1e3
+    if flush == "zero":
+        return float(triton.testing.do_bench(fn, warmup=max(5, rep_ms // 4), rep=rep_ms, return_mode="median")) * 1e3
+    if flush != "read":
+        raise ValueError(f"flush mode {flush!r}: expected one of {FLUSH_MODES}")
+    buf = torch.zeros(64 << 20, dtype=torch.float32, device="cuda")  # 256 MB, as do_bench's
+
+    def clear():
+        buf.sum()
+
+    fn()
+    torch.cuda.synchronize()
+    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0.record()
+    for _ in range(5):
+        clear()
+        fn()
+    t1.record()
+    torch.cuda.synchronize()
+    est = max(t0.elapsed_time(t1) / 5, 1e-3)
+    for _ in range(max(1, int(max(5, rep_ms // 4) / est))):
+        fn()
+    n = max(1, int(rep_ms / est))
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    for i in range(n):
+        clear()
+        starts[i].record()
+        fn()
+        ends[i].record()
+    torch.cuda.synchronize()
+    times = sorted(a.elapsed_time(b) for a, b in zip(starts, ends))
+    return times[len(times) // 2] * 1e3
 
 
-def time_us(fn, *, graph: bool, rep_ms: float = 40) -> tuple[float, str]:
-    """Median µs of fn; on CUDA with graph=True, of a CUDA-graph replay of fn. Returns (µs, how)."""
+def time_us(fn, *, graph: bool, rep_ms: float = 40, flush: str = "zero") -> tuple[float, str]:
+    """Median µs of fn; on CUDA with graph=True, of a CUDA-graph replay of fn. Returns (µs, how).
+    `flush`: how L2 is emptied before each run (FLUSH_MODES)."""
     if not torch.cuda.is_available():
         t0 = time.perf_counter()
         fn()
@@ -100,11 +140,11 @@ def time_us(fn, *, graph: bool, rep_ms: float = 40) -> tuple[float, str]:
             with torch.cuda.graph(g):
                 fn()
             torch.cuda.synchronize()
-            return _do_bench(g.replay, rep_ms), "graph"
+            return _do_bench(g.replay, rep_ms, flush), "graph"
         except Exception as e:  # fall back to eager, but say so
             torch.cuda.synchronize()
-            return _do_bench(fn, rep_ms), f"eager (graph capture failed: {type(e).__name__})"
-    return _do_bench(fn, rep_ms), "eager"
+            return _do_bench(fn, rep_ms, flush), f"eager (graph capture failed: {type(e).__name__})"
+    return _do_bench(fn, rep_ms, flush), "eager"
 
 
 def host_ms(fn, n: int = 10) -> float:
@@ -272,7 +312,8 @@ def _err(e: Exception) -> str:
     return f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
 
 
-def bench_decode(dims_name: str, d: MLADims, B: int, kv: int, dtype, dev, rep_ms: float, with_fi: bool) -> dict:
+def bench_decode(dims_name: str, d: MLADims, B: int, kv: int, dtype, dev, rep_ms: float, with_fi: bool,
+                 flush: str = "zero") -> dict:
     row: dict = {"kind": "decode", "dims": dims_name, "N": d.num_heads, "R": d.kv_lora_rank,
                  "Dr": d.qk_rope_head_dim, "Dn": d.qk_nope_head_dim, "Dv": d.v_head_dim, "batch": B, "kv_len": kv}
     case = Case(d, [(kv - 1, 1)] * B, dtype, dev, seed=B * 7 + kv)
@@ -282,7 +323,7 @@ def bench_decode(dims_name: str, d: MLADims, B: int, kv: int, dtype, dev, rep_ms
     try:
         run, q_abs, latent, splits = decode_core_triton(case)
         row["triton_splits"], row["triton_kernel"] = splits, run.kernel
-        row["triton_core_us"], row["triton_core_how"] = time_us(run, graph=True, rep_ms=rep_ms)
+        row["triton_core_us"], row["triton_core_how"] = time_us(run, graph=True, rep_ms=rep_ms, flush=flush)
         ref_latent = None
         if with_fi or B * kv <= 8 * 2048:
             run()
@@ -298,7 +339,7 @@ def bench_decode(dims_name: str, d: MLADims, B: int, kv: int, dtype, dev, rep_ms
             continue
         try:
             run_l, *_ = decode_core_triton(case, cfg)
-            row[key], _ = time_us(run_l, graph=True, rep_ms=rep_ms)
+            row[key], _ = time_us(run_l, graph=True, rep_ms=rep_ms, flush=flush)
         except Exception as e:
             row[key.replace("_us", "_err")] = _err(e)
     row["triton_layout"] = "heads_on_n" if tuning.decode_config(d, dtype, case.cache.dtype).heads_on_n else "heads_on_m"
@@ -306,8 +347,8 @@ def bench_decode(dims_name: str, d: MLADims, B: int, kv: int, dtype, dev, rep_ms
         row["triton_layout"] = "gluon"
     try:
         with case.op("triton") as op:
-            row["triton_op_us"], row["triton_op_how"] = time_us(op, graph=True, rep_ms=rep_ms)
-            row["triton_op_eager_us"], _ = time_us(op, graph=False, rep_ms=rep_ms)
+            row["triton_op_us"], row["triton_op_how"] = time_us(op, graph=True, rep_ms=rep_ms, flush=flush)
+            row["triton_op_eager_us"], _ = time_us(op, graph=False, rep_ms=rep_ms, flush=flush)
     except Exception as e:
         row["triton_op_err"] = _err(e)
         traceback.print_exc()
@@ -317,13 +358,13 @@ def bench_decode(dims_name: str, d: MLADims, B: int, kv: int, dtype, dev, rep_ms
             fi = FlashInferDecode(case, q_abs)
             row["fi_plan_ms"] = host_ms(fi.plan)
             fi.plan()
-            row["fi_core_us"], row["fi_core_how"] = time_us(fi.run, graph=True, rep_ms=rep_ms)
+            row["fi_core_us"], row["fi_core_how"] = time_us(fi.run, graph=True, rep_ms=rep_ms, flush=flush)
             fi.run()
             torch.cuda.synchronize()
             if ref_latent is not None:  # both compute the same latent: cross-check
                 row["fi_vs_triton_rel"] = float((fi.out.transpose(0, 1).float() - ref_latent.float()).abs().max()
                                                 / ref_latent.float().abs().max())
-            row["fi_op_us"], row["fi_op_how"] = time_us(fi.full(), graph=True, rep_ms=rep_ms)
+            row["fi_op_us"], row["fi_op_how"] = time_us(fi.full(), graph=True, rep_ms=rep_ms, flush=flush)
         except Exception as e:
             row["fi_err"] = _err(e)
             traceback.print_exc()
@@ -332,7 +373,7 @@ def bench_decode(dims_name: str, d: MLADims, B: int, kv: int, dtype, dev, rep_ms
     if B * kv <= TORCH_DECODE_MAX_TOKENS:
         try:
             with case.op("torch") as op:
-                row["torch_op_us"], row["torch_op_how"] = time_us(op, graph=False, rep_ms=rep_ms)
+                row["torch_op_us"], row["torch_op_how"] = time_us(op, graph=False, rep_ms=rep_ms, flush=flush)
         except Exception as e:
             row["torch_err"] = _err(e)
     else:
@@ -490,7 +531,10 @@ def write_report(res: dict, out_dir: str) -> None:
         f"{m['date']}. Command: `{m['command']}`.",
         "",
         f"bf16, page size {PAGE}, random data over shuffled pages. Times are medians (µs) of "
-        "`triton.testing.do_bench` (L2 flushed before each run) over a CUDA-graph replay of the region, "
+        + ("`triton.testing.do_bench` (L2 flushed before each run by zeroing 256 MB: dirty lines the timed "
+           "kernel's first reads write back) " if res.get("flush", "zero") == "zero" else
+           "a `do_bench`-like loop whose L2 flush reads 256 MB (`--flush read`: cold, clean L2) ")
+        + "over a CUDA-graph replay of the region, "
         "except *eager* columns and prefill (one eager call, as prefill runs between graph pieces). "
         f"Ceilings: {COPY_TBS} TB/s copy, {BF16_TFLOPS:.0f} TFLOP/s bf16 (measured, DESIGN §12). "
         "Bytes = cached latent+rope read once (B·kv·(R+Dr)·2); FLOPs = 2·B·N·kv·(2R+Dr).",
@@ -719,6 +763,8 @@ def main(argv=None) -> int:
     ap.add_argument("--report-from", metavar="JSON", help="rewrite md/png from a results JSON (no GPU needed)")
     ap.add_argument("--tune-json", metavar="JSON", help="with --report-from: add this --tune output")
     ap.add_argument("--note", default="", help="with --report-from: a note for the sweep section")
+    ap.add_argument("--flush", choices=FLUSH_MODES, default="zero",
+                    help="how L2 is emptied before each timed decode run (FLUSH_MODES; prefill: always zero)")
     a = ap.parse_args(argv)
     if a.report_from:
         with open(a.report_from) as f:
@@ -758,13 +804,13 @@ def main(argv=None) -> int:
         except Exception as e:
             print("FlashInfer unavailable:", _err(e))
             with_fi = False
-    res: dict = {"machine": machine(cmd), "decode": [], "prefill": []}
+    res: dict = {"machine": machine(cmd), "decode": [], "prefill": [], "flush": a.flush}
     t0 = time.time()
     for name in a.dims:
         d = DIMS[name]
         for B in a.batches:
             for kv in a.kv:
-                r = bench_decode(name, d, B, kv, dtype, dev, a.rep_ms, with_fi)
+                r = bench_decode(name, d, B, kv, dtype, dev, a.rep_ms, with_fi, a.flush)
                 res["decode"].append(r)
                 print(f"[{time.time() - t0:5.0f}s] decode {name:22s} B={B:3d} kv={kv:5d} "
                       f"triton core {_f(r.get('triton_core_us'))} µs ({_f(r.get('triton_core_tbs'), 2)} TB/s, "
