@@ -76,3 +76,35 @@ def test_host_floor_smoke(tmp_path):
     pieces = json.loads(out.read_text())["pieces"]
     assert "sequence: 2 bmm + 1 empty + 3 launches" in pieces and len(pieces) == 5
     assert all(p["p10_us"] <= p["median_us"] <= p["p90_us"] for p in pieces.values())
+
+
+def test_read_floor_smoke_and_report(tmp_path):
+    """`read_floor.py --smoke` (CPU, the stream kernel through the Triton interpreter) sums a paged
+    cache as torch does; `--report-from` renders the committed H200 results without a GPU, with the
+    floor-vs-target verdict of every row and both flush modes' tables."""
+    import os
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    script = root / "benchmarks" / "read_floor.py"
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root))
+    proc = subprocess.run([sys.executable, str(script), "--smoke", "--out", str(tmp_path)], capture_output=True,
+                          text=True, timeout=600, env=env)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+    proc = subprocess.run([sys.executable, str(script), "--report-from", str(root / "docs/benchmarks/read_floor.json"),
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    md = (tmp_path / "read_floor.md").read_text()
+    assert "floor ≤ target?" in md and "clean L2 flush" in md
+    assert md.count("| no: unreachable |") == 2  # the two 168 MB Mistral rows under do_bench's flush
+
+
+def test_bench_mla_kernels_refuses_an_unknown_flush_mode():
+    """`--flush` takes the modes FLUSH_MODES names; anything else is an error naming them, not a
+    silent default."""
+    import pytest
+    from bench_mla_kernels import FLUSH_MODES, _do_bench
+
+    assert FLUSH_MODES == ("zero", "read")
+    with pytest.raises(ValueError, match="'dirty'.*zero"):
+        _do_bench(lambda: None, 1.0, "dirty")
