@@ -339,7 +339,10 @@ def bench_graph(dev, quick):
     rows = []
     # FlashInfer: fixed-buffer (CUDA-graph) wrappers for every decode step of the session
     policies = {"flashinfer_mla": FlashInferPolicy(cuda_graph=True), "triton": None}
-    cases = [(128, [(1, 511)] * 32, 1), (128, [(1, 4095)] * 128, 1), (16, [(1, 4095)] * 64, 1), (128, [(1, 2047)] * 64, 61)]
+    # the 61-layer rows: DeepSeek-V3's depth, a whole decode step's attention ops at batch 1 / 8 / 64 / 128
+    cases = [(128, [(1, 511)] * 32, 1), (128, [(1, 4095)] * 128, 1), (16, [(1, 4095)] * 64, 1),
+             (128, [(1, 1023)], 61), (128, [(1, 2047)] * 8, 61), (128, [(1, 2047)] * 64, 61),
+             (128, [(1, 4095)] * 128, 61)]
     if quick:
         cases = cases[:1]
     for n, seqs, layers in cases:
