@@ -204,14 +204,11 @@ def render(res: dict, out: Path) -> None:
         v = r["variants_us"]
         ring = [x for k, x in v.items() if "(decode grid)" in k]
         fi = f"{r['fi_core_us']:.1f}" if "fi_core_us" in r else "—"
+        ring_us = f"{min(ring):.1f}" if ring else "—"
         lines.append(
             f"| {r['dims']} | {r['batch']} | {r['kv_len']} | {r['bytes'] / 1e6:.0f} | {r['target_us']:.1f} "
             f"| {r['triton_core_us']:.1f} | {fi} | {r['floor_us']:.1f} | {r['floor_tbs']:.2f} | {r['floor_variant']} "
-            f"| {min(ring):.1f} | {v['torch_sum']:.1f} | {r['copy_tbs']:.2f} | {v['empty']:.1f} "
-            f"| {'yes' if r['target_reachable'] else 'no: unreachable'} |" if ring else
-            f"| {r['dims']} | {r['batch']} | {r['kv_len']} | {r['bytes'] / 1e6:.0f} | {r['target_us']:.1f} "
-            f"| {r['triton_core_us']:.1f} | {fi} | {r['floor_us']:.1f} | {r['floor_tbs']:.2f} | {r['floor_variant']} "
-            f"| — | {v['torch_sum']:.1f} | {r['copy_tbs']:.2f} | {v['empty']:.1f} "
+            f"| {ring_us} | {v['torch_sum']:.1f} | {r['copy_tbs']:.2f} | {v['empty']:.1f} "
             f"| {'yes' if r['target_reachable'] else 'no: unreachable'} |")
     lines += ["", "## The same rows under a clean L2 flush (`flush=\"read\"`)", "",
               "do_bench's flush zeroes 256 MB, so L2 starts full of dirty lines and the timed kernel's first reads "

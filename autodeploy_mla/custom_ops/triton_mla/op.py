@@ -581,8 +581,13 @@ def _reduce_heads(n: int, r: int, n_seqs: int, splits: int) -> int:
     the decode, CUDA graph): N 128 batch 32 two splits 49.8 vs 51.6 us, N 64 batch 32 four splits
     41.8 vs 42.0; with 8+ splits or batch <= 8 the one-head merge is faster (batch 8, 8 splits: 50.0
     vs 48.8 us)."""
-    ok = n % REDUCE_HEADS == 0 and r & (r - 1) == 0 and splits <= 4 and n_seqs * n >= 2048
+    ok = _reduce_heads_serves(n, r) and splits <= 4 and n_seqs * n >= 2048
     return REDUCE_HEADS if ok else 1
+
+
+def _reduce_heads_serves(n: int, r: int) -> bool:
+    """Whether split_reduce_heads_kernel can merge these dims (whole head blocks, R a power of two)."""
+    return n % REDUCE_HEADS == 0 and r & (r - 1) == 0
 
 
 def _reduce_heads_meta(r: int, heads: int) -> dict[str, Any]:
@@ -604,14 +609,13 @@ def _warm_gluon_decode(call: _Call, descs, q_abs, q_pe, page_table, cu_seqlen, s
                                            split=split, q_desc=q_desc if gcfg.wide else None, **common)
             call.bound(GD.kernel_for(gcfg), GD.kernel_meta(n, r, dr, page_size, gcfg, split)).warmup(ptrs, scalars)
         if split:
-            call.bound(K.split_reduce_kernel, _reduce_meta(r)).warmup(
-                (pa, pl, latent, cu_seqlen), (common["tok_base"], common["abs_base"], 2, *pa.stride()[:3],
-                                              *pl.stride()[:2], latent.stride(0), latent.stride(1)))
+            rest = (common["tok_base"], common["abs_base"], 2, *pa.stride()[:3], *pl.stride()[:2], latent.stride(0),
+                    latent.stride(1))
+            call.bound(K.split_reduce_kernel, _reduce_meta(r)).warmup((pa, pl, latent, cu_seqlen), rest)
             # The several-heads merge too, wherever some batch size of these dims would pick it.
-            if any(c.wide for c in GD.candidate_configs(n, r, dr)) and _reduce_heads(n, r, 2048, 2) > 1:
+            if any(c.wide for c in GD.candidate_configs(n, r, dr)) and _reduce_heads_serves(n, r):
                 call.bound(K.split_reduce_heads_kernel, _reduce_heads_meta(r, REDUCE_HEADS)).warmup(
-                    (pa, pl, latent), (common["tok_base"], common["abs_base"], 2, *pa.stride()[:3],
-                                       *pl.stride()[:2], latent.stride(0), latent.stride(1)))
+                    (pa, pl, latent), rest)
 
 
 def _launch_gluon_decode(call: _Call, q_abs, q_pe, mla_cache, page_table, cu_seqlen, seq_len, latent, *, seq_base,
