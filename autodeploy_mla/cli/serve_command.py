@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import argparse
 import socket
+import time
 from typing import Any, Optional
 
 from rich.console import Console
 
 from ..config.schema import AppConfig
-from .build_command import CliError, build_with_progress, config_from_args
+from .build_command import CliError, config_from_args
 
 
 def _serving_module() -> Any:
@@ -62,6 +63,9 @@ def load_serving_tokenizer(cfg: AppConfig, path: Optional[str], console: Console
 
 
 def serve(args: argparse.Namespace) -> int:
+    """Check everything that needs no model, start the HTTP server at once (GET /health answers 503
+    "starting" while the engine-core process builds and warms up the model, then 200), serve until
+    Ctrl-C, drain. Exit code 1 if the engine core failed."""
     console = Console()
     serving = _serving_module()
     check_port(args.host, args.port)
@@ -71,13 +75,31 @@ def serve(args: argparse.Namespace) -> int:
     tokenizer = load_serving_tokenizer(cfg, args.tokenizer, console)
     name = args.served_model_name or (cfg.model.path or args.model or "default")
     console.print(f"[bold]autodeploy serve[/] model={name} device={cfg.model.device} dtype={cfg.model.dtype}")
-    om = build_with_progress(cfg, console)
-    server = serving.Server(om, tokenizer, str(name), drain_timeout_s=args.drain_timeout)
-    console.print(f"serving [bold]{name}[/] on http://{args.host}:{args.port}/v1 (Ctrl-C stops: running requests "
-                  f"get {args.drain_timeout:g} s to finish)")
+    t0 = time.perf_counter()
+
+    def progress(message: str) -> None:
+        console.print(f"  [dim]{time.perf_counter() - t0:6.1f}s[/] {message}", soft_wrap=True)
+
+    server = serving.Server(serving.ProcessCore(cfg), tokenizer, str(name), drain_timeout_s=args.drain_timeout,
+                            on_progress=progress)
+    server.on_ready = lambda info: console.print(
+        f"[green]ready[/] after {time.perf_counter() - t0:.1f} s: serving [bold]{name}[/] on "
+        f"http://{args.host}:{args.port}/v1 (Ctrl-C stops: running requests get {args.drain_timeout:g} s to finish)\n"
+        f"  start-up: {format_startup(info.startup)}", soft_wrap=True)
+    console.print(f"listening on http://{args.host}:{args.port} (GET /health answers 503 until the model is ready)")
     try:
         serving.UvicornServer(server, args.host, args.port, log_level=args.log_level).run()
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down cleanly
         pass
+    if server.exit_code:
+        console.print(f"[red]server stopped: the engine failed[/] ({server.client.error})", soft_wrap=True)
+        return server.exit_code
     console.print("server stopped")
     return 0
+
+
+def format_startup(startup: dict[str, Any]) -> str:
+    """One line of start-up phases: `load 3.1 s, passes 12.0 s, ...` (seconds values only)."""
+    parts = [f"{k.removesuffix('_s')} {v:.1f} s" for k, v in startup.items()
+             if k.endswith("_s") and isinstance(v, (int, float))]
+    return ", ".join(parts) or "-"
