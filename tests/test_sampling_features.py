@@ -6,6 +6,8 @@ features; and the per-step path never reads a device value on the host."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 
 import pytest
@@ -220,16 +222,28 @@ class _NoHostReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.fixture
-def no_host_reads(monkeypatch):
+@contextmanager
+def host_reads_forbidden() -> Iterator[None]:
+    """Inside: reading a tensor's values on the host raises (the per-step device path's rule)."""
     def forbid(name):
         def f(*a, **k):
             raise AssertionError(f"Tensor.{name}() in the per-step path")
         return f
 
-    for name in ("tolist", "cpu", "numpy", "item"):
-        monkeypatch.setattr(torch.Tensor, name, forbid(name))
-    with _NoHostReads():
+    saved = {name: getattr(torch.Tensor, name) for name in ("tolist", "cpu", "numpy", "item")}
+    try:
+        for name in saved:
+            setattr(torch.Tensor, name, forbid(name))
+        with _NoHostReads():
+            yield
+    finally:
+        for name, f in saved.items():
+            setattr(torch.Tensor, name, f)
+
+
+@pytest.fixture
+def no_host_reads():
+    with host_reads_forbidden():
         yield
 
 
