@@ -399,7 +399,8 @@ class GenerationEngine:
                     on_tokens(new)
                 if not new and self._inflight is None and not self.waiting and not self.running:
                     stuck = [i for i in ids if i not in self.done]
-                    raise RuntimeError(f"engine stalled with requests {stuck} unfinished and nothing to run")
+                    if stuck:  # (none: the last ones failed at admission, e.g. too big for the cache)
+                        raise RuntimeError(f"engine stalled with requests {stuck} unfinished and nothing to run")
             self.drain()
         except BaseException as exc:
             self._inflight = None
