@@ -24,8 +24,8 @@ LONG = [(7 * i + 3) % 251 + 1 for i in range(25)]  # 25 tokens: > max_num_tokens
 
 
 @pytest.fixture(scope="module")
-def om():
-    return optimize("default", overrides=BASE)
+def om(optimized_family):
+    return optimized_family("default", BASE)
 
 
 @pytest.fixture(scope="module")

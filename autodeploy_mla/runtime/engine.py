@@ -32,6 +32,16 @@ Logprobs. A request with `params.logprobs` gets one `TokenLogprobs` per generate
 first generated token is appended: its prefill chunks ask for every token's logits row, and since
 a step returns at most max_batch_size rows, such a chunk is capped to the rows the step has left
 (a long prompt scored this way prefills in chunks of at most max_batch_size tokens).
+
+Several choices of one prompt (`add_group`, OpenAI's `n`). Choice 0 prefills normally. Each other
+choice shares choice 0's full prompt pages (reference-counted in the PageAllocator) and prefills
+only the tail after them, at least one token, so that it samples its first token from its own
+logits. It is admitted only once choice 0's writes of those pages are queued (a step launched
+before this one: the same stream orders the reads after the writes, as for the overlap above), and
+reserves only the pages it does not share. Choices are requests of their own: each can be cancelled
+alone, and fails or finishes alone. A choice whose choice 0 ended before it could share (cancelled,
+failed, or finished early) prefills its whole prompt itself. Shared pages stay until their last
+holder ends; choice 0 ending after the others took its pages changes nothing for them.
 """
 
 from __future__ import annotations
@@ -39,7 +49,7 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional, Protocol
 
 import torch
@@ -81,6 +91,10 @@ class Request:
     #: one per prompt token (params.prompt_logprobs set), the first None; complete once the first
     #: generated token is appended
     prompt_logprobs: list[Optional[TokenLogprobs]] = field(default_factory=list)
+    choice: int = 0  # index in its group (add_group)
+    #: choice 0 of its group, whose full prompt pages this choice shares (None: it prefills alone)
+    leader: Optional["Request"] = field(default=None, repr=False, compare=False)
+    shared_tokens: int = 0  # prompt tokens whose cache pages it shares with its leader
 
     @property
     def tokens(self) -> list[int]:
@@ -171,11 +185,35 @@ class GenerationEngine:
         """Queue a request (raises RequestError / CapacityError if it is invalid); returns its id."""
         return self._queue(self.validate(prompt, params), params).id
 
-    def _queue(self, prompt: list[int], params: SamplingParams) -> Request:
+    def add_group(self, prompt: Sequence[int], params: SamplingParams, n: int) -> list[int]:
+        """Queue `n` choices of one prompt (OpenAI's `n`); returns their ids, choice 0 first.
+
+        Choice i samples with seed `params.seed + i` when a seed is given (vLLM's convention: the
+        group is reproducible and its choices differ), else with a seed of its own drawn from the
+        process RNG. The choices share the prompt's prefill (module docstring). Validation as
+        `add_request`, plus n >= 1 and the seeds' range; nothing is queued if it fails."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise RequestError(f"n={n!r}: the number of choices must be an integer >= 1")
+        prompt = self.validate(prompt, params)
+        if params.seed is not None and params.seed + n - 1 >= 2**63:
+            raise RequestError(f"seed={params.seed} with n={n}: choice i uses seed + i, which must stay below 2**63")
+        ps = self.allocator.page_size
+        shared = (len(prompt) - 1) // ps * ps  # full pages, leaving each choice >= 1 token to prefill
+        leader = self._queue(prompt, params)
+        ids = [leader.id]
+        for i in range(1, n):
+            p = params if params.seed is None else replace(params, seed=params.seed + i)
+            req = self._queue(prompt, p, choice=i)
+            if shared:
+                req.leader, req.shared_tokens = leader, shared
+            ids.append(req.id)
+        return ids
+
+    def _queue(self, prompt: list[int], params: SamplingParams, choice: int = 0) -> Request:
         # Unseeded requests draw a seed from the process RNG (identically seeded on every TP rank).
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
         req = Request(next(self._ids), prompt, params, seed=seed,
-                      stop_ids=frozenset(params.stop_ids(self.eos_token_ids)))
+                      stop_ids=frozenset(params.stop_ids(self.eos_token_ids)), choice=choice)
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None] * len(prompt)
         self.waiting.append(req)
@@ -220,14 +258,26 @@ class GenerationEngine:
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.seq_info.max_batch_size:
             req = self.waiting[0]
+            lead = req.leader
+            if lead is not None:
+                if lead.finished:  # choice 0 ended before this choice could share: prefill alone
+                    req.leader, req.shared_tokens = None, 0
+                    lead = None
+                elif lead.num_scheduled < req.shared_tokens:
+                    return  # choice 0's writes of the shared pages are not all queued yet (FIFO: wait)
             try:
+                if lead is not None:
+                    self.allocator.fork(req.id, lead.id, req.shared_tokens // self.allocator.page_size)
                 self.allocator.ensure(req.id, req.total_len)
             except OutOfPagesError as exc:
+                self.allocator.free(req.id)  # a fork's references go back
                 if self.running:
                     return  # wait for running requests to free pages (FIFO: no overtaking)
                 self.waiting.popleft()
                 self._finish(req, "error", error=str(exc))
                 continue
+            if lead is not None:
+                req.num_scheduled = req.shared_tokens  # the shared pages hold these tokens
             self.waiting.popleft()
             self.running.append(req)
 
@@ -322,6 +372,9 @@ class GenerationEngine:
             r.pending -= 1
             if r.finished:  # stopped or cancelled after this step was queued: its token is not used
                 continue
+            if not r.generated and r.leader is not None and r.params.prompt_logprobs is not None:
+                n = r.shared_tokens + 1  # its leader scored the shared part, in an earlier step
+                r.prompt_logprobs[:n] = r.leader.prompt_logprobs[:n]
             if r.params.logprobs is not None:
                 r.logprobs.append(result.logprobs[sid])
             r.generated.append(tok)
