@@ -190,6 +190,42 @@ def test_a_choice_cancelled_after_the_sharing(om, overlap, victim, when):
     assert om.runner.sampler.state.held() == {}
 
 
+@pytest.mark.parametrize("fail_at", [2, 4], ids=["before-sharing", "after-sharing"])
+def test_a_failing_step_leaves_the_counts_right(om, monkeypatch, fail_at):
+    """A step that raises fails its requests (and, as the server does, the step in flight); the
+    choices left go on (alone if choice 0 failed first), and every page and slot comes back."""
+    calls = {"n": 0}
+    real = om.runner.launch
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == fail_at:
+            raise RuntimeError("device fell over")
+        return real(*args, **kwargs)
+
+    prompt = LONG[:15]  # choice 0 prefills in steps 1-2; the others share from step 3
+    params = replace(GREEDY, repetition_penalty=1.2)
+    want = om.engine().run([prompt], params)[0].generated
+    monkeypatch.setattr(om.runner, "launch", flaky)
+    eng = om.engine()
+    ids = eng.add_group(prompt, params, 3)
+    failures = 0
+    while eng.has_work():
+        try:
+            eng.step()
+        except RuntimeError:
+            failures += 1
+            eng.abandon_inflight("device fell over")
+    assert failures == 1
+    reqs = [eng.request(i) for i in ids]
+    assert all(r.finished for r in reqs) and reqs[0].finish_reason == "error"
+    assert all(r.generated == want for r in reqs if r.finish_reason == "length")
+    if fail_at == 2:  # choice 0 failed before the others could share: they ran alone
+        assert [r.finish_reason for r in reqs[1:]] == ["length", "length"]
+    assert om.allocator.num_free == om.allocator.num_usable and om.allocator.owners() == {}
+    assert om.runner.sampler.state.held() == {}
+
+
 def test_short_cache_the_group_waits_or_fails_cleanly(optimized_family):
     """Pages for choice 0 and one other only: the third waits for pages, then runs (alone, if
     choice 0 ended first); a group that does not fit an empty cache fails whole, pages back."""

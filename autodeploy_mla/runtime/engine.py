@@ -336,7 +336,7 @@ class GenerationEngine:
                 prompt_at[r.id] = at
         try:
             launched = self.runner.launch([seq for _, seq, _ in batch], self.allocator.pages_of, specs,
-                                          prompt_rows or None)
+                                          prompt_rows=prompt_rows or None)
         except Exception as exc:
             for r, _, _ in batch:  # their cache content is now unknown: fail them, keep the rest
                 self._finish(r, "error", error=f"{type(exc).__name__}: {exc}")
