@@ -209,7 +209,8 @@ class OptimizedModel:
         **sampling: Any,
     ) -> list[list[int]]:
         """Generated token ids per prompt (continuous batching). `sampling`: SamplingParams fields
-        (temperature, top_k, top_p, seed, eos_token_id, stop_token_ids, ignore_eos). Stops at the
+        (temperature, top_k, top_p, seed, eos_token_id, stop_token_ids, ignore_eos, penalties,
+        logit_bias; logprobs are on the requests of `generate_requests`). Stops at the
         model's end-of-sequence token unless ignore_eos=True. Raises if any request failed (after
         the others finished)."""
         reqs = self.generate_requests(prompts, SamplingParams(max_new_tokens=max_new_tokens, **sampling), on_tokens)

@@ -37,6 +37,8 @@ def test_request_too_big_for_the_cache_fails_alone(om):
     reqs = big.engine().run([list(range(1, 21)), [4, 5]], SamplingParams(max_new_tokens=3))
     assert reqs[0].finish_reason == "error" and "out of cache pages" in reqs[0].error
     assert reqs[1].finish_reason == "length" and len(reqs[1].generated) == 3
+    alone = big.engine().run([list(range(1, 21))], SamplingParams(max_new_tokens=3))  # the run's only request
+    assert alone[0].finish_reason == "error" and "out of cache pages" in alone[0].error
     assert big.allocator.num_free == big.allocator.num_usable
 
 

@@ -25,6 +25,23 @@ returned before the error propagates: nothing leaks.
 
 Generation stops at the model's end-of-sequence token(s) by default, as HF `generate` does
 (`SamplingParams(ignore_eos=True)` opts out; an explicit `eos_token_id` replaces the model's).
+
+Logprobs. A request with `params.logprobs` gets one `TokenLogprobs` per generated token in
+`Request.logprobs`, appended with the token. One with `params.prompt_logprobs` gets
+`Request.prompt_logprobs`, one entry per prompt token (the first None), complete by the time its
+first generated token is appended: its prefill chunks ask for every token's logits row, and since
+a step returns at most max_batch_size rows, such a chunk is capped to the rows the step has left
+(a long prompt scored this way prefills in chunks of at most max_batch_size tokens).
+
+Several choices of one prompt (`add_group`, OpenAI's `n`). Choice 0 prefills normally. Each other
+choice shares choice 0's full prompt pages (reference-counted in the PageAllocator) and prefills
+only the tail after them, at least one token, so that it samples its first token from its own
+logits. It is admitted only once choice 0's writes of those pages are queued (a step launched
+before this one: the same stream orders the reads after the writes, as for the overlap above), and
+reserves only the pages it does not share. Choices are requests of their own: each can be cancelled
+alone, and fails or finishes alone. A choice whose choice 0 ended before it could share (cancelled,
+failed, or finished early) prefills its whole prompt itself. Shared pages stay until their last
+holder ends; choice 0 ending after the others took its pages changes nothing for them.
 """
 
 from __future__ import annotations
@@ -32,14 +49,14 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional, Protocol
 
 import torch
 
 from .errors import CapacityError, OutOfPagesError, RequestError
 from .page_allocator import PageAllocator
-from .sampling import RowSpec, SamplingParams
+from .sampling import PromptRows, RowSpec, SamplingParams, StepOutput, TokenLogprobs
 from .sequence_info import SequenceInfo, StepSequence
 
 
@@ -49,9 +66,12 @@ class StepRunner(Protocol):
     seq_info: SequenceInfo
 
     def launch(self, seqs: Sequence[StepSequence], pages_of: Callable[[int], Sequence[int]],
-               specs: Mapping[int, RowSpec]) -> Any: ...
+               specs: Mapping[int, RowSpec], prompt_rows: Optional[Mapping[int, PromptRows]] = None) -> Any: ...
 
-    def collect(self, launched: Any) -> list[int]: ...
+    def collect(self, launched: Any) -> StepOutput: ...
+
+    def release(self, seq_id: int) -> None:
+        """The request `seq_id` ended: per-request runner state (the sampler's) may be reused."""
 
 
 @dataclass
@@ -66,6 +86,15 @@ class Request:
     finish_reason: Optional[str] = None  # "length" | "stop" | "error" | "cancelled"
     error: Optional[str] = None
     stop_ids: frozenset[int] = frozenset()
+    #: one per generated token (params.logprobs set), aligned with `generated`
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    #: one per prompt token (params.prompt_logprobs set), the first None; complete once the first
+    #: generated token is appended
+    prompt_logprobs: list[Optional[TokenLogprobs]] = field(default_factory=list)
+    choice: int = 0  # index in its group (add_group)
+    #: choice 0 of its group, whose full prompt pages this choice shares (None: it prefills alone)
+    leader: Optional["Request"] = field(default=None, repr=False, compare=False)
+    shared_tokens: int = 0  # prompt tokens whose cache pages it shares with its leader
 
     @property
     def tokens(self) -> list[int]:
@@ -98,6 +127,7 @@ class _InFlight:
     launched: Any
     rows: dict[int, tuple[Request, bool]]  # seq id -> (request, whether this step samples for it)
     stats: Optional[StepStats] = None
+    prompt_at: dict[int, int] = field(default_factory=dict)  # seq id -> prompt index of its first scored row
 
 
 class GenerationEngine:
@@ -113,6 +143,7 @@ class GenerationEngine:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admitted: pages reserved, prefilling or decoding
         self.done: dict[int, Request] = {}
+        self._active: dict[int, Request] = {}  # waiting or running, by id
         self.steps: list[StepStats] = []
         self._inflight: Optional[_InFlight] = None
         #: device time of the completed steps, when the runner times them (ModelRunner.time_steps)
@@ -136,6 +167,12 @@ class GenerationEngine:
                         f"token id {t} at prompt position {i} is outside the model's vocabulary "
                         f"[0, {self.vocab_size}); vocab_size={self.vocab_size}."
                     )
+            for t, _ in params.logit_bias:
+                if t >= self.vocab_size:
+                    raise RequestError(
+                        f"logit_bias token id {t} is outside the model's vocabulary [0, {self.vocab_size}); "
+                        f"vocab_size={self.vocab_size}."
+                    )
         limit = self.seq_info.max_seq_len
         if len(prompt) + params.max_new_tokens > limit:
             raise CapacityError(
@@ -146,13 +183,49 @@ class GenerationEngine:
 
     def add_request(self, prompt: Sequence[int], params: SamplingParams = SamplingParams()) -> int:
         """Queue a request (raises RequestError / CapacityError if it is invalid); returns its id."""
+        return self._queue(self.validate(prompt, params), params).id
+
+    def add_group(self, prompt: Sequence[int], params: SamplingParams, n: int) -> list[int]:
+        """Queue `n` choices of one prompt (OpenAI's `n`); returns their ids, choice 0 first.
+
+        Choice i samples with seed `params.seed + i` when a seed is given (vLLM's convention: the
+        group is reproducible and its choices differ), else with a seed of its own drawn from the
+        process RNG. The choices share the prompt's prefill (module docstring). Validation as
+        `add_request`, plus n >= 1 and the seeds' range; nothing is queued if it fails."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise RequestError(f"n={n!r}: the number of choices must be an integer >= 1")
         prompt = self.validate(prompt, params)
+        if params.seed is not None and params.seed + n - 1 >= 2**63:
+            raise RequestError(f"seed={params.seed} with n={n}: choice i uses seed + i, which must stay below 2**63")
+        ps = self.allocator.page_size
+        shared = (len(prompt) - 1) // ps * ps  # full pages, leaving each choice >= 1 token to prefill
+        leader = self._queue(prompt, params)
+        ids = [leader.id]
+        for i in range(1, n):
+            p = params if params.seed is None else replace(params, seed=params.seed + i)
+            req = self._queue(prompt, p, choice=i)
+            if shared:
+                req.leader, req.shared_tokens = leader, shared
+            ids.append(req.id)
+        return ids
+
+    def _queue(self, prompt: list[int], params: SamplingParams, choice: int = 0) -> Request:
         # Unseeded requests draw a seed from the process RNG (identically seeded on every TP rank).
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
         req = Request(next(self._ids), prompt, params, seed=seed,
-                      stop_ids=frozenset(params.stop_ids(self.eos_token_ids)))
+                      stop_ids=frozenset(params.stop_ids(self.eos_token_ids)), choice=choice)
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None] * len(prompt)
         self.waiting.append(req)
-        return req.id
+        self._active[req.id] = req
+        return req
+
+    def request(self, request_id: int) -> Request:
+        """The request `request_id`, waiting, running or done (its tokens and logprobs so far)."""
+        req = self._active.get(request_id) or self.done.get(request_id)
+        if req is None:
+            raise KeyError(f"no request {request_id} in this engine")
+        return req
 
     def reject(self, prompt: Sequence[int], params: SamplingParams, error: str) -> int:
         """Record a request that failed validation (it never queues); returns its id."""
@@ -185,20 +258,37 @@ class GenerationEngine:
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.seq_info.max_batch_size:
             req = self.waiting[0]
+            lead = req.leader
+            if lead is not None:
+                if lead.finished:  # choice 0 ended before this choice could share: prefill alone
+                    req.leader, req.shared_tokens = None, 0
+                    lead = None
+                elif lead.num_scheduled < req.shared_tokens:
+                    return  # choice 0's writes of the shared pages are not all queued yet (FIFO: wait)
             try:
+                if lead is not None:
+                    self.allocator.fork(req.id, lead.id, req.shared_tokens // self.allocator.page_size)
                 self.allocator.ensure(req.id, req.total_len)
             except OutOfPagesError as exc:
+                self.allocator.free(req.id)  # a fork's references go back
                 if self.running:
                     return  # wait for running requests to free pages (FIFO: no overtaking)
                 self.waiting.popleft()
                 self._finish(req, "error", error=str(exc))
                 continue
+            if lead is not None:
+                req.num_scheduled = req.shared_tokens  # the shared pages hold these tokens
             self.waiting.popleft()
             self.running.append(req)
 
     def _schedule(self) -> list[tuple[Request, StepSequence, bool]]:
-        """The next step: (request, its share, whether the step samples a token for it)."""
+        """The next step: (request, its share, whether the step samples a token for it).
+
+        Two budgets: tokens (max_num_tokens) and logits rows (max_batch_size: one per sequence,
+        or one per new token of a prefill chunk that scores its prompt, which leaves a row to each
+        prompt after it, so that it does not hold back their prefill)."""
         budget = self.seq_info.max_num_tokens
+        rows = self.seq_info.max_batch_size
         out: list[tuple[Request, StepSequence, bool]] = []
         prev = self._inflight.rows if self._inflight is not None else {}
         prev_row = {sid: b for b, sid in enumerate(self._inflight.launched.order)} if self._inflight else {}
@@ -214,15 +304,19 @@ class GenerationEngine:
                 seq = StepSequence(r.id, [r.tokens[-1]], r.num_scheduled)
             out.append((r, seq, True))
             budget -= 1
-        for r in self.running:
-            if budget == 0:
+            rows -= 1
+        prefilling = [r for r in self.running if r.num_scheduled < len(r.prompt)]
+        for i, r in enumerate(prefilling):
+            if budget == 0 or rows == 0:
                 break
-            if r.num_scheduled >= len(r.prompt):
-                continue
-            chunk = r.prompt[r.num_scheduled : r.num_scheduled + budget]
+            scores = r.params.prompt_logprobs is not None
+            # a scoring chunk leaves a row to each prompt after it (they need one each)
+            n = min(budget, max(1, rows - (len(prefilling) - i - 1))) if scores else budget
+            chunk = r.prompt[r.num_scheduled : r.num_scheduled + n]
             ends_prompt = r.num_scheduled + len(chunk) == len(r.prompt)
-            out.append((r, StepSequence(r.id, chunk, r.num_scheduled), ends_prompt))
+            out.append((r, StepSequence(r.id, chunk, r.num_scheduled, all_logits=scores), ends_prompt))
             budget -= len(chunk)
+            rows -= len(chunk) if scores else 1
         return out
 
     # ------------------------------------------------------------------ stepping
@@ -231,10 +325,18 @@ class GenerationEngine:
         batch = self._schedule()
         if not batch:
             return None
-        specs = {r.id: RowSpec.of(r.params, r.seed, len(r.generated) + r.pending) for r, _, samples in batch
-                 if samples}
+        specs = {r.id: RowSpec.of(r.params, r.seed, len(r.generated) + r.pending, r.id, r.prompt)
+                 for r, _, samples in batch if samples}
+        prompt_rows: dict[int, PromptRows] = {}
+        prompt_at: dict[int, int] = {}
+        for r, seq, _ in batch:
+            if seq.all_logits and r.params.prompt_logprobs is not None:
+                at = seq.num_cached + 1  # row j predicts prompt[num_cached + 1 + j]; past the prompt: the sample
+                prompt_rows[r.id] = PromptRows(r.prompt[at : at + len(seq.token_ids)], r.params.prompt_logprobs)
+                prompt_at[r.id] = at
         try:
-            launched = self.runner.launch([seq for _, seq, _ in batch], self.allocator.pages_of, specs)
+            launched = self.runner.launch([seq for _, seq, _ in batch], self.allocator.pages_of, specs,
+                                          prompt_rows=prompt_rows or None)
         except Exception as exc:
             for r, _, _ in batch:  # their cache content is now unknown: fail them, keep the rest
                 self._finish(r, "error", error=f"{type(exc).__name__}: {exc}")
@@ -244,11 +346,11 @@ class GenerationEngine:
             r.pending += int(samples)
         stats = StepStats(launched.num_prefill_tokens, launched.num_decode_seqs, len(batch))
         self.steps.append(stats)
-        return _InFlight(launched, {r.id: (r, samples) for r, _, samples in batch}, stats)
+        return _InFlight(launched, {r.id: (r, samples) for r, _, samples in batch}, stats, prompt_at)
 
     def _complete(self, step: _InFlight) -> list[tuple[int, int]]:
         try:
-            ids = self.runner.collect(step.launched)
+            result = self.runner.collect(step.launched)
         except Exception as exc:
             for r, _ in step.rows.values():
                 if not r.finished:
@@ -259,14 +361,22 @@ class GenerationEngine:
             self.gpu_busy_ms += ms
             if step.stats is not None:
                 step.stats.device_ms = ms
+        for sid, scored in result.prompt_logprobs.items():  # before the tokens: the last chunk's come first
+            at = step.prompt_at[sid]
+            step.rows[sid][0].prompt_logprobs[at : at + len(scored)] = scored
         out: list[tuple[int, int]] = []
-        for sid, tok in zip(step.launched.order, ids):
+        for sid, tok in zip(step.launched.order, result.ids):
             r, samples = step.rows[sid]
             if not samples:
                 continue
             r.pending -= 1
             if r.finished:  # stopped or cancelled after this step was queued: its token is not used
                 continue
+            if not r.generated and r.leader is not None and r.params.prompt_logprobs is not None:
+                n = r.shared_tokens + 1  # its leader scored the shared part, in an earlier step
+                r.prompt_logprobs[:n] = r.leader.prompt_logprobs[:n]
+            if r.params.logprobs is not None:
+                r.logprobs.append(result.logprobs[sid])
             r.generated.append(tok)
             out.append((r.id, tok))
             if tok in r.stop_ids:
@@ -290,8 +400,10 @@ class GenerationEngine:
     def _finish(self, r: Request, reason: str, error: Optional[str] = None) -> None:
         r.finish_reason, r.error = reason, error
         self.allocator.free(r.id)
+        self.runner.release(r.id)
         if r in self.running:
             self.running.remove(r)
+        self._active.pop(r.id, None)
         self.done[r.id] = r
         if self.on_finish is not None:
             self.on_finish(r)
@@ -340,7 +452,8 @@ class GenerationEngine:
                     on_tokens(new)
                 if not new and self._inflight is None and not self.waiting and not self.running:
                     stuck = [i for i in ids if i not in self.done]
-                    raise RuntimeError(f"engine stalled with requests {stuck} unfinished and nothing to run")
+                    if stuck:  # (none: the last ones failed at admission, e.g. too big for the cache)
+                        raise RuntimeError(f"engine stalled with requests {stuck} unfinished and nothing to run")
             self.drain()
         except BaseException as exc:
             self._inflight = None

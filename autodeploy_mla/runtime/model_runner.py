@@ -11,7 +11,10 @@ Built from a `CompiledModel` (the passes' typed hand-off) and the runtime config
 
 A step: pad the batch to a CUDA-graph bucket (the runner's policy), build the metadata, describe
 the step (`StepDescriptor`), let every session prepare (FlashInfer plans), run the graph, and
-return one row of logits per sequence (under tensor parallelism, rank 0's rows on every rank).
+return one row of logits per sequence (under tensor parallelism, rank 0's rows on every rank), or
+every new token's row for the sequences that ask (`StepSequence.all_logits`: prompt logprobs).
+A generation step (`launch`) samples on the device (`BatchSampler`: penalties, bias, logprobs) and
+copies the results to pinned host memory behind one event; `collect` waits for that event only.
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ from .errors import CapacityError, OutOfPagesError
 from .kv_cache import CacheLayout, MLACacheManager, plan_num_pages
 from .page_allocator import PageAllocator
 from .piecewise import PiecewiseRunner, bucket_for
-from .sampling import GREEDY, BatchSampler, RowSpec
+from .sampling import (GREEDY, MAX_LOGPROBS, BatchSampler, LogprobTensors, PromptRows, RowSpec, ScoredRows,
+                       StepOutput, TokenLogprobs)
 from .sequence_info import SequenceInfo, StepSequence
 
 PagesOf = Callable[[int], Sequence[int]]
@@ -96,6 +100,33 @@ def setup_tp_all_reduce(tp: Optional[TensorParallel], device: torch.device
 
 
 @dataclass
+class HostLogprobs:
+    """A step's logprob results in pinned host memory (valid once the step's event fired), and
+    what each row is: `sampled` (sequence id, its index in the batch, k) rows first, then the
+    `scored` prompt rows (sequence id, targets, k), one per target."""
+
+    chosen: torch.Tensor  # [L] float32
+    top_ids: torch.Tensor  # [L, K] int64
+    top_vals: torch.Tensor  # [L, K] float32
+    sampled: list[tuple[int, int, int]]
+    scored: list[tuple[int, Sequence[int], int]]
+
+    def decode(self, ids: Sequence[int]) -> tuple[dict[int, TokenLogprobs], dict[int, list[TokenLogprobs]]]:
+        chosen, tids, tvals = self.chosen.tolist(), self.top_ids.tolist(), self.top_vals.tolist()
+
+        def row(j: int, token: int, k: int) -> TokenLogprobs:
+            return TokenLogprobs(token, chosen[j], tuple(zip(tids[j][:k], tvals[j][:k])))
+
+        logprobs = {sid: row(j, ids[b], k) for j, (sid, b, k) in enumerate(self.sampled)}
+        prompt: dict[int, list[TokenLogprobs]] = {}
+        j = len(self.sampled)
+        for sid, targets, k in self.scored:
+            prompt[sid] = [row(j + i, t, k) for i, t in enumerate(targets)]
+            j += len(targets)
+        return logprobs, prompt
+
+
+@dataclass
 class LaunchedStep:
     """A step whose work is queued on the device: its sequences, and where its sampled ids land."""
 
@@ -105,6 +136,7 @@ class LaunchedStep:
     num_prefill_tokens: int
     num_decode_seqs: int
     start: Optional[Any] = None  # CUDA timing event before the step's first device work (time_steps)
+    logprobs: Optional[HostLogprobs] = None  # when some sequence asked for logprobs
 
     def device_ms(self) -> Optional[float]:
         """Device time of the step, from its first kernel to its ids' copy, once collected (with
@@ -165,6 +197,9 @@ class ModelRunner:
         pin = self.device.type == "cuda"
         self._ids_host = [torch.zeros(rt.max_batch_size, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self._ids_slot = 0
+        # Logprob results, the same two slots (allocated when a request first asks): [2B] chosen,
+        # [2B * 20] top ids and values (flat, so a step's [L, K] view is contiguous).
+        self._lp_host: Optional[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = None
         #: record CUDA timing events around every launched step (LaunchedStep.device_ms)
         self.time_steps = False
 
@@ -267,57 +302,128 @@ class ModelRunner:
         order, step = self.prepare(seqs, pages_of, logits_for)
         return order, self.execute(step)
 
+    def _logits_rows(self, logits: torch.Tensor) -> torch.Tensor:
+        """The step's logits rows [num_logits_rows, V]: the graph's own rows when gather_logits is
+        on, else the `logits_index` rows of the per-token logits."""
+        n = self.seq_info.num_logits_rows
+        if self.compiled.logits is not None:  # the graph already returns the logits_index rows
+            return logits[0, :n]
+        return logits[0].index_select(0, self.seq_info.dev["logits_index"][:n])
+
     def step(self, seqs: Sequence[StepSequence], pages_of: PagesOf) -> tuple[list[int], torch.Tensor]:
-        """One engine step: (sequence ids in flat-batch order, next-token logits [num_seqs, V])."""
+        """One engine step: (sequence ids in flat-batch order, logits rows [num_logits_rows, V]:
+        each sequence's next-token row, or all its rows where it asks)."""
         order, logits = self.forward(seqs, pages_of)
-        nb = len(order)
-        if self.compiled.logits is not None:  # the graph already returns one row per sequence
-            rows = logits[0, :nb]
-        else:
-            rows = logits[0].index_select(0, self.seq_info.dev["last_token"][:nb])
+        rows = self._logits_rows(logits)
         tp = self.compiled.tp
         if tp is not None and tp.world_size > 1:
             rows = rows_from_rank0(rows)
         return order, rows
 
-    def launch(self, seqs: Sequence[StepSequence], pages_of: PagesOf, specs: Mapping[int, RowSpec]
-               ) -> LaunchedStep:
+    def launch(self, seqs: Sequence[StepSequence], pages_of: PagesOf, specs: Mapping[int, RowSpec],
+               prompt_rows: Optional[Mapping[int, PromptRows]] = None) -> LaunchedStep:
         """Queue one generation step without waiting for it: metadata, backend prepare, the graph,
-        sampling on the device (`specs`: sequence id -> how its row samples; others greedy), and an
-        async copy of the sampled ids to a pinned host slot. `collect` waits for them."""
+        sampling on the device (`specs`: sequence id -> how its row samples; others greedy), prompt
+        logprobs of the sequences in `prompt_rows` (which ask for all their rows), and async copies
+        of the results to a pinned host slot, behind one event. `collect` waits for them."""
         timed = self.time_steps and self.device.type == "cuda"
         order, step = self.prepare(seqs, pages_of)
         start = torch.cuda.Event(enable_timing=True) if timed else None
         if start is not None:  # after the host work of prepare: an idle GPU waiting for it is not busy
             start.record()
         logits = self.execute(step)
-        nb = len(order)
         with torch.inference_mode():
-            if self.compiled.logits is not None:  # the graph already returns one row per sequence
-                rows = logits[0, :nb]
-            else:
-                rows = logits[0].index_select(0, self.seq_info.dev["last_token"][:nb])
-            ids = self.sampler.sample(rows, [specs.get(sid, GREEDY) for sid in order])
-            tp = self.compiled.tp
-            if tp is not None and tp.world_size > 1:
-                ids = rows_from_rank0(ids)  # every rank continues with rank 0's tokens
-            self._prev_ids = ids
-            slot = self._ids_host[self._ids_slot]
-            self._ids_slot ^= 1
-            slot[:nb].copy_(ids, non_blocking=True)
+            ids, logprobs = self._sample(logits, order, specs, prompt_rows or {})
         done = None
         if self.device.type == "cuda":
             done = torch.cuda.Event(enable_timing=timed)
             done.record()
         info = self.seq_info
-        return LaunchedStep(order, slot[:nb], done, info.num_prefill_tokens, info.num_decode_seqs, start)
+        return LaunchedStep(order, ids, done, info.num_prefill_tokens, info.num_decode_seqs, start, logprobs)
+
+    def _sample(self, logits: torch.Tensor, order: list[int], specs: Mapping[int, RowSpec],
+                prompt_rows: Mapping[int, PromptRows]) -> tuple[torch.Tensor, Optional[HostLogprobs]]:
+        """The device half of sampling: each sequence's row drawn, penalty state updated, logprobs
+        computed, the results' copies to a pinned host slot queued. No host sync."""
+        info = self.seq_info
+        nb = len(order)
+        rows = self._logits_rows(logits)
+        last = rows if info.num_logits_rows == nb else rows.index_select(0, info.dev["sample_row"][:nb])
+        row_specs = [specs.get(sid, GREEDY) for sid in order]
+        scored, scored_meta = self._scored(rows, order, prompt_rows) if prompt_rows else (None, [])
+        drawn = self.sampler.draw(last, row_specs, scored)
+        ids = drawn.ids
+        tp = self.compiled.tp
+        if tp is not None and tp.world_size > 1:
+            ids = rows_from_rank0(ids)  # every rank continues with rank 0's tokens
+        out = self.sampler.commit(drawn, ids)
+        self._prev_ids = ids
+        k = self._ids_slot
+        self._ids_slot ^= 1
+        slot = self._ids_host[k]
+        slot[:nb].copy_(ids, non_blocking=True)
+        if out.logprobs is None:
+            return slot[:nb], None
+        sampled = [(order[b], b, row_specs[b].logprobs) for b in out.logprobs.sampled]
+        return slot[:nb], self._copy_logprobs(out.logprobs, k, sampled, scored_meta)
+
+    def _scored(self, rows: torch.Tensor, order: list[int], prompt_rows: Mapping[int, PromptRows]
+                ) -> tuple[Optional[ScoredRows], list[tuple[int, Sequence[int], int]]]:
+        """The step's prompt rows to score: each asking sequence's first len(targets) rows."""
+        info = self.seq_info
+        idx: list[int] = []
+        targets: list[int] = []
+        meta: list[tuple[int, Sequence[int], int]] = []
+        for b, sid in enumerate(order):
+            pr = prompt_rows.get(sid)
+            if pr is None or not len(pr.targets):
+                continue
+            n = len(pr.targets)
+            if n > info.rows_per_seq[b]:
+                raise ValueError(f"sequence {sid}: {n} prompt-logprob targets but {info.rows_per_seq[b]} logits "
+                                 "rows; a sequence scoring its prompt must ask for all its rows (all_logits)")
+            start = info.row_start[b]
+            idx.extend(range(start, start + n))
+            targets.extend(pr.targets)
+            meta.append((sid, pr.targets, pr.k))
+        if not idx:
+            return None, []
+        return ScoredRows(rows, idx, targets, max(k for _, _, k in meta)), meta
+
+    def _copy_logprobs(self, lp: LogprobTensors, slot: int, sampled: list[tuple[int, int, int]],
+                       scored: list[tuple[int, Sequence[int], int]]) -> HostLogprobs:
+        """Queue the copies of a step's logprob results into host slot `slot` (pinned on CUDA)."""
+        if self._lp_host is None:
+            pin = self.device.type == "cuda"
+            rows = 2 * self.seq_info.max_batch_size  # sampled rows + scored rows
+            self._lp_host = [(torch.zeros(rows, dtype=torch.float32, pin_memory=pin),
+                              torch.zeros(rows * MAX_LOGPROBS, dtype=torch.int64, pin_memory=pin),
+                              torch.zeros(rows * MAX_LOGPROBS, dtype=torch.float32, pin_memory=pin))
+                             for _ in range(2)]
+        chosen, ids, vals = self._lp_host[slot]
+        n, k = lp.top_ids.shape
+        chosen = chosen[:n]
+        ids, vals = ids[: n * k].view(n, k), vals[: n * k].view(n, k)
+        chosen.copy_(lp.chosen, non_blocking=True)
+        if k:
+            ids.copy_(lp.top_ids, non_blocking=True)
+            vals.copy_(lp.top_vals, non_blocking=True)
+        return HostLogprobs(chosen, ids, vals, sampled, scored)
 
     @staticmethod
-    def collect(launched: LaunchedStep) -> list[int]:
-        """The launched step's sampled ids on the host (waits for that step, not for later ones)."""
+    def collect(launched: LaunchedStep) -> StepOutput:
+        """The launched step's results on the host: sampled ids and logprobs (waits for that step,
+        not for later ones)."""
         if launched.done is not None:
             launched.done.synchronize()
-        return launched.ids.tolist()
+        ids = launched.ids.tolist()
+        if launched.logprobs is None:
+            return StepOutput(ids, {}, {})
+        return StepOutput(ids, *launched.logprobs.decode(ids))
+
+    def release(self, seq_id: int) -> None:
+        """A request ended: the sampler's device state for it (penalties, bias) may be reused."""
+        self.sampler.release(seq_id)
 
     def prefill_logits(self, prompt: Sequence[int]) -> torch.Tensor:
         """Logits [S, V] of every prompt position, prefilled in chunks (pages freed afterwards).

@@ -22,9 +22,12 @@ Fields (device tensors; `<name>_host` is the host mirror of the same bytes):
                                   token (a decode token sampled by a step still on the device)
     position_ids      int64[T]    absolute positions (graph input, viewed as [1, T])
     last_token        int64[B]    flat index of each sequence's last token
-    logits_index      int64[B]    flat tokens whose logits the graph returns when the gather_logits
-                                  pass is on: each sequence's last token (default), or every token
-                                  of the step (`logits_for="all"`, at most B tokens)
+    logits_index      int64[B]    flat tokens whose logits rows the step returns (the graph itself
+                                  when the gather_logits pass is on): each sequence's last token,
+                                  or every new token of a sequence that asks for all its rows
+                                  (`StepSequence.all_logits`, prompt logprobs; `logits_for="all"`:
+                                  every sequence), in flat order; at most B rows in all
+    sample_row        int64[B]    the row (index into those logits rows) of each sequence's last token
 B = max_batch_size, T = max_num_tokens, P = ceil(max_seq_len / page_size).
 
 Padding (`pad_to`, for CUDA-graph buckets): a decode-only step is padded with dummy decode
@@ -59,6 +62,9 @@ class StepSequence:
     #: The new token is the one the previous step sampled for row `src_row` (still on the device):
     #: token_ids holds one placeholder, the model runner fills the id in on the device.
     src_row: Optional[int] = None
+    #: Return the logits rows of every new token, not only the last (prompt logprobs). The step's
+    #: rows in all (one per other sequence) must fit max_batch_size: the engine caps such chunks.
+    all_logits: bool = False
 
     @property
     def is_decode(self) -> bool:
@@ -84,6 +90,7 @@ def _layout(b: int, t: int, p: int) -> list[tuple[str, torch.dtype, tuple[int, .
         ("position_ids", torch.int64, (t,)),
         ("last_token", torch.int64, (b,)),
         ("logits_index", torch.int64, (b,)),
+        ("sample_row", torch.int64, (b,)),
     ]
 
 
@@ -145,6 +152,9 @@ class SequenceInfo:
         self.num_prefill_seqs = 0
         self.num_decode_seqs = 0
         self.num_device_tokens = 0  # tokens whose id the previous step sampled on the device
+        self.num_logits_rows = 0  # rows of logits the step returns (logits_index)
+        self.row_start: list[int] = []  # per sequence (flat order): its first logits row
+        self.rows_per_seq: list[int] = []  # per sequence: its logits rows (1, or its new tokens)
         self.clear()
 
     # ------------------------------------------------------------------ access
@@ -182,8 +192,9 @@ class SequenceInfo:
         `pages_of(seq_id)` gives the pages that already hold (or will hold) the sequence's tokens:
         allocate them before calling this. Validates every limit first, so a rejected step leaves
         the previous metadata untouched. `pad_to`: run the step as that many tokens (CUDA-graph
-        buckets; the model runner decides). `logits_for`: "last" (each sequence's last token) or
-        "all" (every token of the step, at most max_batch_size) fills `logits_index`.
+        buckets; the model runner decides). `logits_for`: "last" (each sequence's last token, or
+        all its tokens where `StepSequence.all_logits`) or "all" (every token of the step) fills
+        `logits_index`; at most max_batch_size rows either way.
         """
         ordered = sorted(seqs, key=lambda s: s.is_decode)  # stable: prefill first, decode last
         if len(ordered) > self.max_batch_size:
@@ -202,6 +213,13 @@ class SequenceInfo:
             raise CapacityError(
                 f"logits_for='all' returns one row per token, at most max_batch_size={self.max_batch_size}; "
                 f"the step has {num_tokens} tokens."
+            )
+        num_rows = sum(len(s.token_ids) if s.all_logits else 1 for s in ordered)
+        if logits_for == "last" and num_rows > self.max_batch_size:
+            raise CapacityError(
+                f"step asks for {num_rows} logits rows (every new token of the sequences with all_logits, one "
+                f"per other sequence), over max_batch_size={self.max_batch_size}, the rows the step returns; "
+                "cap the chunks of sequences that want all their rows."
             )
         if pad_to is not None and not (num_tokens <= pad_to <= self.max_num_tokens):
             raise CapacityError(
@@ -301,11 +319,19 @@ class SequenceInfo:
         h_np["cache_loc"][num_tokens:t_pad] = SCRATCH_PAGE * ps
         h_np["last_token"][:] = 0
         h_np["last_token"][:n_seq] = cu[1 : n_seq + 1] - 1
+        rows_per = np.where(np.fromiter((logits_for == "all" or s.all_logits for s in ordered), bool, count=n_seq),
+                            lens_np, 1)
+        row_end = np.cumsum(rows_per)
+        num_rows = int(row_end[-1]) if n_seq else 0
         h_np["logits_index"][:] = 0
-        if logits_for == "all":
-            h_np["logits_index"][:num_tokens] = np.arange(num_tokens)
-        else:
+        if num_rows == n_seq:
             h_np["logits_index"][:n_seq] = h_np["last_token"][:n_seq]
+        else:  # row r of sequence s: its last token minus the rows after r
+            seq_of_row = np.repeat(np.arange(n_seq), rows_per)
+            h_np["logits_index"][:num_rows] = (h_np["last_token"][seq_of_row] - (row_end[seq_of_row] - 1)
+                                               + np.arange(num_rows))
+        h_np["sample_row"][:] = 0
+        h_np["sample_row"][:n_seq] = row_end - 1
         n_dec_total = n_dec + dummy_seqs
         h_np["batch_info"][:] = (n_pre, int(lens_np[:n_pre].sum()), n_dec_total)
         max_kv = int((cached_np + lens_np).max()) if n_seq else 0
@@ -323,3 +349,6 @@ class SequenceInfo:
         self.num_prefill_seqs = n_pre
         self.num_decode_seqs = n_dec_total
         self.num_prefill_tokens = sum(lens[:n_pre])
+        self.num_logits_rows = num_rows
+        self.rows_per_seq = rows_per.tolist()
+        self.row_start = (row_end - rows_per).tolist()
