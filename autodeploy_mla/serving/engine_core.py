@@ -196,6 +196,7 @@ class CoreSpec:
 def model_info(om: Any, startup: dict[str, Any]) -> ModelInfo:
     return ModelInfo(vocab_size=int(om.vocab_size), max_seq_len=int(om.seq_info.max_seq_len),
                      max_batch_size=int(om.seq_info.max_batch_size), eos_token_ids=[int(t) for t in om.eos_token_ids],
+                     pages_total=int(om.allocator.num_usable),
                      device=str(om.device), dtype=str(om.dtype).replace("torch.", ""), startup=startup)
 
 

@@ -90,6 +90,7 @@ class ModelInfo(msgspec.Struct):
     max_seq_len: int
     max_batch_size: int
     eos_token_ids: list[int]
+    pages_total: int  # usable cache pages
     device: str
     dtype: str
     startup: dict[str, object]  # the start-up phases (seconds), as the build report has them

@@ -152,7 +152,7 @@ def _describe(v: Any) -> str:
             return "an empty list"
         kinds = sorted({type(x).__name__ for x in v})
         return f"a list of {' / '.join(kinds)}"
-    return f"a {type(v).__name__}"
+    return f"a value of type {type(v).__name__}"
 
 
 class ChatMessage(BaseModel):

@@ -116,8 +116,10 @@ class Server:
                        code="engine_unavailable")
 
     async def _announce_ready(self) -> None:
-        if await self.client.wait_ready() and self.on_ready is not None:
-            self.on_ready(self.client.info)
+        if await self.client.wait_ready():
+            self.metrics.pages_total.set(self.client.info.pages_total)
+            if self.on_ready is not None:
+                self.on_ready(self.client.info)
         elif self.client.state == FAILED:
             log.error("the engine core failed to start: %s", self.client.error)
 
