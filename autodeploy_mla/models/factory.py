@@ -99,6 +99,23 @@ def hf_config(cfg: ModelConfig) -> Any:
         raise ModelLoadError(f"model.hf_config is not a valid {model_type} config: {exc}") from exc
 
 
+def text_config(config: Any) -> Any:
+    """The decoder's part of an HF config (a multimodal config nests it; a causal LM's is itself)."""
+    get = getattr(config, "get_text_config", None)
+    try:
+        return get(decoder=True) if callable(get) else config
+    except (TypeError, ValueError):  # older/odd configs: the config itself
+        return config
+
+
+def vocab_size(cfg: ModelConfig) -> Optional[int]:
+    """The model's vocabulary size from its config alone (config.json or `model.hf_config`, with
+    transformers' defaults filled in), so token ids can be checked before any build; None when the
+    config does not say. Raises ModelLoadError when there is no usable model config."""
+    v = getattr(text_config(hf_config(cfg)), "vocab_size", None)
+    return int(v) if isinstance(v, int) and v > 0 else None
+
+
 @contextlib.contextmanager
 def parameters_on_meta() -> Iterator[None]:
     """Modules constructed inside register their parameters on the meta device (buffers stay real):
