@@ -256,6 +256,19 @@ def test_caches_that_cannot_be_allocated_are_explained(no_build):
         MLACacheManager(lay, 1_000_000_000_000, 4, torch.device("cpu"))
 
 
+def test_pre_build_cache_estimate_is_the_built_cache(om):
+    """The capacity check's cache size, from the config alone, is the one the runner allocated."""
+    from autodeploy_mla.models.factory import hf_config
+    from autodeploy_mla.runtime.capacity import cache_footprint, planned_num_pages
+
+    cfg = om.config
+    fp = cache_footprint(hf_config(cfg.model), cfg.runtime, om.dtype)
+    cache = om.report()["cache"]
+    assert fp.bytes_per_token == cache["bytes_per_token"]
+    assert planned_num_pages(cfg.runtime, om.device) == cache["num_pages"]
+    assert cache["total_bytes"] == cache["num_pages"] * cfg.runtime.page_size * fp.bytes_per_token
+
+
 # ----------------------------------------------------------------------------- EOS and timing
 def test_generation_stops_at_the_models_eos_by_default(om):
     eos = om.eos_token_ids
