@@ -11,7 +11,6 @@ before any model is built or exported. `OptimizedModel` is a thin facade over th
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -21,18 +20,19 @@ import torch
 from torch import nn
 
 from .config.loader import ConfigError, ConfigLayer, config_layers, load_config
-from .config.schema import AppConfig, RuntimeConfig
+from .config.schema import AppConfig, ModelConfig, RuntimeConfig
 from .custom_ops.backend_registry import Target
 from .distributed.env import require_group, resolve_world
-from .models.factory import build_model, resolve_device, resolve_dtype
+from .models.factory import build_model, hf_config, resolve_device, resolve_dtype
 from .models.skeleton import build_skeleton
 from .runtime.artifacts import TensorParallel
+from .runtime.capacity import available_host_bytes, cache_footprint, check_capacity, device_memory_bytes
 from .runtime.engine import GenerationEngine, Request
-from .runtime.errors import CapacityError, RequestError
+from .runtime.errors import RequestError
 from .runtime.model_runner import ModelRunner
 from .runtime.page_allocator import PageAllocator
 from .runtime.sampling import SamplingParams
-from .runtime.sequence_info import SequenceInfo, metadata_nbytes
+from .runtime.sequence_info import SequenceInfo
 from .transforms.context import BuildContext, PassRecord
 from .transforms.pass_manager import Pipeline, parse_pipeline, run_pipeline
 from .transforms.shard import ShardOptions
@@ -60,36 +60,20 @@ def build_config(model: ModelArg = None, config: ConfigArg = None, overrides: Se
     return cfg, parse_pipeline(cfg.transforms)
 
 
-def _available_host_bytes() -> Optional[int]:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
+def check_runtime_capacity(rt: RuntimeConfig, model: Optional[ModelConfig] = None) -> None:
+    """Refuse capacities this machine cannot hold, before any build work (runtime/capacity.py).
 
-
-def check_runtime_capacity(rt: RuntimeConfig) -> None:
-    """Refuse capacities whose fixed-size buffers this host cannot hold, before any build work.
-
-    The step metadata is sized by max_batch_size x max_pages_per_seq (the page table) and
-    max_num_tokens; it lives in a pinned host buffer (and, on CUDA, a device copy)."""
-    need = metadata_nbytes(rt.max_batch_size, rt.max_num_tokens, rt.max_seq_len, rt.page_size)
-    have = _available_host_bytes()
-    if have is not None and need > have // 2:
-        pages = -(-rt.max_seq_len // rt.page_size)
-        raise CapacityError(
-            f"runtime.max_batch_size={rt.max_batch_size}, max_num_tokens={rt.max_num_tokens}, max_seq_len="
-            f"{rt.max_seq_len}, page_size={rt.page_size}: the step metadata alone needs {need / 2**30:.2f} GiB "
-            f"(a {rt.max_batch_size} x {pages} page table, {rt.max_num_tokens}-token buffers), more than half "
-            f"of this host's {have / 2**30:.2f} GiB available memory. Lower max_batch_size / max_seq_len / "
-            "max_num_tokens, or raise page_size."
-        )
+    Always: the step metadata (max_batch_size x pages-per-sequence page table, max_num_tokens
+    buffers) against the host's available memory, and the int32 ranges of the metadata. With
+    `model` (a config's model source): also the device it names (present? `resolve_device`) and
+    the paged caches whose size the config fixes (CPU, or an explicit num_pages), from the model's
+    HF config alone (layers x (R + Dr) x cache dtype per token)."""
+    if model is None:
+        check_capacity(rt, host_bytes=available_host_bytes())
+        return
+    device = resolve_device(model.device)
+    footprint = cache_footprint(hf_config(model), rt, resolve_dtype(model.dtype, device))
+    check_capacity(rt, device, footprint, available_host_bytes(), device_memory_bytes(device))
 
 
 def _world(pipeline: Pipeline) -> Optional[TensorParallel]:
@@ -265,7 +249,7 @@ def optimize(
     config objects are never mutated.
     """
     cfg, pipeline = build_config(model, config, overrides)
-    check_runtime_capacity(cfg.runtime)
+    check_runtime_capacity(cfg.runtime, None if isinstance(model, nn.Module) else cfg.model)
     world = _world(pipeline)
     if isinstance(model, nn.Module):
         p = next(iter(model.parameters()), None)

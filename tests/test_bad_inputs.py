@@ -242,9 +242,31 @@ def test_metadata_that_cannot_be_allocated(no_build, capsys):
     assert "step metadata alone needs" in capsys.readouterr().out
 
 
-def test_caches_that_cannot_be_allocated_are_explained():
-    with pytest.raises(CapacityError, match=r"paged caches \(2 layers x 1000000000000 pages.*could not be allocated"):
+def test_caches_that_cannot_be_allocated_are_explained(no_build):
+    # refused before the build: the cache size follows from the config (2 layers x (R 40 + Dr 16) fp32)
+    with pytest.raises(CapacityError, match=r"runtime\.num_pages=1000000000000, page_size=4: the paged caches need "
+                                            r"[\d.]+ GiB on cpu .*448 bytes per token .*Lower runtime\.num_pages"):
         optimize("default", overrides=[*SMALL, "runtime.num_pages=1000000000000"])
+    # where the size is only known at allocation (CUDA, a fraction of free memory), the runner explains it
+    from autodeploy_mla.runtime.kv_cache import CacheLayout, MLACacheManager
+    from autodeploy_mla.custom_ops.backend_registry import CacheSpec
+
+    lay = [CacheLayout(f"cache_{i}", f"model.layers.{i}.self_attn", CacheSpec(56, torch.float32)) for i in range(2)]
+    with pytest.raises(CapacityError, match=r"paged caches \(2 layers x 1000000000000 pages.*could not be allocated"):
+        MLACacheManager(lay, 1_000_000_000_000, 4, torch.device("cpu"))
+
+
+def test_pre_build_cache_estimate_is_the_built_cache(om):
+    """The capacity check's cache size, from the config alone, is the one the runner allocated."""
+    from autodeploy_mla.models.factory import hf_config
+    from autodeploy_mla.runtime.capacity import cache_footprint, planned_num_pages
+
+    cfg = om.config
+    fp = cache_footprint(hf_config(cfg.model), cfg.runtime, om.dtype)
+    cache = om.report()["cache"]
+    assert fp.bytes_per_token == cache["bytes_per_token"]
+    assert planned_num_pages(cfg.runtime, om.device) == cache["num_pages"]
+    assert cache["total_bytes"] == cache["num_pages"] * cfg.runtime.page_size * fp.bytes_per_token
 
 
 # ----------------------------------------------------------------------------- EOS and timing

@@ -43,7 +43,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", action="append", default=[],
                    help="YAML file or family name layered over the model's (repeatable)")
     p.add_argument("--set", action="append", default=[], metavar="A.B=C", help="override one key (repeatable)")
-    p.add_argument("--device", help="cpu | cuda | cuda:N (default: from config, auto)")
+    p.add_argument("--device", help="auto | cpu | cuda | cuda:N (default: from config, auto)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
 
 

@@ -1,40 +1,118 @@
 """`autodeploy bench`: throughput and latency of a workload, in process or against a running server.
 
+    autodeploy bench                       # the default model, the standard workload fitted to its max_seq_len
     autodeploy bench --model deepseek_v2 --num-requests 64 --prompt-len 256:2048 --output-len 128
     autodeploy bench --url http://127.0.0.1:8000 --max-concurrency 16 --out /tmp/bench
     autodeploy bench --url http://127.0.0.1:8000 --dataset prompts.jsonl --request-rate 4
+
+The standard workload is prompts of 256-2048 tokens and 128 generated tokens. A model whose
+runtime.max_seq_len is shorter than 2048 + 128 (the embedded default: 128) cannot run it, so the
+lengths the user leaves out are fitted to the model (`workload_lengths`) and the choice is printed;
+lengths the user gives are kept, and refused before the build if they do not fit.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+from dataclasses import dataclass
 import platform
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from ..models.factory import vocab_size as config_vocab_size
 from ..serving import bench
 from .build_command import CliError, build_with_progress, config_from_args
 
+#: The standard synthetic workload: prompts uniform in 256-2048 tokens, 128 generated tokens each.
+STANDARD_PROMPT_LEN = (256, 2048)
+STANDARD_OUTPUT_LEN = 128
 
-def _workload(args: argparse.Namespace, vocab_size: int, tokenizer: Any = None) -> bench.Workload:
+
+@dataclass(frozen=True)
+class Lengths:
+    """The workload's prompt and output length ranges, and how they were chosen (None: as given)."""
+
+    prompt: tuple[int, int]
+    output: tuple[int, int]
+    note: Optional[str] = None
+
+
+def _parse(flag: str, text: str) -> tuple[int, int]:
+    try:
+        return bench.parse_range(text)
+    except ValueError as exc:
+        raise CliError(f"{flag} {text}: {exc}") from None
+
+
+def workload_lengths(prompt_len: Optional[str], output_len: Optional[str], max_seq_len: Optional[int]) -> Lengths:
+    """--prompt-len / --output-len as given; a length left out is the standard workload's (256:2048
+    prompts, 128 outputs) shrunk to fit `max_seq_len` (prompt + output per request), keeping its
+    shape: outputs max_seq_len // 17 (at most 128), prompts up to what is left (at most 2048) and
+    down to an eighth of that. With max_seq_len >= 2176 that is the standard workload itself.
+    `max_seq_len` None (a server that does not say): the standard lengths. A given length that
+    leaves no room for the other is an error naming both numbers."""
+    prompt = _parse("--prompt-len", prompt_len) if prompt_len is not None else None
+    output = _parse("--output-len", output_len) if output_len is not None else None
+    if prompt is not None and output is not None:
+        return Lengths(prompt, output)
+    left = " and ".join(f for f, v in (("--prompt-len", prompt_len), ("--output-len", output_len)) if v is None)
+    if max_seq_len is None:
+        prompt, output = prompt or STANDARD_PROMPT_LEN, output or (STANDARD_OUTPUT_LEN, STANDARD_OUTPUT_LEN)
+        return Lengths(prompt, output, f"{left} not given: prompts {_fmt(prompt)}, outputs {_fmt(output)} tokens (the "
+                                       "standard workload; the server does not say its max_model_len)")
+    if output is None:
+        longest_prompt = prompt[1] if prompt is not None else 0
+        if longest_prompt >= max_seq_len:
+            raise CliError(f"--prompt-len {prompt_len}: prompts of up to {longest_prompt} tokens leave no room for "
+                           f"output in max_seq_len={max_seq_len}; shorten --prompt-len or raise runtime.max_seq_len")
+        n = min(STANDARD_OUTPUT_LEN, max(1, max_seq_len // 17), max_seq_len - longest_prompt)
+        output = (n, n)
+    if prompt is None:
+        hi = min(STANDARD_PROMPT_LEN[1], max_seq_len - output[1])
+        if hi < 1:
+            raise CliError(f"--output-len {output_len}: outputs of up to {output[1]} tokens leave no room for a prompt "
+                           f"in max_seq_len={max_seq_len}; lower --output-len or raise runtime.max_seq_len")
+        prompt = (max(1, hi // 8), hi)
+    standard = prompt == STANDARD_PROMPT_LEN and output == (STANDARD_OUTPUT_LEN, STANDARD_OUTPUT_LEN)
+    why = "the standard workload" if standard else (f"the standard {_fmt(STANDARD_PROMPT_LEN)} / {STANDARD_OUTPUT_LEN} "
+                                                     f"workload fitted to max_seq_len={max_seq_len}")
+    return Lengths(prompt, output, f"{left} not given: prompts {_fmt(prompt)}, outputs {_fmt(output)} tokens ({why})")
+
+
+def _fmt(r: tuple[int, int]) -> str:
+    return str(r[0]) if r[0] == r[1] else f"{r[0]}:{r[1]}"
+
+
+def _workload(args: argparse.Namespace, lengths: Lengths, vocab_size: int, tokenizer: Any = None) -> bench.Workload:
     try:
         if args.dataset is not None:
             if not args.dataset.is_file():
                 raise CliError(f"--dataset {args.dataset}: no such file")
-            return bench.Workload.from_jsonl(args.dataset, tokenizer, default_max_tokens=bench.parse_range(
-                args.output_len)[1], request_rate=args.request_rate, seed=args.seed)
-        return bench.Workload.synthetic(args.num_requests, bench.parse_range(args.prompt_len),
-                                        bench.parse_range(args.output_len), vocab_size, args.request_rate, args.seed)
+            return bench.Workload.from_jsonl(args.dataset, tokenizer, default_max_tokens=lengths.output[1],
+                                             request_rate=args.request_rate, seed=args.seed)
+        return bench.Workload.synthetic(args.num_requests, lengths.prompt, lengths.output, vocab_size,
+                                        args.request_rate, args.seed)
     except CliError:
         raise
     except ValueError as exc:
         raise CliError(str(exc)) from None
+
+
+def _print_choice(console: Console, args: argparse.Namespace, lengths: Lengths) -> None:
+    """Say which lengths were chosen for the user (a workload nobody asked for must not look asked for)."""
+    if lengths.note is None:
+        return
+    if args.dataset is None:
+        console.print(lengths.note, soft_wrap=True)
+    elif args.output_len is None:
+        console.print(f"--output-len not given: requests without max_tokens in {args.dataset} generate "
+                      f"{lengths.output[1]} tokens", soft_wrap=True)
 
 
 def _progress(console: Console, total: int) -> Progress:
@@ -65,7 +143,10 @@ def run_bench(args: argparse.Namespace) -> int:
         vocab = args.vocab_size or card.get("vocab_size")
         if vocab is None and args.dataset is None:
             raise CliError(f"--url {args.url}: the server does not say its vocab_size; give --vocab-size")
-        wl = _workload(args, int(vocab or 0), tokenizer)
+        max_len = int(card["max_model_len"]) if card.get("max_model_len") else None
+        lengths = workload_lengths(args.prompt_len, args.output_len, max_len)
+        _print_choice(console, args, lengths)
+        wl = _workload(args, lengths, int(vocab or 0), tokenizer)
         if card.get("max_model_len"):
             wl.check_fits(int(card["max_model_len"]), f"the model at {args.url}")
         meta.update(mode="server", url=args.url, model=card.get("id"))
@@ -79,13 +160,15 @@ def run_bench(args: argparse.Namespace) -> int:
         cfg = config_from_args(args)
         if tokenizer is None and args.dataset is not None and cfg.model.path is not None:
             tokenizer = _tokenizer(cfg.model.path) if (Path(cfg.model.path) / "tokenizer_config.json").exists() else None
+        lengths = workload_lengths(args.prompt_len, args.output_len, cfg.runtime.max_seq_len)
+        vocab = config_vocab_size(cfg.model)
+        if vocab is not None:  # check the workload before the build when the config says the vocabulary
+            _workload(args, lengths, vocab, tokenizer).check_fits(cfg.runtime.max_seq_len, "this config")
         console.print(f"[bold]autodeploy bench[/] model={args.model or 'default'} device={cfg.model.device} "
                       f"dtype={cfg.model.dtype}")
-        vocab = (cfg.model.hf_config or {}).get("vocab_size")
-        if vocab is not None:  # check the workload before the build when the config says the vocabulary
-            _workload(args, int(vocab), tokenizer).check_fits(cfg.runtime.max_seq_len, "this config")
+        _print_choice(console, args, lengths)
         om = build_with_progress(cfg, console)
-        wl = _workload(args, om.vocab_size, tokenizer)
+        wl = _workload(args, lengths, om.vocab_size, tokenizer)
         wl.check_fits(om.seq_info.max_seq_len, "this config")
         meta.update(mode="in-process", model=args.model or "default", device=str(om.device), dtype=str(om.dtype),
                     backends=sorted({d.backend for d in om.ctx.artifacts.decisions}))
@@ -113,8 +196,10 @@ def add_bench_parser(sub: Any, add_model_flags: Any, positive_int: Any) -> None:
     b.add_argument("--url", help="a running server (autodeploy serve, or any OpenAI-compatible one) instead of "
                                  "building the model here")
     b.add_argument("--num-requests", type=positive_int, default=64)
-    b.add_argument("--prompt-len", default="256:2048", help="prompt tokens: N or MIN:MAX, uniform (default 256:2048)")
-    b.add_argument("--output-len", default="128", help="generated tokens: N or MIN:MAX (default 128)")
+    b.add_argument("--prompt-len", help="prompt tokens: N or MIN:MAX, uniform (default 256:2048, shrunk to fit "
+                                        "the model's max_seq_len)")
+    b.add_argument("--output-len", help="generated tokens: N or MIN:MAX (default 128, shrunk to fit the model's "
+                                        "max_seq_len)")
     b.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (default inf: "
                                                                           "all at once)")
     b.add_argument("--max-concurrency", type=positive_int, default=64, help="with --url: requests in flight at once")

@@ -1,8 +1,9 @@
 """`autodeploy build`: compile a model, print what the compiler did and why, generate, verify.
 
 Everything that can be checked without a model is checked before any build work — the report path,
-the prompts and the tokenizer they need, max_new_tokens against max_seq_len, the whole config and
-pass pipeline — so a typo costs a second, not a build.
+the device, the sampling flags, the whole config and pass pipeline, the runtime capacities against
+this machine's memory, the prompts (token ids against the vocabulary, lengths against max_seq_len)
+and the tokenizer they need — so a typo costs a second, not a build.
 """
 
 from __future__ import annotations
@@ -10,16 +11,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from pathlib import Path
+import re
 from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
 from rich.console import Console
 
 from ..api import OptimizedModel, build_config, check_runtime_capacity, optimize
-from ..config.schema import AppConfig
-from ..distributed.env import is_rank0
+from ..config.schema import DEVICE_FORMS, AppConfig, is_device_form
+from ..distributed.env import env_info, is_rank0
+from ..models.factory import resolve_device, vocab_size
 from ..models.skeleton import reference_model
 from ..runtime.sampling import SamplingParams
 from ..verify import compare_greedy
@@ -60,6 +64,58 @@ def parse_prompt_ids(items: list[str]) -> list[list[int]]:
     return prompts
 
 
+def check_device_flag(args: argparse.Namespace) -> None:
+    """--device must be a form the build supports and a device this machine has — checked before
+    anything is spawned or built (torch.device('tpu') raises a RuntimeError deep in the build)."""
+    dev = getattr(args, "device", None)
+    if dev is None:
+        return
+    if not is_device_form(dev):
+        raise CliError(f"--device {dev!r}: not a device this build supports; expected {DEVICE_FORMS} "
+                       "(N: a CUDA device index)")
+    device = resolve_device(dev)  # ModelLoadError: no CUDA, or cuda:N past the device count
+    world = getattr(args, "world_size", 1)
+    if device.type == "cuda" and world > 1 and env_info().world_size == 1:
+        count = torch.cuda.device_count()
+        if world > count:
+            raise CliError(f"--world-size {world} --device {dev}: one GPU per rank, but this machine has {count} "
+                           f"CUDA device(s); use --world-size {count} or less")
+
+
+_FIELD_VALUE = re.compile(r"^(\w+)=(\S+): (.*)$")
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    """The sampling flags as SamplingParams, built before the build so that a bad value is refused
+    in a second. SamplingParams' own checks are the rules; their messages are re-worded to name
+    the flag (`--top-p 2.0: must be in (0, 1]`)."""
+    try:
+        return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                              top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
+    except ValueError as exc:
+        m = _FIELD_VALUE.match(str(exc))
+        if m is None:
+            raise CliError(f"sampling flags: {exc}") from None
+        field, value, why = m.groups()
+        raise CliError(f"--{field.replace('_', '-')} {value}: {why}") from None
+
+
+def check_prompts(prompts: Sequence[Sequence[int]], sources: Sequence[str], vocab: Optional[int], max_seq_len: int,
+                  max_new_tokens: int) -> None:
+    """Every prompt's token ids inside the vocabulary and its length + --max-new-tokens within
+    max_seq_len, before the build (the engine would refuse each request after it)."""
+    for ids, src in zip(prompts, sources):
+        if vocab is not None:
+            for i, t in enumerate(ids):
+                if not 0 <= t < vocab:
+                    raise CliError(f"{src}: token id {t} at position {i} is outside the model's vocabulary: "
+                                   f"vocab_size={vocab} (ids 0..{vocab - 1})")
+        if len(ids) + max_new_tokens > max_seq_len:
+            raise CliError(f"{src}: {len(ids)} prompt tokens + --max-new-tokens {max_new_tokens} = "
+                           f"{len(ids) + max_new_tokens}, over runtime.max_seq_len={max_seq_len}; shorten the prompt, "
+                           "lower --max-new-tokens or raise runtime.max_seq_len")
+
+
 def load_tokenizer(cfg: AppConfig) -> Any:
     """The checkpoint's tokenizer, for --prompt text (an error naming the problem otherwise)."""
     path = cfg.model.path
@@ -82,14 +138,16 @@ def _default_prompts(vocab: int, cfg: AppConfig, max_new: int, seed: int) -> lis
 
 
 def config_from_args(args: argparse.Namespace, extra_sets: Sequence[str] = ()) -> AppConfig:
-    """The validated config that the model flags (--model, --config, --set, --device, --dtype) name."""
+    """The validated config that the model flags (--model, --config, --set, --device, --dtype) name,
+    its device present and its runtime capacities within this machine (still no model built)."""
+    check_device_flag(args)
     sets = list(args.set)
     if args.device:
         sets.append(f"model.device={args.device}")
     if args.dtype:
         sets.append(f"model.dtype={args.dtype}")
     cfg, _ = build_config(args.model or "default", args.config, [*sets, *extra_sets])
-    check_runtime_capacity(cfg.runtime)
+    check_runtime_capacity(cfg.runtime, cfg.model)  # the device, metadata and caches vs this machine
     return cfg
 
 
@@ -107,32 +165,61 @@ def build_with_progress(cfg: AppConfig, console: Console) -> OptimizedModel:
     return om
 
 
-def build(args: argparse.Namespace) -> int:
-    check_report_path(args.report)
-    prompt_ids = parse_prompt_ids(args.prompt_ids)
-    if (rc := tp.launch(args, build)) is not None:  # --world-size N: N ranks run build(); rank 0's code
-        return rc
-    with tp.rank_setup(args) as rank_sets:
-        return _build(args, prompt_ids, rank_sets)
+@dataclass(frozen=True)
+class CheckedInputs:
+    """What `build` checked before any build work: the config, and the explicit prompts (token ids,
+    then tokenized --prompt texts) with the vocabulary they were checked against."""
+
+    cfg: AppConfig
+    prompts: list[list[int]]
+    vocab_size: Optional[int]
 
 
-def _build(args: argparse.Namespace, prompt_ids: list[list[int]], rank_sets: list[str]) -> int:
-    console = Console(quiet=not is_rank0())
+def check_inputs(args: argparse.Namespace, prompt_ids: list[list[int]], rank_sets: list[str]) -> CheckedInputs:
+    """The config (with the capacity and device checks), --max-new-tokens against max_seq_len, the
+    tokenizer for --prompt, and every prompt against the vocabulary and max_seq_len; no model built."""
     cfg = config_from_args(args, rank_sets)
     if args.max_new_tokens >= cfg.runtime.max_seq_len:
         raise CliError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt: runtime.max_seq_len="
                        f"{cfg.runtime.max_seq_len} (prompt + generated tokens). Lower it or raise max_seq_len.")
-    tokenizer = load_tokenizer(cfg) if args.prompt else None
+    prompts = [list(p) for p in prompt_ids]
+    sources = [f"--prompt-ids {','.join(map(str, p))}" if len(p) <= 12 else f"--prompt-ids #{i + 1} ({len(p)} ids)"
+               for i, p in enumerate(prompt_ids)]
+    if args.prompt:
+        tokenizer = load_tokenizer(cfg)
+        for text in args.prompt:
+            prompts.append(list(tokenizer(text)["input_ids"]))
+            sources.append(f"--prompt {text[:40]!r}")
+    vocab = vocab_size(cfg.model)
+    check_prompts(prompts, sources, vocab, cfg.runtime.max_seq_len, args.max_new_tokens)
+    return CheckedInputs(cfg, prompts, vocab)
+
+
+def build(args: argparse.Namespace) -> int:
+    check_report_path(args.report)
+    check_device_flag(args)
+    params = sampling_params(args)
+    prompt_ids = parse_prompt_ids(args.prompt_ids)
+    # Outside a rank, check everything once here, before ranks are spawned or a model is built;
+    # ranks (spawned, torchrun) check again with their own overrides (shard, their GPU).
+    checked = check_inputs(args, prompt_ids, []) if env_info().world_size == 1 else None
+    if (rc := tp.launch(args, build)) is not None:  # --world-size N: N ranks run build(); rank 0's code
+        return rc
+    with tp.rank_setup(args) as rank_sets:
+        if checked is None or rank_sets:
+            checked = check_inputs(args, prompt_ids, rank_sets)
+        return _build(args, checked, params)
+
+
+def _build(args: argparse.Namespace, checked: CheckedInputs, params: SamplingParams) -> int:
+    console = Console(quiet=not is_rank0())
+    cfg = checked.cfg
     console.print(f"[bold]autodeploy build[/] model={args.model or 'default'} device={cfg.model.device} "
                   f"dtype={cfg.model.dtype}")
     om = build_with_progress(cfg, console)
-    prompts = list(prompt_ids)
-    if tokenizer is not None:
-        prompts += [tokenizer(p)["input_ids"] for p in args.prompt]
+    prompts = list(checked.prompts)
     if not prompts:
         prompts = _default_prompts(om.vocab_size, cfg, args.max_new_tokens, args.seed)
-    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
     with console.status("generating..."):
         reqs = om.generate_requests(prompts, params)
     outs = [r.generated for r in reqs]

@@ -156,6 +156,7 @@ def load_config(*layers: ConfigLayer, overrides: Iterable[str] = ()) -> AppConfi
 
 
 def _explain(exc: ValidationError) -> str:
+    """Every problem with its key path; one problem stays on one line (the CLI prints `error: ...`)."""
     lines = ["invalid configuration:"]
     for err in exc.errors():
         loc = ".".join(str(p) for p in err["loc"]) or "config"
@@ -165,6 +166,8 @@ def _explain(exc: ValidationError) -> str:
             valid = _valid_keys(parent)
             msg = f"unknown key{f'; valid keys: {valid}' if valid else ''}"
         lines.append(f"  {loc}: {msg}")
+    if len(lines) == 2:
+        return f"{lines[0]} {lines[1].strip()}"
     return "\n".join(lines)
 
 

@@ -8,9 +8,20 @@ independent of which passes exist.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+#: The device strings a model can be built for; whether that device is present is checked before
+#: the build (models/factory.resolve_device), not here, so a CUDA config still loads on a CPU host.
+DEVICE_FORMS = "auto | cpu | cuda | cuda:N"
+_DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+
+
+def is_device_form(name: str) -> bool:
+    """Whether `name` is one of DEVICE_FORMS (whether this machine has it is another question)."""
+    return bool(_DEVICE.match(name))
 
 
 class _Strict(BaseModel):
@@ -32,6 +43,16 @@ class ModelConfig(_Strict):
     device: str = "auto"
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
     trust_remote_code: bool = False
+
+    @field_validator("device")
+    @classmethod
+    def _device_form(cls, v: str) -> str:
+        """Only the forms the build knows how to place a model on; torch.device() would accept
+        'xla' or 'mps' here and fail minutes later, or name 'tpu' in a traceback."""
+        if not is_device_form(v):
+            raise ValueError(f"{v!r} is not a device this build supports; expected {DEVICE_FORMS} "
+                             "(N: a CUDA device index, 0 for the first GPU)")
+        return v
 
     @model_validator(mode="after")
     def _one_source(self) -> "ModelConfig":

@@ -34,11 +34,26 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def resolve_device(name: str) -> torch.device:
+    """The device `model.device` names, refused here — before any build work — when this machine
+    does not have it (the config schema has already checked the form: auto | cpu | cuda | cuda:N)."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ModelLoadError(f"device {name!r} requested but CUDA is not available; use --device cpu")
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise ModelLoadError(f"device {name!r}: not a device this build supports; expected auto | cpu | cuda | "
+                             "cuda:N (--device / model.device)") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ModelLoadError(f"device {name!r}: only cpu and cuda devices are supported; use --device auto | cpu | "
+                             "cuda | cuda:N")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ModelLoadError(f"device {name!r} requested but CUDA is not available on this machine (torch "
+                                 f"{torch.__version__}); use --device cpu or auto")
+        count = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= count:
+            raise ModelLoadError(f"device {name!r}: this machine has {count} CUDA device(s), cuda:0..cuda:{count - 1}; "
+                                 "use one of those, or cuda / auto for the current one")
     return dev
 
 
@@ -82,6 +97,23 @@ def hf_config(cfg: ModelConfig) -> Any:
         return transformers.AutoConfig.for_model(model_type, **hf)
     except Exception as exc:
         raise ModelLoadError(f"model.hf_config is not a valid {model_type} config: {exc}") from exc
+
+
+def text_config(config: Any) -> Any:
+    """The decoder's part of an HF config (a multimodal config nests it; a causal LM's is itself)."""
+    get = getattr(config, "get_text_config", None)
+    try:
+        return get(decoder=True) if callable(get) else config
+    except (TypeError, ValueError):  # older/odd configs: the config itself
+        return config
+
+
+def vocab_size(cfg: ModelConfig) -> Optional[int]:
+    """The model's vocabulary size from its config alone (config.json or `model.hf_config`, with
+    transformers' defaults filled in), so token ids can be checked before any build; None when the
+    config does not say. Raises ModelLoadError when there is no usable model config."""
+    v = getattr(text_config(hf_config(cfg)), "vocab_size", None)
+    return int(v) if isinstance(v, int) and v > 0 else None
 
 
 @contextlib.contextmanager
