@@ -22,6 +22,8 @@ from torch import nn
 from .config.loader import ConfigError, ConfigLayer, config_layers, load_config
 from .config.schema import AppConfig, ModelConfig, RuntimeConfig
 from .custom_ops.backend_registry import Target
+from .custom_ops.cache_format import resolve_cache_dtype
+from .custom_ops.flashinfer_jit import JitBuild, dims_from_hf_config, prefetch
 from .distributed.env import require_group, resolve_world
 from .models.factory import build_model, hf_config, resolve_device, resolve_dtype
 from .models.skeleton import build_skeleton
@@ -109,6 +111,8 @@ class OptimizedModel:
         self.runner = runner
         self.eager_model = eager_model
         self.last_generation: dict[str, Any] = {}
+        #: FlashInfer modules optimize() started compiling in the background (custom_ops/flashinfer_jit.py)
+        self.jit_prefetch: list[JitBuild] = []
 
     # ------------------------------------------------------------------ views
     @property
@@ -230,6 +234,7 @@ class OptimizedModel:
             "tensor_parallel": None if tp is None else {"world_size": tp.world_size, "rank": tp.rank,
                                                         "group": tp.group, "all_reduces": tp.all_reduces},
             "generation": self.last_generation,
+            "jit_prefetch": [b.to_dict() for b in self.jit_prefetch],
         }
 
 
@@ -256,16 +261,29 @@ def optimize(
         device = p.device if p is not None else resolve_device(cfg.model.device)
         dtype = p.dtype if p is not None else resolve_dtype(cfg.model.dtype, device)
         eager = model.eval()
+        jit = _prefetch_kernels(getattr(eager, "config", None), cfg.runtime, device, dtype)
     else:
         device = resolve_device(cfg.model.device)
         dtype = resolve_dtype(cfg.model.dtype, device)
+        jit = _prefetch_kernels(hf_config(cfg.model), cfg.runtime, device, dtype)
         eager = _eager_model(cfg, pipeline, world, device, dtype)
     target = Target.detect(device, cfg.runtime.page_size)
     ctx = BuildContext(cfg, eager, device, dtype, target, world)
     run_pipeline(ctx, pipeline, on_pass)
     assert ctx.gm is not None
     runner = ModelRunner(ctx.artifacts.compiled(ctx.gm), cfg.runtime, device, dtype, target, backend_policies)
-    return OptimizedModel(ctx, runner, eager)
+    om = OptimizedModel(ctx, runner, eager)
+    om.jit_prefetch = jit
+    return om
+
+
+def _prefetch_kernels(hf: Any, rt: RuntimeConfig, device: torch.device, dtype: torch.dtype) -> list[JitBuild]:
+    """Start compiling, in the background, the FlashInfer modules this model's attention may plan
+    (custom_ops/flashinfer_jit.py): they build while the model is made, exported and compiled."""
+    dims = dims_from_hf_config(hf) if hf is not None else None
+    if dims is None or device.type != "cuda":
+        return []
+    return prefetch(dims, dtype, resolve_cache_dtype(rt.kv_cache_dtype, dtype), device)
 
 
 __all__ = ["ConfigError", "OptimizedModel", "build_config", "check_runtime_capacity", "optimize"]

@@ -700,9 +700,10 @@ class _TorchFa3:
     """Stands in for fa3_prefill.Fa3Prefill on CPU: the same call, ragged causal attention in fp32 torch
     (query i of a sequence sees its first kv_len - q_len + i + 1 keys, FlashInfer's alignment)."""
 
-    def __init__(self):
+    def __init__(self, ready: bool = True):
         self.calls = 0
         self.seen: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+        self.ready = ready  # Fa3Prefill.ready: its module compiled
 
     def run(self, q, k, v, out, qo_indptr, kv_indptr, sm_scale):
         assert q.shape[-1] == k.shape[-1] and q.stride(-1) == k.stride(-1) == v.stride(-1) == out.stride(-1) == 1
@@ -768,6 +769,10 @@ def test_fa3_prefill_choice_and_refusals():
     assert not top._fa3_for_step(call, step(4096, ()), cpu)
     assert top._fa3_for_step(top._Call(TritonPolicy(prefill_attention="flashinfer"), fa3=_TorchFa3()), step(8), cpu)
     assert not top._fa3_for_step(top._Call(TritonPolicy()), step(4096), cpu)
+    # "auto" never waits for FA3's compile: until its module is built, the Triton kernel attends
+    assert not top._fa3_for_step(top._Call(TritonPolicy(), fa3=_TorchFa3(ready=False)), step(4096), cpu)
+    assert top._fa3_for_step(top._Call(TritonPolicy(prefill_attention="flashinfer"), fa3=_TorchFa3(ready=False)),
+                             step(8), cpu)
 
 
 _PACK_COMPILE_CHECK = """

@@ -11,7 +11,10 @@ strides). With that packing the whole op beats our kernel from 1024 new tokens (
 0.87x at 2048; GLM 0.92x, 0.84x), so "auto" takes FA3 from tuning.FA3_PREFILL_MIN_TOKENS = 1024.
 
 `Fa3Prefill` is per-model state (the Triton session owns one): a FlashInfer workspace and wrapper,
-planned once per step (the plan depends on the step's sequence lengths only, so every layer of a
+and the background compile of its module (`flashinfer_jit`: ~96 s of nvcc on a fresh H200 host,
+started when the session is made unless `optimize()` started it earlier): until that compile has
+finished, `ready` is False and the op attends with `expanded_prefill_kernel`, so no step and no
+start-up waits for nvcc. The wrapper is planned once per step (the plan depends on the step's sequence lengths only, so every layer of a
 step reuses it). Planning stages FlashInfer's schedule in a pinned host buffer copied to the device
 asynchronously; a re-plan first waits for the previous plan's copy (an event), as the FlashInfer MLA
 backend does.
@@ -23,6 +26,7 @@ from typing import Any, Optional
 
 import torch
 
+from ..flashinfer_jit import JitBuild, fa3_prefill_module
 from ..mla_dims import MLADims
 
 #: (Dqk, Dv) pairs FlashInfer 0.7's FA3 prefill kernels are built for (192 / 128: DeepSeek's expanded heads)
@@ -53,10 +57,13 @@ def fa3_unavailable(dims: MLADims, dtype: torch.dtype, device: torch.device) -> 
 class Fa3Prefill:
     """One model's FlashInfer FA3 ragged-prefill wrapper (see the module docstring)."""
 
-    def __init__(self, device: torch.device, workspace_bytes: int = FA3_WORKSPACE_BYTES) -> None:
+    def __init__(self, device: torch.device, head_dims: frozenset[tuple[int, int]] = frozenset(),
+                 workspace_bytes: int = FA3_WORKSPACE_BYTES) -> None:
         import flashinfer.prefill
 
         self.device = device
+        dtype = torch.bfloat16  # the module's dtype does not change its build time; bf16 is what runs
+        self.builds: list[JitBuild] = [fa3_prefill_module(qk, vo, dtype).start() for qk, vo in sorted(head_dims)]
         self.workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device)
         self.wrapper = flashinfer.prefill.BatchPrefillWithRaggedKVCacheWrapper(self.workspace, "NHD", backend="fa3")
         self._key: Optional[tuple[Any, ...]] = None
@@ -92,5 +99,11 @@ class Fa3Prefill:
         self.wrapper.run(q, k, v, out=out)
         self.calls += 1
 
-    def stats(self) -> dict[str, int]:
-        return {"fa3_prefill_plans": self.plans, "fa3_prefill_calls": self.calls}
+    @property
+    def ready(self) -> bool:
+        """The module is compiled (or failed to: then the wrapper's own build reports it on use)."""
+        return all(b.done() for b in self.builds)
+
+    def stats(self) -> dict[str, Any]:
+        return {"fa3_prefill_plans": self.plans, "fa3_prefill_calls": self.calls,
+                "fa3_prefill_builds": [b.to_dict() for b in self.builds]}

@@ -224,7 +224,8 @@ def _make_fa3(spec: SessionSpec, policy: TritonPolicy) -> tuple[Optional[Fa3Pref
         if policy.prefill_attention == "flashinfer":
             raise ValueError(f"TritonPolicy.prefill_attention='flashinfer': {why}. Use 'auto' or 'triton'.")
         return None, why
-    return Fa3Prefill(spec.device), ""
+    return Fa3Prefill(spec.device, frozenset((d.qk_nope_head_dim + d.qk_rope_head_dim, d.v_head_dim)
+                                             for d in spec.dims)), ""
 
 
 @dataclass(frozen=True)
@@ -742,10 +743,13 @@ GATHER_BLOCK_T = 32
 
 def _fa3_for_step(call: _Call, step: StepShape, dev: torch.device) -> bool:
     """Whether this step's expanded prefill attends with FlashInfer's FA3 (the session has one, the step
-    runs eagerly, and its longest prefill is long enough under "auto")."""
+    runs eagerly, and under "auto" its longest prefill is long enough and the FA3 module is compiled
+    already: a step never waits for nvcc unless "flashinfer" is forced)."""
     if call.fa3 is None or not step.qo_indptr or _capturing_on(dev):
         return False
-    return call.policy.prefill_attention == "flashinfer" or step.max_q >= tuning.FA3_PREFILL_MIN_TOKENS
+    if call.policy.prefill_attention == "flashinfer":
+        return True
+    return step.max_q >= tuning.FA3_PREFILL_MIN_TOKENS and call.fa3.ready
 
 
 def _prefill_expanded(call: _Call, q_nope, q_pe, mla_cache, kv_b_proj_weight, page_table, cu_seqlen, input_pos,
