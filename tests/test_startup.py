@@ -1,0 +1,189 @@
+"""Start-up (issue 42, item 2): compile groups, persistent compile caches, warm-up captures, the report.
+
+- Static pieces that are the same graph share one compiled callable (identical layers do; a dense and
+  a MoE layer, or pieces that differ in a constant, a weight shape or dtype, do not), the outputs
+  stay bit-identical to the flat graph in fp32, and Dynamo compiles once per group (twice with a
+  one-token step, which it always specialises).
+- Which static-piece inputs vary with the token count is derived exactly (not from "dims equal to T").
+- The compile-cache directory: AUTODEPLOY_CACHE_DIR wins, XDG / home defaults, `off`, a variable the
+  user set wins, the key changes with any version.
+- Warm-up skips piecewise captures of mixed-graph buckets no step can run piecewise, and keeps them
+  where a backend may decline a step; the startup report has every phase.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from autodeploy_mla.api import optimize
+from autodeploy_mla.runtime.piece_groups import canonicalize, group_pieces
+from autodeploy_mla.runtime.piecewise import STATIC
+from autodeploy_mla.runtime.sequence_info import StepSequence
+from autodeploy_mla.testing.tiny_configs import TINY_CONFIGS
+
+RUNTIME = {"max_batch_size": 4, "max_seq_len": 64, "max_num_tokens": 8, "page_size": 4}
+# (seq_id, new tokens, cached): prefill, chunked prefill, mixed steps of 2..8 tokens
+STEPS = [
+    [(0, 5, 0), (1, 3, 0)],
+    [(0, 1, 5), (1, 1, 3), (2, 4, 0)],
+    [(0, 1, 6), (2, 2, 4)],
+]
+ONE_TOKEN = [[(0, 1, 7)]]
+
+
+def _build(family: str, layers: int, compile: str = "none", **hf):
+    cfg = copy.deepcopy(TINY_CONFIGS[family])
+    cfg.update(num_hidden_layers=layers, **hf)
+    return optimize(None, {"model": {"hf_config": cfg}, "runtime": RUNTIME,
+                           "transforms": {"piecewise": {"enabled": True, "on_cpu": True, "compile": compile}}})
+
+
+def _run(om, schedule, piecewise=True, seed=0):
+    """Logits of each step of `schedule` (copies), through the split runner or the flat graph."""
+    mr = om.runner
+    for c in mr.caches.caches.values():
+        c.zero_()
+    g = torch.Generator().manual_seed(seed)
+    saved = mr.piecewise
+    if not piecewise:
+        mr.piecewise = None
+    outs = []
+    try:
+        for step in schedule:
+            om.allocator.ensure_many({sid: n + cached for sid, n, cached in step})
+            seqs = [StepSequence(sid, torch.randint(0, om.vocab_size, (n,), generator=g).tolist(), cached)
+                    for sid, n, cached in step]
+            _, logits = mr.forward(seqs, om.allocator.pages_of)
+            outs.append(logits[0, :mr.seq_info.num_tokens].clone())
+    finally:
+        mr.piecewise = saved
+        for sid in {s for step in schedule for s, _, _ in step}:
+            om.allocator.free(sid)
+    return outs
+
+
+# ----------------------------------------------------------------------------- compile groups
+@pytest.fixture(scope="module")
+def v3_dense2():
+    """Tiny DeepSeek-V3, 4 layers, the first two dense: static pieces 0 (embedding + layer 0 pre-attention),
+    2 and 4 (a dense tail + the next pre-attention: the same graph), 6 (the MoE tail), 8 (final norm + head)."""
+    return _build("deepseek_v3", 4, "aot_eager", first_k_dense_replace=2)
+
+
+def test_identical_layers_share_one_compiled_graph_and_compile_once(v3_dense2):
+    from torch._dynamo.utils import counters
+
+    om = v3_dense2
+    pw = om.runner.piecewise
+    assert [g.pieces for g in pw.split.groups] == [(0,), (2, 4), (6,), (8,)]
+    assert [cg.group.pieces for cg in pw.compiled] == [(0,), (2, 4), (6,), (8,)]
+    # each piece calls its group's one callable with its own weights
+    members = {i: pw.eager_module.get_submodule(f"submod_{i}") for i in (2, 4)}
+    assert members[2].group is members[4].group
+    assert {t.data_ptr() for t in members[2].params}.isdisjoint(t.data_ptr() for t in members[4].params)
+
+    graphs0 = counters["stats"]["unique_graphs"]
+    flat = _run(om, STEPS, piecewise=False)
+    got = _run(om, STEPS)
+    for a, b in zip(flat, got):
+        assert torch.equal(a, b), (a - b).abs().max()
+    # one compile per group across token counts 8, 7, 3: dynamic in T from the first compile
+    assert [cg.stats.compiles for cg in pw.compiled] == [1, 1, 1, 1]
+    assert counters["stats"]["unique_graphs"] - graphs0 == 4  # Dynamo's own count agrees
+    for cg in pw.compiled:  # what was named dynamic: only token dims and token-derived ints
+        assert cg.stats.dynamic_sources and all(s.endswith(":1") or ":" not in s
+                                                for s in cg.stats.dynamic_sources.split(","))
+    # a one-token step: Dynamo specialises size 1, one more compile per group at most
+    assert torch.equal(_run(om, ONE_TOKEN, piecewise=False)[0], _run(om, ONE_TOKEN)[0])
+    assert all(cg.stats.compiles <= 2 for cg in pw.compiled)
+    # recorded in the pass report, the pieces report and the runner summary
+    rec = next(r for r in om.history if r.name == "piecewise")
+    assert "5 static in 4 compile groups" in rec.summary
+    assert [g["pieces"] for g in rec.details["compile_groups"]] == [[0], [2, 4], [6], [8]]
+    pieces = om.report()["pieces"]
+    assert [e.get("compile_group") for e in pieces if e["kind"] == STATIC] == [0, 1, 1, 2, 3]
+    summary = pw.summary()["compile_groups"]
+    assert [g["compiles"] for g in summary] == [cg.stats.compiles for cg in pw.compiled]
+
+
+def test_token_dims_are_derived_exactly(v3_dense2):
+    """Every static-piece input's token dependence is derived (export metadata, or the attention op
+    run on fake tensors at two token counts), and only the token dim varies: tiny hidden/head sizes
+    equal to a step's token count (8) are not mistaken for it."""
+    pw = v3_dense2.runner.piecewise
+    assert pw.token_dims_note == "every static piece input derived"
+    for cg in pw.compiled:
+        dims = cg.token_dims
+        assert dims is not None and not dims.unknown
+        assert dims.tensors and all(ds == (1,) for _, ds in dims.tensors)  # [1, T, ...] activations
+    first = pw.compiled[0].token_dims  # piece 0 takes input_ids and position_ids, [1, T] each
+    assert first.tensors == ((0, (1,)), (1, (1,)))
+
+
+def test_moe_layers_share_and_differing_pieces_do_not():
+    """DeepSeek-V2 tiny, 5 layers (layer 0 dense, 1-4 MoE): the first MoE tail computes the routing
+    sizes the later ones receive (a different graph), the middle MoE tails share, and the one before
+    the last, which does not hand the rotary table on, joins them returning the leading outputs."""
+    om = _build("deepseek_v2", 5)
+    split = om.runner.piecewise.split
+    groups = split.groups
+    assert [g.pieces for g in groups] == [(0,), (2,), (4,), (6, 8), (10,)]
+    shared = groups[3]
+    n_out = len(next(n for n in split.canonical[6].gm.graph.nodes if n.op == "output").args[0])
+    assert shared.keep(6) is None and shared.keep(8) == n_out - 1
+    assert shared.to_dict()["keeps_first_outputs"] == {"8": n_out - 1}
+    sub8 = split.module.get_submodule("submod_8")
+    rep = split.canonical[6]
+    member = split.canonical[8]
+    assert member.key == rep.key and member.outputs == rep.outputs[:-1]
+    assert len(sub8.graph.find_nodes(op="output")[0].args[0]) == n_out - 1
+
+
+def _graph(eps: float = 1e-6, weight=None, extra_output: bool = False, op=torch.ops.aten.mul.Tensor):
+    """A tiny static piece: rms-norm-like ops on x with one weight attribute."""
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    w = g.get_attr("w")
+    sq = g.call_function(torch.ops.aten.pow.Tensor_Scalar, (x, 2))
+    m = g.call_function(torch.ops.aten.mean.dim, (sq, [-1], True))
+    r = g.call_function(torch.ops.aten.rsqrt.default, (g.call_function(torch.ops.aten.add.Tensor, (m, eps)),))
+    y = g.call_function(op, (g.call_function(torch.ops.aten.mul.Tensor, (x, r)), w))
+    g.output((y, sq) if extra_output else (y,))
+    root = torch.nn.Module()
+    root.register_parameter("w", torch.nn.Parameter(torch.randn(8) if weight is None else weight))
+    return torch.fx.GraphModule(root, g)
+
+
+def test_canonical_key_separates_pieces_that_differ():
+    base = [_graph(), _graph()]
+    differ = [
+        _graph(eps=1e-5),                                   # a constant
+        _graph(weight=torch.randn(16)),                      # a weight shape
+        _graph(weight=torch.randn(8, dtype=torch.float64)),  # a weight dtype
+        _graph(op=torch.ops.aten.add.Tensor),                # an op
+    ]
+    prefix = [_graph(extra_output=True)]  # same body, one more output: the others return its first
+    pieces = list(enumerate(canonicalize(gm) for gm in [*base, *differ, *prefix]))
+    groups = group_pieces(pieces)
+    assert [g.pieces for g in groups] == [(6, 0, 1), (2,), (3,), (4,), (5,)]
+    assert groups[0].keep(6) is None and groups[0].keep(0) == 1
+    # weights are explicit inputs: the canonical graph computes the piece with any member's weights
+    x = torch.randn(3, 8)
+    for gm in base:
+        cp = canonicalize(gm)
+        assert [n.target for n in cp.gm.graph.nodes if n.op == "placeholder"] == ["x0", "w0"]
+        assert torch.equal(cp.gm(x, *cp.params)[0], gm(x)[0])
+        assert cp.params[0] is gm.w  # the piece's own tensor, not a copy
+    # an attribute that is not a tensor (or a submodule) is keyed by identity: never shared
+    a, b = _graph(), _graph()
+    for gm in (a, b):
+        gm.add_submodule("act", torch.nn.SiLU())
+        out = next(n for n in gm.graph.nodes if n.op == "output")
+        with gm.graph.inserting_before(out):
+            act = gm.graph.call_module("act", (out.args[0][0],))
+        out.args = ((act,),)
+        gm.recompile()
+    assert len(group_pieces(list(enumerate(canonicalize(gm) for gm in (a, b))))) == 2
