@@ -14,11 +14,15 @@
 from __future__ import annotations
 
 import copy
+import itertools
 
 import pytest
 import torch
 
 from autodeploy_mla.api import optimize
+from autodeploy_mla.custom_ops import MLADims
+from autodeploy_mla.custom_ops.triton_mla.tuning import (STATIC_MAX_EXTRA_FLOPS, max_static_bounds_extra_flops,
+                                                         static_bounds_extra_flops)
 from autodeploy_mla.runtime.piece_groups import canonicalize, group_pieces
 from autodeploy_mla.runtime.piecewise import STATIC
 from autodeploy_mla.runtime.sequence_info import StepSequence
@@ -187,3 +191,69 @@ def test_canonical_key_separates_pieces_that_differ():
         out.args = ((act,),)
         gm.recompile()
     assert len(group_pieces(list(enumerate(canonicalize(gm) for gm in (a, b))))) == 2
+
+
+# ----------------------------------------------------------------------------- captures
+def test_static_bounds_bound_is_exact_and_covers_multi_sequence_steps():
+    """max_static_bounds_extra_flops equals the brute-force maximum over every step of up to n new
+    prefill tokens, any split over sequences, any prefix (small sizes, real-model head dims)."""
+    dims = MLADims(16, 128, 64, 128, 512)
+    seq_len = 10
+    for n in (1, 2, 4):
+        best = 0.0  # no prefill part at all
+        for k in range(1, n + 1):
+            for ts in itertools.product(range(1, n + 1), repeat=k):
+                if sum(ts) > n:
+                    continue
+                for ps in itertools.product(*[range(0, seq_len - t + 1) for t in ts]):
+                    pairs = sum(t * p + t * (t + 1) // 2 for t, p in zip(ts, ps))
+                    best = max(best, static_bounds_extra_flops(dims, sum(ts), sum(ps), pairs))
+        assert max_static_bounds_extra_flops(dims, n, seq_len) == pytest.approx(best), n
+    # DeepSeek-V2-Lite dims at max_seq_len 4096: chunks of 128+ tokens on long prefixes cost more absorbed
+    assert max_static_bounds_extra_flops(dims, 64, 4096) <= STATIC_MAX_EXTRA_FLOPS
+    assert max_static_bounds_extra_flops(dims, 128, 4096) > STATIC_MAX_EXTRA_FLOPS
+
+
+def test_triton_session_says_which_buckets_it_may_decline():
+    pytest.importorskip("triton")
+    from autodeploy_mla.custom_ops import Target, get_backend
+    from autodeploy_mla.custom_ops.backend_registry import SessionSpec
+    from autodeploy_mla.custom_ops.triton_mla.op import TritonPolicy
+
+    dims = MLADims(16, 128, 64, 128, 512)
+    spec = SessionSpec((dims,), torch.bfloat16, torch.device("cpu"), Target.detect("cpu", 64), 8, 256, 64,
+                       (torch.bfloat16,), (0,))
+    be = get_backend("triton")
+    auto = be.setup(spec, TritonPolicy())
+    assert not auto.may_decline_static_bounds(64, 4096) and auto.may_decline_static_bounds(128, 4096)
+    assert not auto.may_decline_static_bounds(256, 512)  # short sequences: no long-prefix chunk exists
+    assert not be.setup(spec, TritonPolicy(prefill_mode="absorb")).may_decline_static_bounds(256, 4096)
+    assert be.setup(spec, TritonPolicy(prefill_mode="expand")).may_decline_static_bounds(1, 4096)
+
+
+def test_warmup_captures_pieces_of_mixed_buckets_only_where_a_step_can_run_them(monkeypatch):
+    """A mixed-graph bucket's pieces are warmed (captured) only where some session may decline one
+    of its steps; decode and prefill steps of every bucket are warmed as before."""
+    from autodeploy_mla.custom_ops.backend_registry import BackendSession
+    from autodeploy_mla.runtime.model_runner import ModelRunner
+
+    om = _build("deepseek_v3", 1)
+    mr = om.runner
+    seen = []
+    monkeypatch.setattr(ModelRunner, "capture_buckets", property(lambda self: (1, 2, 4, 8)))
+    monkeypatch.setattr(ModelRunner, "_warm_step", lambda self, kind, n: seen.append(
+        ("piecewise" if self.piecewise.mixed_graph_max_tokens == 0 else kind, n)))
+    monkeypatch.setattr(mr.piecewise, "mixed_graph_max_tokens", 4)
+
+    class Declines(BackendSession):  # declines steps of 4+ tokens (long-prefix chunks)
+        def may_decline_static_bounds(self, num_tokens, max_seq_len):
+            return num_tokens >= 4
+
+    monkeypatch.setitem(mr.sessions, "test", Declines(None))
+    mr.warmup_report = None
+    rep = mr.warmup()
+    assert ("piecewise", 4) in seen and ("piecewise", 2) not in seen and ("piecewise", 1) not in seen
+    assert ("piecewise", 8) not in seen  # above mixed_graph_max_tokens its prefill step runs piecewise anyway
+    assert [k for k in rep["not_needed"]] == ["piecewise:2", "piecewise:1"]
+    assert {("decode", 4), ("decode", 2), ("decode", 1), ("prefill", 8), ("prefill", 1)} <= set(seen)
+    assert set(rep["step_seconds"]) == {f"{k}:{n}" for k, n in seen}
