@@ -15,14 +15,19 @@ from __future__ import annotations
 
 import copy
 import itertools
+import json
+from pathlib import Path
 
 import pytest
 import torch
 
 from autodeploy_mla.api import optimize
 from autodeploy_mla.custom_ops import MLADims
+from autodeploy_mla.custom_ops.backend_registry import DeviceInfo
 from autodeploy_mla.custom_ops.triton_mla.tuning import (STATIC_MAX_EXTRA_FLOPS, max_static_bounds_extra_flops,
                                                          static_bounds_extra_flops)
+from autodeploy_mla.runtime.compile_cache import (CACHE_DIR_ENV, VARS_SET_ENV, cache_key, cache_key_parts,
+                                                  configure_compile_caches, custom_ops_digest)
 from autodeploy_mla.runtime.piece_groups import canonicalize, group_pieces
 from autodeploy_mla.runtime.piecewise import STATIC
 from autodeploy_mla.runtime.sequence_info import StepSequence
@@ -193,6 +198,64 @@ def test_canonical_key_separates_pieces_that_differ():
     assert len(group_pieces(list(enumerate(canonicalize(gm) for gm in (a, b))))) == 2
 
 
+# ----------------------------------------------------------------------------- compile caches
+def test_cache_dir_resolution(tmp_path):
+    cpu = torch.device("cpu")
+    env = {"HOME": str(tmp_path / "home")}
+    c = configure_compile_caches(cpu, env)
+    root = tmp_path / "home" / ".cache" / "autodeploy-mla"
+    assert c.root == str(root) and c.root_source == "home"
+    base = root / c.key
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == str(base / f"inductor-{custom_ops_digest()}")
+    assert env["TRITON_CACHE_DIR"] == str(base / "triton")
+    assert set(env[VARS_SET_ENV].split(",")) >= {"TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"}
+    assert c.setting("inductor").source == "autodeploy" and c.fx_graph_cache and c.autograd_cache
+    fi = c.setting("flashinfer")
+    if c.key_parts["flashinfer"] == "none":
+        assert fi.source == "not installed" and "FLASHINFER_WORKSPACE_BASE" not in env
+    else:
+        assert env["FLASHINFER_WORKSPACE_BASE"] == str(base / "flashinfer") or fi.source == "fixed at import"
+    # a second build in the same process keeps its own settings, and says so
+    again = configure_compile_caches(cpu, env)
+    assert again.setting("inductor").source == "autodeploy (already set)"
+    # XDG, then AUTODEPLOY_CACHE_DIR, win over the home default
+    assert configure_compile_caches(cpu, {"XDG_CACHE_HOME": str(tmp_path / "x")}).root == str(tmp_path / "x" /
+                                                                                              "autodeploy-mla")
+    env2 = {"XDG_CACHE_HOME": str(tmp_path / "x"), CACHE_DIR_ENV: str(tmp_path / "mine")}
+    assert configure_compile_caches(cpu, env2).root == str(tmp_path / "mine")
+    # a variable the user set wins and is reported as theirs
+    env3 = {CACHE_DIR_ENV: str(tmp_path / "mine"), "TRITON_CACHE_DIR": "/somewhere/triton"}
+    c3 = configure_compile_caches(cpu, env3)
+    assert env3["TRITON_CACHE_DIR"] == "/somewhere/triton" and c3.setting("triton").source == "user"
+    assert "TRITON_CACHE_DIR" not in env3[VARS_SET_ENV]
+    # off: nothing set
+    for off in ("off", "OFF", "0", "none"):
+        env4 = {CACHE_DIR_ENV: off, "HOME": str(tmp_path)}
+        c4 = configure_compile_caches(cpu, env4)
+        assert not c4.enabled and set(env4) == {CACHE_DIR_ENV, "HOME"} and "off" in c4.summary()
+    json.dumps(c.to_dict())
+
+
+def test_cache_key_changes_with_every_version():
+    dev = DeviceInfo("cuda", (9, 0), "NVIDIA H200", 132)
+    base = cache_key(cache_key_parts(dev))
+    assert "sm90" in base and "NVIDIA_H200" in base and "/" not in base
+    for part in ("torch", "triton", "flashinfer", "transformers", "cuda", "python"):
+        assert cache_key(cache_key_parts(dev, {part: "9.9.9-other"})) != base, part
+    assert cache_key(cache_key_parts(DeviceInfo("cuda", (10, 0), "NVIDIA B200", 148))) != base
+    assert cache_key(cache_key_parts(DeviceInfo("cpu"))) != base
+
+
+def test_custom_ops_digest_follows_the_sources(tmp_path):
+    (tmp_path / "a.py").write_text("x = 1\n")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "b.py").write_text("y = 2\n")
+    d0 = custom_ops_digest(tmp_path)
+    assert d0 == custom_ops_digest(tmp_path)
+    (tmp_path / "sub" / "b.py").write_text("y = 3\n")
+    assert custom_ops_digest(tmp_path) != d0
+
+
 # ----------------------------------------------------------------------------- captures
 def test_static_bounds_bound_is_exact_and_covers_multi_sequence_steps():
     """max_static_bounds_extra_flops equals the brute-force maximum over every step of up to n new
@@ -257,3 +320,53 @@ def test_warmup_captures_pieces_of_mixed_buckets_only_where_a_step_can_run_them(
     assert [k for k in rep["not_needed"]] == ["piecewise:2", "piecewise:1"]
     assert {("decode", 4), ("decode", 2), ("decode", 1), ("prefill", 8), ("prefill", 1)} <= set(seen)
     assert set(rep["step_seconds"]) == {f"{k}:{n}" for k, n in seen}
+
+
+# ----------------------------------------------------------------------------- the report
+def test_startup_report_has_every_phase(v3_dense2):
+    om = v3_dense2
+    om.warmup()
+    st = om.startup()
+    d = om.report()["startup"]
+    assert d == json.loads(json.dumps(d))  # plain data: the server logs it as it is
+    assert set(d) == {"caches", "load", "passes", "runner", "compile", "capture", "warmup", "total_seconds"}
+    assert d["load"]["what"] == "config (random weights)" and d["load"]["seconds"] > 0
+    assert set(d["passes"]["per_pass"]) == {r.name for r in om.history if r.enabled}
+    assert d["compile"]["backend"] == "aot_eager" and d["compile"]["groups"] == 4 and d["compile"]["pieces"] == 5
+    assert d["compile"]["compiles"] == sum(g["compiles"] for g in d["compile"]["per_group"])
+    assert set(d["capture"]["count"]) == {"decode_graph", "mixed_graph", "piecewise"}  # CPU: none captured
+    assert d["warmup"]["seconds"] is not None and d["caches"]["key"]
+    assert st.total_seconds == pytest.approx(st.load_seconds + st.passes_seconds + st.runner_seconds +
+                                             st.warmup_seconds)
+    lines = st.lines()
+    assert any(line.startswith("compile (aot_eager): 5 static pieces in 4 groups") for line in lines)
+    assert any(line.startswith("warm-up") for line in lines) and any("compile caches" in line for line in lines)
+    assert Path(d["caches"]["root"]).name == "autodeploy-mla" or d["caches"]["root_source"] == CACHE_DIR_ENV
+
+
+# ----------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+def test_gpu_inductor_groups_compile_at_most_twice_and_requests_pay_no_capture():
+    """On CUDA with Inductor: the grouped pieces compile at most twice per group over a whole warm-up
+    (dynamic in T, plus T = 1), replay correctly, and generation after the warm-up neither compiles nor
+    captures (every step's graph was captured by the warm-up)."""
+    cfg = copy.deepcopy(TINY_CONFIGS["deepseek_v3"])
+    cfg.update(num_hidden_layers=4, first_k_dense_replace=2)
+    om = optimize(None, {
+        "model": {"hf_config": cfg, "device": "cuda", "dtype": "bfloat16"},
+        "runtime": {"max_batch_size": 8, "max_seq_len": 64, "max_num_tokens": 16, "page_size": 4, "num_pages": 64},
+        "transforms": {"piecewise": {"enabled": True, "compile": "inductor", "buckets": [1, 2, 4, 8, 16]}},
+    })
+    om.warmup()
+    st = om.startup()
+    assert st.compile.groups == 4 and all(g["compiles"] <= 2 for g in st.compile.per_group), st.compile
+    assert st.capture.total > 0 and not any(st.capture.failed.values()), st.capture
+    assert not om.runner.piecewise.failures
+    compiles, captures = st.compile.compiles, st.capture.total
+    prompts = [[5, 6, 7], [3, 4], [9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 12], [42]]
+    got = om.generate(prompts, max_new_tokens=8)
+    after = om.startup()
+    assert (after.compile.compiles, after.capture.total) == (compiles, captures), after.to_dict()
+    om.runner.piecewise = None  # the flat graph, eager: the same greedy tokens at least at the first step
+    ref = om.generate(prompts, max_new_tokens=8)
+    assert [g[0] for g in got] == [r[0] for r in ref]
