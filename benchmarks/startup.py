@@ -16,6 +16,7 @@ cold run is cold too; it predates AUTODEPLOY_CACHE_DIR).
     python benchmarks/startup.py --out $OUT/startup                        # V2-Lite, backend auto
     python benchmarks/startup.py --out $OUT/startup --backend triton       # mixed graphs on
     python benchmarks/startup.py --out $OUT/startup --baseline-root /path/to/main
+    python benchmarks/startup.py --out $OUT/startup_auto --set transforms.piecewise.dynamic_tokens=false
     python benchmarks/startup.py --out /tmp/startup --quick --device cpu   # plumbing only (tiny model)
 """
 
@@ -60,7 +61,7 @@ def child(spec_path: Path) -> None:
         layer["transforms"] = transforms
     res: dict[str, Any] = {"label": spec["label"], "import_s": time.perf_counter() - t_import}
     t0 = time.perf_counter()
-    om = optimize(FAMILY[spec["model"]], [layer])
+    om = optimize(FAMILY[spec["model"]], [layer], overrides=spec["set"])
     res["build_s"] = time.perf_counter() - t0
     t1 = time.perf_counter()
     warm = om.warmup()
@@ -91,7 +92,8 @@ def child(spec_path: Path) -> None:
 
 
 def run_child(label: str, args: argparse.Namespace, env: dict[str, str], out: Path) -> dict[str, Any]:
-    spec = {"label": label, "model": args.model, "device": args.device, "backend": args.backend, "quick": args.quick}
+    spec = {"label": label, "model": args.model, "device": args.device, "backend": args.backend, "quick": args.quick,
+            "set": args.set if not label.startswith("baseline") else []}
     spec_path = out / f"{label}.spec.json"
     spec_path.write_text(json.dumps(spec))
     t = time.perf_counter()
@@ -134,6 +136,8 @@ def main() -> None:
     ap.add_argument("--backend", default="", help="insert_cached_mla_attention.backend (default: auto)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--quick", action="store_true", help="the family's tiny config (plumbing check)")
+    ap.add_argument("--set", action="append", default=[], metavar="a.b=c",
+                    help="config override for this checkout's runs, e.g. transforms.piecewise.dynamic_tokens=false")
     ap.add_argument("--baseline-root", type=Path, help="another checkout to run the same way (PYTHONPATH)")
     ap.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -164,7 +168,8 @@ def main() -> None:
             print(row(results[-1]), flush=True)
     header = ("| run | build s | warm-up s | ready s | groups/compiles | cache hits/misses | captures | "
               "after requests: compiles/captures |\n|---|---|---|---|---|---|---|---|")
-    md = f"# Start-up: {args.model}, backend {args.backend or 'auto'}, {args.device}\n\n{header}\n" + \
+    sets = f", {' '.join(args.set)}" if args.set else ""
+    md = f"# Start-up: {args.model}, backend {args.backend or 'auto'}, {args.device}{sets}\n\n{header}\n" + \
         "\n".join(row(r) for r in results) + "\n"
     (out / "startup.md").write_text(md)
     (out / "startup.json").write_text(json.dumps(results, indent=2, default=str))

@@ -29,7 +29,7 @@ from autodeploy_mla.custom_ops.triton_mla.tuning import (STATIC_MAX_EXTRA_FLOPS,
 from autodeploy_mla.runtime.compile_cache import (CACHE_DIR_ENV, VARS_SET_ENV, cache_key, cache_key_parts,
                                                   configure_compile_caches, custom_ops_digest)
 from autodeploy_mla.runtime.piece_groups import canonicalize, group_pieces
-from autodeploy_mla.runtime.piecewise import STATIC
+from autodeploy_mla.runtime.piecewise import STATIC, PiecewiseRunner
 from autodeploy_mla.runtime.sequence_info import StepSequence
 from autodeploy_mla.testing.tiny_configs import TINY_CONFIGS
 
@@ -51,14 +51,15 @@ def _build(family: str, layers: int, compile: str = "none", **hf):
 
 
 def _run(om, schedule, piecewise=True, seed=0):
-    """Logits of each step of `schedule` (copies), through the split runner or the flat graph."""
+    """Logits of each step of `schedule` (copies), through the split runner (or the given one), or the
+    flat graph (piecewise=False)."""
     mr = om.runner
     for c in mr.caches.caches.values():
         c.zero_()
     g = torch.Generator().manual_seed(seed)
     saved = mr.piecewise
-    if not piecewise:
-        mr.piecewise = None
+    if piecewise is not True:
+        mr.piecewise = piecewise or None
     outs = []
     try:
         for step in schedule:
@@ -132,6 +133,18 @@ def test_token_dims_are_derived_exactly(v3_dense2):
     assert first.tensors == ((0, (1,)), (1, (1,)))
 
 
+def test_dynamic_tokens_off_leaves_dynamism_to_dynamo(v3_dense2):
+    """`dynamic_tokens: false` (A/B switch): nothing named, Dynamo specialises the first token count
+    and compiles again, dynamic, at the second (Dynamo's `eager` backend: tracing only, cheap)."""
+    om = v3_dense2
+    runner = PiecewiseRunner(om.runner.piecewise.split, om.device, om.seq_info.max_num_tokens, compile="eager",
+                             cuda_graphs=False, dynamic_tokens=False)
+    _run(om, STEPS, piecewise=runner)
+    assert [cg.stats.compiles for cg in runner.compiled] == [2, 2, 2, 2]
+    assert all(cg.token_dims is None and cg.stats.dynamic_sources is None for cg in runner.compiled)
+    assert "dynamic_tokens: false" in runner.token_dims_note
+
+
 def test_moe_layers_share_and_differing_pieces_do_not():
     """DeepSeek-V2 tiny, 5 layers (layer 0 dense, 1-4 MoE): the first MoE tail computes the routing
     sizes the later ones receive (a different graph), the middle MoE tails share, and the one before
@@ -149,6 +162,12 @@ def test_moe_layers_share_and_differing_pieces_do_not():
     member = split.canonical[8]
     assert member.key == rep.key and member.outputs == rep.outputs[:-1]
     assert len(sub8.graph.find_nodes(op="output")[0].args[0]) == n_out - 1
+    # compiled (Dynamo's `eager` backend: tracing only, cheap), the trimmed member gives the flat graph's logits
+    runner = PiecewiseRunner(split, om.device, om.seq_info.max_num_tokens, compile="eager", cuda_graphs=False)
+    flat = _run(om, STEPS[:2], piecewise=False)
+    got = _run(om, STEPS[:2], piecewise=runner)
+    assert all(torch.equal(a, b) for a, b in zip(flat, got))
+    assert [cg.stats.compiles for cg in runner.compiled] == [1] * 5
 
 
 def _graph(eps: float = 1e-6, weight=None, extra_output: bool = False, op=torch.ops.aten.mul.Tensor):

@@ -19,6 +19,7 @@ Inductor tunes its kernels' block sizes with, sees the largest token count, as b
 
 from __future__ import annotations
 
+import copy
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -73,8 +74,10 @@ class CompiledGroup:
         self.token_dims: Optional[TokenDims] = None
         self._dynamic_done = False
         self._inner: Callable[..., Any] = torch._dynamo.lookup_backend(backend)
-        self._gm = canonical.gm
-        self._fn = torch.compile(canonical.gm.forward, backend=self._compile, fullgraph=True, dynamic=None)
+        # A copy with its own generated code: Dynamo keeps its cache and dynamic-shape state per code
+        # object, so two runners over one split (tests, benchmarks) never share compiles or counts.
+        self._gm = torch.fx.GraphModule(canonical.gm, copy.deepcopy(canonical.gm.graph), "CompiledGroup")
+        self._fn = torch.compile(self._gm.forward, backend=self._compile, fullgraph=True, dynamic=None)
 
     def _compile(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         """The torch.compile backend: the real one, counted and timed."""

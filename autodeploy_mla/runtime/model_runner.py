@@ -155,7 +155,8 @@ class ModelRunner:
             self.piecewise = PiecewiseRunner(compiled.split, self.device, rt.max_num_tokens, compile=opts.compile,
                                              cuda_graphs=opts.cuda_graphs, buckets=opts.buckets,
                                              decode_graph=opts.decode_graph,
-                                             mixed_graph_max_tokens=opts.mixed_graph_max_tokens)
+                                             mixed_graph_max_tokens=opts.mixed_graph_max_tokens,
+                                             dynamic_tokens=opts.dynamic_tokens)
         self._bind()
         self.warmup_report: Optional[dict[str, Any]] = None
         self.sampler = BatchSampler(rt.max_batch_size, self.device)

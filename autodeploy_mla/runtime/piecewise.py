@@ -215,6 +215,7 @@ class PiecewiseRunner:
         buckets: Sequence[int] = (),
         decode_graph: bool = True,
         mixed_graph_max_tokens: int = 0,
+        dynamic_tokens: bool = True,
     ) -> None:
         self.split = split
         self.device = torch.device(device)
@@ -256,7 +257,9 @@ class PiecewiseRunner:
             [CompiledGroup(g, split.canonical[g.pieces[0]], compile) for g in groups]
         #: how the token-dependent inputs of the static pieces were found (set at the first step of >= 2 tokens)
         self.token_dims_note = "not derived yet" if self.compiled else "no compiled pieces"
-        self._token_dims_pending = bool(self.compiled)
+        if self.compiled and not dynamic_tokens:
+            self.token_dims_note = "dynamic_tokens: false (Dynamo's automatic dynamic shapes decide)"
+        self._token_dims_pending = bool(self.compiled) and dynamic_tokens
         self._compile_seconds = 0.0  # of the compiles so far, to keep them out of capture times
         self.capture_stats: dict[str, dict[str, float]] = {
             k: {"count": 0, "seconds": 0.0, "failed": 0} for k in ("decode_graph", "mixed_graph", "piecewise")}

@@ -65,6 +65,11 @@ class PiecewiseOptions(PassOptions):
         MIXED_GRAPH_MAX_TOKENS, ge=1,
         description="largest bucket replayed as a mixed whole-graph graph; bigger steps run piecewise",
     )
+    dynamic_tokens: bool = Field(
+        True, description="compile each group of static pieces dynamic in the token count from its first compile "
+        "(one compile, plus one for 1 token); false: Dynamo's automatic dynamic shapes (the first count "
+        "specialised, dynamic from the second: one compile more per group)",
+    )
 
     @field_validator("decode_graph", "mixed_graph", mode="before")
     @classmethod
@@ -296,7 +301,7 @@ def piecewise(ctx: BuildContext, opts: PiecewiseOptions) -> PassResult:
     ctx.artifacts.split = split
     mixed_max = opts.mixed_graph_max_tokens if opts.mixed_graph == "auto" else 0
     ctx.artifacts.runner = RunnerOptions(compile_backend, opts.cuda_graphs, tuple(buckets), opts.decode_graph == "auto",
-                                         mixed_max)
+                                         mixed_max, opts.dynamic_tokens)
 
     graphs = opts.cuda_graphs and ctx.device.type == "cuda"
     decode = opts.decode_graph == "auto" and split.decode_graph_safe and graphs
