@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import json
 from pathlib import Path
@@ -360,6 +361,10 @@ def test_startup_report_has_every_phase(v3_dense2):
     lines = st.lines()
     assert any(line.startswith("compile (aot_eager): 5 static pieces in 4 groups") for line in lines)
     assert any(line.startswith("warm-up") for line in lines) and any("compile caches" in line for line in lines)
+    assert not any("more than 2 compiles" in line for line in lines)
+    worse = dataclasses.replace(st, compile=dataclasses.replace(
+        st.compile, per_group=({"group": 1, "pieces": [2, 4], "compiles": 5},)))
+    assert any("more than 2 compiles in group(s) 1 (pieces [2, 4]: 5)" in line for line in worse.lines())
     assert Path(d["caches"]["root"]).name == "autodeploy-mla" or d["caches"]["root_source"] == CACHE_DIR_ENV
 
 

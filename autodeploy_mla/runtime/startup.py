@@ -24,6 +24,9 @@ from typing import Any, Optional
 from .compile_cache import CompileCaches
 
 CAPTURE_KINDS = ("decode_graph", "mixed_graph", "piecewise")
+#: A group compiles dynamic in T once and once more for one token; more means its members differ in
+#: something Dynamo guards (a stride, an aliasing pattern): `lines()` says so.
+MAX_COMPILES_PER_GROUP = 2
 
 
 @dataclass(frozen=True)
@@ -112,6 +115,12 @@ class StartupReport:
         if c.backend != "none":
             out.append(f"compile ({c.backend}): {c.pieces} static pieces in {c.groups} groups, {c.compiles} compiles, "
                        f"{c.seconds:.2f}s ({cache})")
+            many = [g for g in c.per_group if g.get("compiles", 0) > MAX_COMPILES_PER_GROUP]
+            if many:
+                out.append("compile: more than 2 compiles in group(s) " + ", ".join(
+                    f"{g['group']} (pieces {g['pieces']}: {g['compiles']})" for g in many) +
+                    ": their members fail each other's Dynamo guards (TORCH_LOGS=recompiles says which); past "
+                    "torch._dynamo.config.recompile_limit they run uncompiled")
         cap = self.capture
         if cap.total or any(cap.failed.values()):
             kinds = ", ".join(f"{k} {cap.count.get(k, 0)} in {cap.seconds.get(k, 0.0):.2f}s"
@@ -125,4 +134,4 @@ class StartupReport:
         return out
 
 
-__all__ = ["CAPTURE_KINDS", "CaptureSummary", "CompileSummary", "StartupReport"]
+__all__ = ["CAPTURE_KINDS", "MAX_COMPILES_PER_GROUP", "CaptureSummary", "CompileSummary", "StartupReport"]
