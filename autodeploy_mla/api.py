@@ -1,7 +1,8 @@
 """`optimize(model, config)`: the Python entry point (DESIGN §10).
 
     config layers -> validated config + pipeline -> checks that need no model -> world size ->
-    eager model (or weightless skeleton) -> passes -> CompiledModel -> ModelRunner -> OptimizedModel
+    compile caches -> eager model (or weightless skeleton) -> passes -> CompiledModel -> ModelRunner ->
+    OptimizedModel
 
 Everything a user can get wrong without a model — unknown keys and passes, options, pass
 requirements, runtime capacities the host cannot hold, the tensor-parallel world — is checked
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -29,12 +31,14 @@ from .models.factory import build_model, hf_config, resolve_device, resolve_dtyp
 from .models.skeleton import build_skeleton
 from .runtime.artifacts import TensorParallel
 from .runtime.capacity import available_host_bytes, cache_footprint, check_capacity, device_memory_bytes
+from .runtime.compile_cache import CompileCaches, configure_compile_caches
 from .runtime.engine import GenerationEngine, Request
 from .runtime.errors import RequestError
 from .runtime.model_runner import ModelRunner
 from .runtime.page_allocator import PageAllocator
 from .runtime.sampling import SamplingParams
 from .runtime.sequence_info import SequenceInfo
+from .runtime.startup import CAPTURE_KINDS, CaptureSummary, CompileSummary, StartupReport
 from .transforms.context import BuildContext, PassRecord
 from .transforms.pass_manager import Pipeline, parse_pipeline, run_pipeline
 from .transforms.shard import ShardOptions
@@ -102,14 +106,26 @@ def _eager_model(cfg: AppConfig, pipeline: Pipeline, world: Optional[TensorParal
     return build_model(cfg.model, device, dtype)
 
 
+@dataclass(frozen=True)
+class BuildTimes:
+    """What `optimize()` measured before the model could step (the passes are in the context's history)."""
+
+    caches: Optional[CompileCaches] = None
+    load_seconds: float = 0.0
+    load_what: str = "module given"
+    runner_seconds: float = 0.0
+
+
 class OptimizedModel:
     """The compiled, cached model: generate(), the build report, and the graph (a thin facade over
     the `ModelRunner` and the generation engine)."""
 
-    def __init__(self, ctx: BuildContext, runner: ModelRunner, eager_model: Optional[nn.Module]) -> None:
+    def __init__(self, ctx: BuildContext, runner: ModelRunner, eager_model: Optional[nn.Module],
+                 build_times: BuildTimes = BuildTimes()) -> None:
         self.ctx = ctx
         self.runner = runner
         self.eager_model = eager_model
+        self.build_times = build_times
         self.last_generation: dict[str, Any] = {}
         #: FlashInfer modules optimize() started compiling in the background (custom_ops/flashinfer_jit.py)
         self.jit_prefetch: list[JitBuild] = []
@@ -213,6 +229,35 @@ class OptimizedModel:
         return self.runner.prefill_logits(prompt)
 
     # ------------------------------------------------------------------ report
+    def startup(self) -> StartupReport:
+        """Where start-up time went so far: caches, load, passes, runner, compile, capture, warm-up
+        (runtime/startup.py). The server logs `startup().to_dict()`; `autodeploy build` prints `lines()`."""
+        bt = self.build_times
+        pw = self.runner.piecewise
+        opts = self.runner.compiled.runner
+        backend = opts.compile if opts is not None and pw is not None else "none"
+        if pw is not None:
+            groups = pw.compile_groups()
+            cache: dict[str, int] = {}
+            for g in groups:
+                for k, v in g.get("cache", {}).items():
+                    cache[k] = cache.get(k, 0) + v
+            comp = CompileSummary(backend, pw.split.num_static, len(groups), sum(g.get("compiles", 0) for g in groups),
+                                  sum(g.get("seconds", 0.0) for g in groups),
+                                  sum(g.get("backend_seconds", 0.0) for g in groups), cache, tuple(groups),
+                                  pw.token_dims_note)
+            st = pw.capture_stats
+            cap = CaptureSummary({k: int(st[k]["count"]) for k in CAPTURE_KINDS},
+                                 {k: float(st[k]["seconds"]) for k in CAPTURE_KINDS},
+                                 {k: int(st[k]["failed"]) for k in CAPTURE_KINDS})
+        else:
+            comp, cap = CompileSummary(backend, 0, 0, 0, 0.0, 0.0), CaptureSummary()
+        warm = self.runner.warmup_report
+        return StartupReport(bt.caches, bt.load_seconds, bt.load_what,
+                             tuple((r.name, r.seconds) for r in self.history if r.enabled), bt.runner_seconds,
+                             comp, cap, None if warm is None else float(warm["seconds"]),
+                             dict(warm.get("step_seconds", {})) if warm is not None else {})
+
     def report(self) -> dict[str, Any]:
         run = self.runner.report()
         tp = self.runner.compiled.tp
@@ -234,6 +279,7 @@ class OptimizedModel:
             "tensor_parallel": None if tp is None else {"world_size": tp.world_size, "rank": tp.rank,
                                                         "group": tp.group, "all_reduces": tp.all_reduces},
             "generation": self.last_generation,
+            "startup": self.startup().to_dict(),
             "jit_prefetch": [b.to_dict() for b in self.jit_prefetch],
         }
 
@@ -260,19 +306,27 @@ def optimize(
         p = next(iter(model.parameters()), None)
         device = p.device if p is not None else resolve_device(cfg.model.device)
         dtype = p.dtype if p is not None else resolve_dtype(cfg.model.dtype, device)
-        eager = model.eval()
-        jit = _prefetch_kernels(getattr(eager, "config", None), cfg.runtime, device, dtype)
+        caches = configure_compile_caches(device)
+        jit = _prefetch_kernels(getattr(model, "config", None), cfg.runtime, device, dtype)
+        eager, load_seconds, load_what = model.eval(), 0.0, "module given"
     else:
         device = resolve_device(cfg.model.device)
         dtype = resolve_dtype(cfg.model.dtype, device)
+        # before anything compiles (fuse_routing's self-check runs Triton kernels) or imports flashinfer
+        caches = configure_compile_caches(device)
         jit = _prefetch_kernels(hf_config(cfg.model), cfg.runtime, device, dtype)
+        t0 = time.perf_counter()
         eager = _eager_model(cfg, pipeline, world, device, dtype)
+        load_seconds = time.perf_counter() - t0
+        load_what = f"checkpoint {cfg.model.path}" if cfg.model.path is not None else "config (random weights)"
     target = Target.detect(device, cfg.runtime.page_size)
     ctx = BuildContext(cfg, eager, device, dtype, target, world)
     run_pipeline(ctx, pipeline, on_pass)
     assert ctx.gm is not None
+    t0 = time.perf_counter()
     runner = ModelRunner(ctx.artifacts.compiled(ctx.gm), cfg.runtime, device, dtype, target, backend_policies)
-    om = OptimizedModel(ctx, runner, eager)
+    times = BuildTimes(caches, load_seconds, load_what, time.perf_counter() - t0)
+    om = OptimizedModel(ctx, runner, eager, times)
     om.jit_prefetch = jit
     return om
 
@@ -286,4 +340,4 @@ def _prefetch_kernels(hf: Any, rt: RuntimeConfig, device: torch.device, dtype: t
     return prefetch(dims, dtype, resolve_cache_dtype(rt.kv_cache_dtype, dtype), device)
 
 
-__all__ = ["ConfigError", "OptimizedModel", "build_config", "check_runtime_capacity", "optimize"]
+__all__ = ["BuildTimes", "ConfigError", "OptimizedModel", "build_config", "check_runtime_capacity", "optimize"]

@@ -208,16 +208,18 @@ def test_compiled_pieces_match(om4):
 
 
 def test_compiled_pieces_drop_export_asserts(om4):
-    from autodeploy_mla.runtime.piecewise import _without_asserts
+    """The canonical form a compile group compiles drops export's `_assert_tensor_metadata` checks
+    (inductor re-checks them against its own dtype inference) and computes the same values."""
+    from autodeploy_mla.runtime.piece_groups import canonicalize
 
     sub = om4.runner.piecewise.split.module.get_submodule("submod_0")
     asserts = [n for n in sub.graph.nodes if n.target is torch.ops.aten._assert_tensor_metadata.default]
-    stripped = _without_asserts(sub)
-    assert asserts and not [n for n in stripped.graph.nodes
+    canon = canonicalize(sub)
+    assert asserts and not [n for n in canon.gm.graph.nodes
                             if n.target is torch.ops.aten._assert_tensor_metadata.default]
-    assert len([n for n in sub.graph.nodes]) == len([n for n in stripped.graph.nodes]) + len(asserts)  # copy
+    assert len(list(sub.graph.nodes)) == len(list(canon.gm.graph.nodes)) + len(asserts)  # a copy: sub keeps them
     ids, pos = torch.randint(0, 100, (1, 5)), torch.arange(5)[None]
-    for a, b in zip(sub(ids, pos), stripped(ids, pos)):
+    for a, b in zip(sub(ids, pos), canon.gm(ids, pos, *canon.params)):
         assert a == b if not isinstance(a, torch.Tensor) else torch.equal(a, b)
 
 

@@ -19,6 +19,7 @@ from typing import Any, Optional
 
 import torch
 from rich.console import Console
+from rich.markup import escape
 
 from ..api import OptimizedModel, build_config, check_runtime_capacity, optimize
 from ..config.schema import DEVICE_FORMS, AppConfig, is_device_form
@@ -152,7 +153,8 @@ def config_from_args(args: argparse.Namespace, extra_sets: Sequence[str] = ()) -
 
 
 def build_with_progress(cfg: AppConfig, console: Console) -> OptimizedModel:
-    """optimize() with one line per pass and a spinner, then warm-up (CUDA graphs)."""
+    """optimize() with one line per pass and a spinner, then warm-up (compiles, CUDA graphs), then where
+    the start-up time went (`OptimizedModel.startup()`: load, passes, compile, capture, warm-up, caches)."""
     with console.status("building...") as status:
         def on_pass(rec):
             mark = "[green]✓[/]" if rec.enabled else "[dim]-[/]"
@@ -160,8 +162,10 @@ def build_with_progress(cfg: AppConfig, console: Console) -> OptimizedModel:
             status.update(f"pass {rec.name} done")
 
         om = optimize(None, cfg, on_pass=on_pass)
-    with console.status("warming up (CUDA graphs)..."):
+    with console.status("warming up (compiling static pieces, capturing CUDA graphs)..."):
         om.warmup()
+    for line in om.startup().lines():
+        console.print(f"  [dim]startup[/] {escape(line)}", highlight=False)
     return om
 
 

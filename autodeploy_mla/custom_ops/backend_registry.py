@@ -198,6 +198,14 @@ class BackendSession:
         for this step's shape than its eager path declines, and the step runs piecewise."""
         return True
 
+    def may_decline_static_bounds(self, num_tokens: int, max_seq_len: int) -> bool:
+        """Whether `static_bounds_ok` can decline some step of at most `num_tokens` tokens whose
+        sequences hold at most `max_seq_len` tokens. The warm-up captures a mixed-graph bucket's
+        pieces only when some session may decline one of its steps (those steps run piecewise); a
+        session that declines nothing never sends such a step there. Must be True whenever
+        `static_bounds_ok` can return False for such a step."""
+        return False
+
     def stats(self) -> dict[str, Any]:
         """Counters for reports and tests (plans, fallback steps, ...)."""
         return {}

@@ -77,6 +77,9 @@ class RunnerOptions:
     decode_graph: bool = True
     #: whole-graph CUDA graphs of any step up to this many tokens (0: off); see PiecewiseRunner
     mixed_graph_max_tokens: int = 0
+    #: compile groups dynamic in the token count from their first compile (False: Dynamo's automatic
+    #: dynamic shapes, which specialise the first count and recompile at the second)
+    dynamic_tokens: bool = True
 
 
 @dataclass(frozen=True)

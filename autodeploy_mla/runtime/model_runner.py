@@ -187,7 +187,8 @@ class ModelRunner:
             self.piecewise = PiecewiseRunner(compiled.split, self.device, rt.max_num_tokens, compile=opts.compile,
                                              cuda_graphs=opts.cuda_graphs, buckets=opts.buckets,
                                              decode_graph=opts.decode_graph,
-                                             mixed_graph_max_tokens=opts.mixed_graph_max_tokens)
+                                             mixed_graph_max_tokens=opts.mixed_graph_max_tokens,
+                                             dynamic_tokens=opts.dynamic_tokens)
         self._bind()
         self.warmup_report: Optional[dict[str, Any]] = None
         self.sampler = BatchSampler(rt.max_batch_size, self.device)
@@ -449,22 +450,31 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ warm-up
     def warmup(self) -> dict[str, Any]:
-        """Capture every CUDA-graph bucket now (decode graphs, mixed graphs and piecewise pieces), on dummy
-        sequences that borrow cache pages and return them, so that no later step pays for a capture;
-        on CUDA also one eager step of max_num_tokens (fresh prefill and continuation) when that is
-        past the top bucket. Idempotent; returns what was done.
+        """Capture every CUDA graph a step of this config can replay (decode graphs, mixed graphs and
+        piecewise pieces), on dummy sequences that borrow cache pages and return them, so that no later
+        step pays for a capture; on CUDA also one eager step of max_num_tokens (fresh prefill and
+        continuation) when that is past the top bucket. Idempotent; returns what was done.
 
-        Largest steps first. torch.compile (dynamic=None) specialises a static piece to the first
-        token count it sees and recompiles it with a dynamic token count at the second; Inductor
-        sizes and autotunes that graph's kernels at that second count, and every later size runs
-        them. Ascending order made that 2 tokens: V2-Lite's shared-expert silu*up kernel ran with
-        128-element blocks (one bf16 per thread) at 2048 tokens, 28 µs per layer where it needs ~8
-        (H200 profile, docs/benchmarks/e2e_roofline.md). Tuned at a large count, the same kernels
-        cost small steps little: their few programs each cover more elements."""
+        Per bucket b, largest first: a decode batch of b sequences (b <= max_batch_size: the decode
+        graph, or the pieces where decode graphs are off), a prefill of b tokens (the mixed graph where
+        b <= mixed_graph_max_tokens, else the pieces), and for a mixed-graph bucket its pieces too, but
+        only where some backend session may decline a step of b tokens (`may_decline_static_bounds`:
+        the Triton session sends long-prefix chunks piecewise). Where none can, every non-decode step
+        of b tokens replays the mixed graph and its pieces are never replayed: not captured
+        (`not_needed` says why). A step whose graph capture failed runs piecewise and captures then.
+
+        Largest steps first: the compiled static pieces are compiled dynamic in the token count at
+        their first call of >= 2 tokens (runtime/compiled_groups.py), and Inductor sizes and tunes that
+        graph's kernels at that count. Ascending order made that 2 tokens when Dynamo still
+        specialised the first count: V2-Lite's shared-expert silu*up kernel ran with 128-element blocks
+        (one bf16 per thread) at 2048 tokens, 28 µs per layer where it needs ~8 (H200 profile,
+        docs/benchmarks/e2e_roofline.md). Tuned at a large count, the same kernels cost small steps
+        little: their few programs each cover more elements."""
         if self.warmup_report is not None:
             return self.warmup_report
         t0 = time.perf_counter()
-        done, skipped = [], {}
+        done, skipped, not_needed = [], {}, {}
+        step_seconds: dict[str, float] = {}
         buckets = self.capture_buckets
         info = self.seq_info
         mixed_max = self.piecewise.mixed_graph_max_tokens if self.piecewise is not None else 0
@@ -473,37 +483,47 @@ class ModelRunner:
         # The largest steps run eagerly past the top bucket: run them once too, fresh and as a
         # continuation over cached tokens, so that kernels compiled or tuned per shape on first use
         # (Triton specialisations, cuBLAS heuristics) are not paid by the first long prompt.
-        for kind in ("prefill", "chunk") if past_top else ():
-            try:
-                self._warm_step(kind, top)
-                done.append(f"{kind}:{top}")
-            except (CapacityError, OutOfPagesError) as exc:
-                skipped[f"{kind}:{top}"] = str(exc)
+        shapes = [(kind, top) for kind in (("prefill", "chunk") if past_top else ())]
         for b in sorted(buckets, reverse=True):
-            shapes = [("decode", b)] if b <= info.max_batch_size else []
+            shapes += [("decode", b)] if b <= info.max_batch_size else []
             shapes.append(("prefill", b))
-            # A mixed-graph bucket also captures its pieces: steps a session declines (long-prefix
-            # chunks) run piecewise, and must not pay a capture when they first come.
             if b <= mixed_max:
-                shapes.append(("piecewise", b))
-            for kind, n in shapes:
-                try:
-                    if kind == "piecewise":
-                        self.piecewise.mixed_graph_max_tokens = 0
-                        try:
-                            self._warm_step("prefill", n)
-                        finally:
-                            self.piecewise.mixed_graph_max_tokens = mixed_max
-                    else:
-                        self._warm_step(kind, n)
-                    done.append(f"{kind}:{n}")
-                except (CapacityError, OutOfPagesError) as exc:
-                    skipped[f"{kind}:{n}"] = str(exc)
+                declining = self.sessions_declining_static_bounds(b)
+                if declining:
+                    shapes.append(("piecewise", b))
+                else:
+                    not_needed[f"piecewise:{b}"] = (
+                        f"no backend session declines a step of <= {b} tokens (max_seq_len {info.max_seq_len}): "
+                        "each replays the mixed graph")
+        for kind, n in shapes:
+            ts = time.perf_counter()
+            try:
+                if kind == "piecewise":
+                    self.piecewise.mixed_graph_max_tokens = 0
+                    try:
+                        self._warm_step("prefill", n)
+                    finally:
+                        self.piecewise.mixed_graph_max_tokens = mixed_max
+                else:
+                    self._warm_step(kind, n)
+                done.append(f"{kind}:{n}")
+            except (CapacityError, OutOfPagesError) as exc:
+                skipped[f"{kind}:{n}"] = str(exc)
+            step_seconds[f"{kind}:{n}"] = round(time.perf_counter() - ts, 4)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        pw = self.piecewise
         self.warmup_report = {"seconds": time.perf_counter() - t0, "steps": done, "skipped": skipped,
-                              "captured": self.piecewise.captured() if self.piecewise is not None else {}}
+                              "not_needed": not_needed, "step_seconds": step_seconds,
+                              "captured": pw.captured() if pw is not None else {},
+                              "captures": pw.summary()["captures"] if pw is not None else {}}
         return self.warmup_report
+
+    def sessions_declining_static_bounds(self, num_tokens: int) -> list[str]:
+        """The backend sessions that may send a step of <= num_tokens tokens, which a mixed graph could
+        replay, piecewise instead (`BackendSession.may_decline_static_bounds`)."""
+        return [name for name, s in self.sessions.items()
+                if s.may_decline_static_bounds(num_tokens, self.seq_info.max_seq_len)]
 
     def _warm_step(self, kind: str, n: int) -> None:
         info = self.seq_info

@@ -17,6 +17,11 @@ and `step` the model runner's StepDescriptor):
    the static input buffers of the piece after them;
 4. else (unseen size, or no CUDA): every piece runs eagerly (compiled if configured). Correct for
    any size; only slower.
+Static pieces that compute the same function of (inputs, weights) share one compiled graph: the
+runner compiles one callable per *compile group* (runtime/piece_groups.py: canonical forms and their
+structural key; runtime/compiled_groups.py: the compiled callable, dynamic in the token count from
+its first compile), and each piece calls its group's with its own weights.
+
 Graphs are captured lazily, the first time a bucket is met, on that step's real inputs (warm-up run,
 capture, replay: static pieces are pure and cache appends idempotent, so running them twice is
 harmless), or ahead of time by `ModelRunner.warmup()`. A piece or a decode graph whose capture fails
@@ -33,6 +38,7 @@ overwrites: consume (or copy) them before the next step, as the engine does.
 from __future__ import annotations
 
 import copy
+import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -42,7 +48,10 @@ import torch
 from torch import nn
 
 from ..custom_ops.backend_registry import StepDescriptor, direct_calls
+from .compiled_groups import CompiledGroup, GroupMember
 from .cuda_graphs import BORROW, OWNED, CaptureError, GraphCapturer, cuda_graphs_available, tensor_key
+from .piece_groups import CanonicalPiece, CompileGroup, canonicalize, group_pieces
+from .piece_shapes import static_token_dims
 
 STATIC, DYNAMIC = "static", "dynamic"
 #: Token buckets of `buckets: auto`: powers of two up to this (and max_num_tokens), plus max_batch_size.
@@ -95,6 +104,9 @@ class SplitGraph:
     decode_graph_reason: str
     mixed_graph_safe: bool = False
     mixed_graph_reason: str = "not checked"
+    #: static pieces' canonical forms by Piece.index, and the compile groups they form (assign_compile_groups)
+    canonical: dict[int, CanonicalPiece] = field(default_factory=dict)
+    groups: list[CompileGroup] = field(default_factory=list)
 
     @property
     def num_static(self) -> int:
@@ -103,6 +115,16 @@ class SplitGraph:
     @property
     def num_dynamic(self) -> int:
         return sum(p.kind == DYNAMIC for p in self.pieces)
+
+
+def assign_compile_groups(split: SplitGraph) -> list[CompileGroup]:
+    """Canonicalise every static piece and group them (runtime/piece_groups.py); stored on `split`
+    (computed once: the pass's report and the runner share them)."""
+    if not split.groups:
+        split.canonical = {p.index: canonicalize(split.module.get_submodule(p.name))
+                           for p in split.pieces if p.kind == STATIC}
+        split.groups = group_pieces(list(split.canonical.items()))
+    return split.groups
 
 
 # ----------------------------------------------------------------------------- buckets
@@ -193,6 +215,7 @@ class PiecewiseRunner:
         buckets: Sequence[int] = (),
         decode_graph: bool = True,
         mixed_graph_max_tokens: int = 0,
+        dynamic_tokens: bool = True,
     ) -> None:
         self.split = split
         self.device = torch.device(device)
@@ -223,11 +246,29 @@ class PiecewiseRunner:
         eager_attrs: dict[str, Any] = {}
         graph_attrs: dict[str, Any] = {}
         self.static_pieces: list[_StaticPiece] = []
+        groups = assign_compile_groups(split)
+        group_of = {i: g for g in groups for i in g.pieces}
+        for g in groups:
+            for i in g.pieces:
+                if i < len(self.report):
+                    self.report[i]["compile_group"] = g.index
+        #: one compiled callable per compile group (empty with compile: none)
+        self.compiled: list[CompiledGroup] = [] if compile == "none" else \
+            [CompiledGroup(g, split.canonical[g.pieces[0]], compile) for g in groups]
+        #: how the token-dependent inputs of the static pieces were found (set at the first step of >= 2 tokens)
+        self.token_dims_note = "not derived yet" if self.compiled else "no compiled pieces"
+        if self.compiled and not dynamic_tokens:
+            self.token_dims_note = "dynamic_tokens: false (Dynamo's automatic dynamic shapes decide)"
+        self._token_dims_pending = bool(self.compiled) and dynamic_tokens
+        #: CUDA graphs captured per kind: count, seconds (compiles during a capture excluded), failures
+        self.capture_stats: dict[str, dict[str, float]] = {
+            k: {"count": 0, "seconds": 0.0, "failed": 0} for k in ("decode_graph", "mixed_graph", "piecewise")}
         for piece in split.pieces:
             sub = top.get_submodule(piece.name)
             fn: nn.Module = sub
-            if piece.kind == STATIC and compile != "none":
-                fn = torch.compile(_without_asserts(sub), backend=compile, fullgraph=True, dynamic=None)
+            if piece.kind == STATIC and self.compiled:
+                g = group_of[piece.index]
+                fn = GroupMember(self.compiled[g.index], split.canonical[piece.index].params, g.keep(piece.index))
             eager_attrs[piece.name] = fn
             if piece.kind == STATIC:
                 why = _mutation_reason(sub)
@@ -255,6 +296,8 @@ class PiecewiseRunner:
     # ------------------------------------------------------------------ stepping
     def __call__(self, step: StepDescriptor, *args: Any) -> Any:
         """Run one step: (input_ids [1,T], position_ids [1,T], *metadata, *caches) -> outputs."""
+        if self._token_dims_pending and int(args[0].shape[-1]) >= 2:
+            self._derive_token_dims(args)
         if not self.use_graphs:
             self.stats["eager"] += 1
             return self.eager_module(*args)
@@ -281,6 +324,35 @@ class PiecewiseRunner:
         self.stats["piecewise"] += 1
         return out
 
+    def _derive_token_dims(self, args: tuple) -> None:
+        """Tell every compile group which of its inputs vary with the token count (piece_shapes), from
+        this step's graph inputs: before any group compiles at a token count >= 2."""
+        self._token_dims_pending = False
+        static = {p.name: p.index for p in self.split.pieces if p.kind == STATIC}
+        try:
+            dims, self.token_dims_note = static_token_dims(self.split.module, static, args)
+        except Exception as exc:  # noqa: BLE001 - Dynamo's automatic dynamic shapes still work, one compile more
+            dims, self.token_dims_note = {}, f"not derived ({type(exc).__name__}: {exc}); Dynamo decides dynamism"
+        for cg in self.compiled:
+            cg.token_dims = dims.get(cg.group.pieces[0])
+
+    def compile_seconds(self) -> float:
+        return sum(cg.stats.seconds for cg in self.compiled)
+
+    def _timed_capture(self, kind: str, capture: Any) -> Any:
+        """Run `capture()` and add its seconds, less the compiles it triggered, to `capture_stats[kind]`."""
+        c0, t0 = self.compile_seconds(), time.perf_counter()
+        stat = self.capture_stats[kind]
+        try:
+            cap = capture()
+        except CaptureError:
+            stat["failed"] += 1
+            raise
+        finally:
+            stat["seconds"] += time.perf_counter() - t0 - (self.compile_seconds() - c0)
+        stat["count"] += 1
+        return cap
+
     # ------------------------------------------------------------------ capture
     def _run_whole_graph(self, graphs: dict[int, Any], kind: str, label: str, t: int, args: tuple) -> Optional[Any]:
         """Replay (capturing it the first time) the whole-graph graph of `kind` for T = t; None when
@@ -290,7 +362,8 @@ class PiecewiseRunner:
             if t in graphs:
                 return None  # capture failed before
             try:
-                cap = self._capturer.capture(self.eager_module, args, [BORROW] * len(args), label)
+                cap = self._timed_capture(kind, lambda: self._capturer.capture(self.eager_module, args,
+                                                                                [BORROW] * len(args), label))
             except CaptureError as exc:
                 self.failures[label] = str(exc)
                 graphs[t] = None
@@ -307,8 +380,8 @@ class PiecewiseRunner:
         label = f"piece {piece.index} ({piece.piece_name}, {t} tokens)"
         owned = self._static_outputs.setdefault(t, set())
         try:
-            cap = self._capturer.capture(piece.fn, args, piece.modes, label,
-                                         owned_ok=lambda x: tensor_key(x) in owned)
+            cap = self._timed_capture("piecewise", lambda: self._capturer.capture(
+                piece.fn, args, piece.modes, label, owned_ok=lambda x: tensor_key(x) in owned))
         except CaptureError as exc:
             self.failures[label] = str(exc)
             return None
@@ -338,7 +411,16 @@ class PiecewiseRunner:
             "stats": dict(self.stats),
             "failures": dict(self.failures),
             "direct_call_pieces": len(self.direct_pieces),
+            "compile_groups": self.compile_groups(),
+            "token_dims": self.token_dims_note,
+            "captures": {k: {**v, "seconds": round(v["seconds"], 4)} for k, v in self.capture_stats.items()},
         }
+
+    def compile_groups(self) -> list[dict[str, Any]]:
+        """Which static pieces share which compiled graph, and (compiled) what compiling it cost."""
+        if self.compiled:
+            return [cg.to_dict() for cg in self.compiled]
+        return [g.to_dict() for g in self.split.groups]
 
 
 def _with_direct_calls(sub: torch.fx.GraphModule, direct: dict[Any, Any]) -> torch.fx.GraphModule:
@@ -353,22 +435,6 @@ def _with_direct_calls(sub: torch.fx.GraphModule, direct: dict[Any, Any]) -> tor
     for node in graph.nodes:
         if node.op == "call_function" and node.target in direct:
             node.target = direct[node.target]
-    return torch.fx.GraphModule(sub, graph, sub.__class__.__name__)
-
-
-_ASSERT_OPS = (torch.ops.aten._assert_tensor_metadata.default,)
-
-
-def _without_asserts(sub: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """A copy of `sub` (sharing its parameters) without export's `_assert_tensor_metadata` checks.
-
-    They are no-ops when run eagerly, but inductor re-checks them against its own dtype inference:
-    on the H200 (transformers 5.17 DeepseekV3, bf16) one such node asserted float32 on an int64 view
-    and stopped compilation. Dropping checks changes no result."""
-    graph = copy.deepcopy(sub.graph)
-    for node in [n for n in graph.nodes if n.op == "call_function" and n.target in _ASSERT_OPS]:
-        if not node.users:
-            graph.erase_node(node)
     return torch.fx.GraphModule(sub, graph, sub.__class__.__name__)
 
 

@@ -33,7 +33,7 @@ from torch.fx.passes.split_module import split_module
 from ..custom_ops.backend_registry import MLABackend, all_backends, cached_ops
 from ..runtime.artifacts import RunnerOptions
 from ..runtime.piecewise import (AUTO_BUCKET_LIMIT, DYNAMIC, MIXED_GRAPH_MAX_TOKENS, STATIC, Piece, SplitGraph,
-                                 resolve_buckets)
+                                 assign_compile_groups, resolve_buckets)
 from .context import BuildContext
 from .fx_utils import module_tensor
 from .registry import PassOptions, PassResult, Stage, register_pass
@@ -64,6 +64,11 @@ class PiecewiseOptions(PassOptions):
     mixed_graph_max_tokens: int = Field(
         MIXED_GRAPH_MAX_TOKENS, ge=1,
         description="largest bucket replayed as a mixed whole-graph graph; bigger steps run piecewise",
+    )
+    dynamic_tokens: bool = Field(
+        True, description="compile each group of static pieces dynamic in the token count from its first compile "
+        "(one compile, plus one for 1 token); false: Dynamo's automatic dynamic shapes (the first count "
+        "specialised, dynamic from the second: one compile more per group)",
     )
 
     @field_validator("decode_graph", "mixed_graph", mode="before")
@@ -296,14 +301,15 @@ def piecewise(ctx: BuildContext, opts: PiecewiseOptions) -> PassResult:
     ctx.artifacts.split = split
     mixed_max = opts.mixed_graph_max_tokens if opts.mixed_graph == "auto" else 0
     ctx.artifacts.runner = RunnerOptions(compile_backend, opts.cuda_graphs, tuple(buckets), opts.decode_graph == "auto",
-                                         mixed_max)
+                                         mixed_max, opts.dynamic_tokens)
 
     graphs = opts.cuda_graphs and ctx.device.type == "cuda"
     decode = opts.decode_graph == "auto" and split.decode_graph_safe and graphs
     mixed = [b for b in buckets if b <= mixed_max] if (split.mixed_graph_safe and graphs) else []
+    groups = assign_compile_groups(split)
     summary = (
-        f"{len(split.pieces)} pieces ({split.num_static} static, {split.num_dynamic} dynamic); "
-        f"compile={compile_backend} ({compile_why}); cuda graphs "
+        f"{len(split.pieces)} pieces ({split.num_static} static in {len(groups)} compile groups, "
+        f"{split.num_dynamic} dynamic); compile={compile_backend} ({compile_why}); cuda graphs "
         + (f"on, buckets {buckets}" if graphs else "off")
         + (f"; decode whole-graph: {'on' if decode else 'off'} ({split.decode_graph_reason})" if graphs else "")
         + (f"; mixed whole-graph: {'buckets ' + str(mixed) if mixed else 'off'} ({split.mixed_graph_reason})"
@@ -315,6 +321,7 @@ def piecewise(ctx: BuildContext, opts: PiecewiseOptions) -> PassResult:
         "cuda_graphs": graphs,
         "compile": compile_backend,
         "compile_reason": compile_why,
+        "compile_groups": [g.to_dict() for g in groups],
         "decode_graph": decode,
         "decode_graph_reason": split.decode_graph_reason,
         "mixed_graph_buckets": mixed,

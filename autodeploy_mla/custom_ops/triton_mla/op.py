@@ -59,6 +59,7 @@ from .tuning import (
     expand_config,
     expansion_supported,
     heads_on_n_supported,
+    max_static_bounds_extra_flops,
     multi_token_config,
     interpreting,
     min_chunk,
@@ -203,6 +204,18 @@ class TritonMLASession(BackendSession):
         if not ok:
             self.static_declined += 1
         return ok
+
+    def may_decline_static_bounds(self, num_tokens: int, max_seq_len: int) -> bool:
+        """`static_bounds_ok` declines only steps with a prefill part: never under prefill_mode
+        "absorb", always under "expand", and under "auto" where the largest extra cost any such step can
+        reach (tuning.max_static_bounds_extra_flops) is over STATIC_MAX_EXTRA_FLOPS for some layer."""
+        mode = self.policy.prefill_mode
+        if mode == "absorb":
+            return False
+        if mode != "auto":
+            return True
+        return any(max_static_bounds_extra_flops(d, num_tokens, max_seq_len) > STATIC_MAX_EXTRA_FLOPS
+                   for d in set(self.spec.dims))
 
     def stats(self) -> dict[str, Any]:
         fa3 = self.fa3.stats() if self.fa3 is not None else {"fa3_prefill": self.fa3_reason}

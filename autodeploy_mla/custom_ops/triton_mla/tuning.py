@@ -94,6 +94,27 @@ def static_bounds_extra_flops(dims: MLADims, new_tokens: int, prefix_tokens: int
     return 2.0 * dims.num_heads * (ABSORB_SLOWDOWN * absorb - expand)
 
 
+def max_static_bounds_extra_flops(dims: MLADims, num_tokens: int, max_seq_len: int) -> float:
+    """An upper bound of `static_bounds_extra_flops` over every step with at most `num_tokens` new
+    prefill tokens whose sequences hold at most `max_seq_len` tokens each: what the model runner's
+    warm-up asks to know whether any step of a mixed-graph bucket can be declined (and so run piecewise).
+
+    The step's cost is a sum over its prefill sequences i of f(T_i, P_i) (T_i new tokens on P_i cached,
+    causal pairs T_i·P_i + T_i(T_i+1)/2), and f is linear in P_i, so each sequence's maximum is at
+    P_i = 0 or P_i = max_seq_len - T_i: g(T) = max of the two. The best split of the tokens over
+    sequences, max over T_1 + ... + T_k <= num_tokens of sum g(T_i), is a knapsack solved exactly here
+    (ignoring max_batch_size, which only makes the bound larger: safe)."""
+    if not expansion_supported(dims) or num_tokens < 1:
+        return 0.0
+    n = min(num_tokens, max_seq_len)
+    g = [float("-inf")] + [max(static_bounds_extra_flops(dims, t, p, t * p + t * (t + 1) // 2)
+                                for p in {0, max(0, max_seq_len - t)}) for t in range(1, n + 1)]
+    best = [0.0] * (n + 1)  # best[t]: the largest sum over splits of at most t tokens (0: no prefill part)
+    for t in range(1, n + 1):
+        best[t] = max(best[t - 1], *(best[t - a] + g[a] for a in range(1, t + 1)))
+    return best[n]
+
+
 def choose_prefill_path(dims: MLADims, new_tokens: int, prefix_tokens: int, causal_pairs: int) -> str:
     """'expand' or 'absorb' for the prefill part of a step: expand iff
         FLOPs_expand < ABSORB_SLOWDOWN * FLOPs_absorb        (prefill_costs).
