@@ -28,6 +28,9 @@ import torch
 
 from .mla_dims import MLADims
 
+#: (Dqk, Dv) pairs FlashInfer 0.7's FA3 prefill kernels are built for (192 / 128: DeepSeek's expanded heads)
+FA3_HEAD_DIMS = frozenset({(64, 64), (128, 128), (256, 256), (192, 128)})
+
 
 @dataclass
 class JitBuild:
@@ -114,8 +117,6 @@ def prefetch(dims: MLADims, dtype: torch.dtype, cache_dtype: torch.dtype, device
         _flashinfer_jit()
     except Exception:  # noqa: BLE001 - no FlashInfer here: nothing to build
         return []
-    from .triton_mla.fa3_prefill import FA3_HEAD_DIMS  # noqa: PLC0415 - fa3_prefill imports this module
-
     major, _ = torch.cuda.get_device_capability(device)
     builds = []
     if major >= 8:

@@ -26,11 +26,9 @@ from typing import Any, Optional
 
 import torch
 
-from ..flashinfer_jit import JitBuild, fa3_prefill_module
+from ..flashinfer_jit import FA3_HEAD_DIMS, JitBuild, fa3_prefill_module
 from ..mla_dims import MLADims
 
-#: (Dqk, Dv) pairs FlashInfer 0.7's FA3 prefill kernels are built for (192 / 128: DeepSeek's expanded heads)
-FA3_HEAD_DIMS = frozenset({(64, 64), (128, 128), (256, 256), (192, 128)})
 #: FlashInfer's float workspace for the prefill plan (split-KV partials of long sequences)
 FA3_WORKSPACE_BYTES = 128 << 20
 
