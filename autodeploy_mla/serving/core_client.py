@@ -104,10 +104,9 @@ class ThreadCore:
         self.thread.start()
 
     def _run(self, input_addr: str, output_addr: str) -> None:
-        import time
         import traceback
 
-        from .engine_core import model_info
+        from .engine_core import model_info, startup_seconds
 
         ctx = zmq.Context.instance()
         outbox, inbox = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
@@ -115,11 +114,8 @@ class ThreadCore:
         inbox.connect(input_addr)
         enc = msgspec.msgpack.Encoder()
         try:
-            t = time.perf_counter()
             self.om.warmup()
-            startup = dict(self.om.report().get("startup") or {})
-            startup.setdefault("warmup_s", time.perf_counter() - t)
-            outbox.send(enc.encode(Ready(model_info(self.om, startup))))
+            outbox.send(enc.encode(Ready(model_info(self.om, startup_seconds(self.om.startup())))))
             outbox.send(enc.encode(Stopped(serve_model(self.om, inbox, outbox))))
         except BaseException:  # noqa: BLE001 - reported like a process core's failure
             self.error = traceback.format_exc(limit=20)

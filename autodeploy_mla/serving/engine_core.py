@@ -200,6 +200,15 @@ def model_info(om: Any, startup: dict[str, Any]) -> ModelInfo:
                      device=str(om.device), dtype=str(om.dtype).replace("torch.", ""), startup=startup)
 
 
+def startup_seconds(rep: Any) -> dict[str, Any]:
+    """The start-up phases' seconds (a `StartupReport`), flat, for the ready message and the log."""
+    d = rep.to_dict()
+    out = {"load_s": d["load"]["seconds"], "passes_s": d["passes"]["seconds"], "runner_s": d["runner"]["seconds"],
+           "compile_s": d["compile"]["seconds"], "capture_s": d["capture"]["total_seconds"],
+           "warmup_s": d["warmup"]["seconds"], "total_s": d["total_seconds"]}
+    return {k: v for k, v in out.items() if v is not None}
+
+
 def serve_model(om: Any, inbox: zmq.Socket, outbox: zmq.Socket) -> int:
     """Run an `EngineCore` over a built model until shut down; returns the pages left held."""
     alloc = om.allocator
@@ -241,13 +250,12 @@ def run_core_process(spec: CoreSpec) -> None:
         t0 = time.perf_counter()
         om = optimize(None, spec.config, backend_policies=spec.backend_policies,
                       on_pass=lambda rec: say(Progress(f"pass {rec.name}: {rec.seconds:.2f} s  {rec.summary}")))
-        build_s = time.perf_counter() - t0
-        say(Progress(f"built in {build_s:.1f} s; warming up (compile, CUDA graphs)"))
-        t1 = time.perf_counter()
+        say(Progress(f"built in {time.perf_counter() - t0:.1f} s; warming up (compile, CUDA graphs)"))
         om.warmup()
-        startup = dict(om.report().get("startup") or {})
-        startup.setdefault("build_s", build_s)
-        startup.setdefault("warmup_s", time.perf_counter() - t1)
+        rep = om.startup()
+        for line in rep.lines():
+            say(Progress(f"start-up: {line}"))
+        startup = startup_seconds(rep)
         say(Ready(model_info(om, startup)))
         leaked = serve_model(om, inbox, outbox)
         say(Stopped(leaked))
