@@ -69,6 +69,7 @@ def test_greedy_choices_share_pages_and_equal_a_plain_request(om, overlap, monke
     want = hf_greedy_generate(om.eager_model, PROMPT, 6)
     assert [eng.request(i).generated for i in ids] == [want] * 3
     assert [eng.request(i).choice for i in ids] == [0, 1, 2]
+    assert [eng.request(i).shared_tokens for i in ids] == [0, 12, 12]
     full, shared = _pages(om, len(PROMPT), 6), (len(PROMPT) - 1) // 4
     assert max(used) == full + 2 * (full - shared)  # the shared pages counted once
     assert max(refs) == 3
@@ -147,7 +148,7 @@ def test_choice_0_cancelled_before_the_others_could_share(om, overlap):
     want = hf_greedy_generate(om.eager_model, LONG, 6)
     assert eng.request(ids[0]).finish_reason == "cancelled"
     assert [eng.request(i).generated for i in ids[1:]] == [want, want]
-    assert all(eng.request(i).leader is None for i in ids[1:])  # they did not share
+    assert all(eng.request(i).shared_tokens == 0 for i in ids[1:])  # they did not share
     assert om.allocator.num_free == om.allocator.num_usable
 
 
@@ -260,7 +261,7 @@ def test_group_requests_are_validated(om):
     assert not eng.has_work()
     one = eng.add_group([4, 5, 6], GREEDY, 1)  # n = 1: a plain request; short prompts share nothing
     two = eng.add_group([4, 5, 6], GREEDY, 2)
-    assert eng.request(two[1]).leader is None
+    assert eng.request(two[1]).leader is None and eng.request(two[1]).shared_tokens == 0
     _drive(eng)
     assert eng.request(one[0]).generated == eng.request(two[0]).generated == eng.request(two[1]).generated
 

@@ -111,14 +111,13 @@ def test_frequencies_match_the_processed_distribution(params):
 def test_rows_are_independent_of_their_batch():
     """Plain, penalised and biased rows in one batch draw what each draws alone (each state
     request with a fresh sampler, over the same steps)."""
-    kinds = [GREEDY, RowSpec.of(CASES["all"], 0, 0), RowSpec(1.0, 0, 1.0, 3, 0), RowSpec.of(CASES["all-sampled"], 5, 0),
-             RowSpec.of(CASES["bias"], 0, 0)]
+    kinds = [(SamplingParams(), 0), (CASES["all"], 0), (SamplingParams(temperature=1.0), 3), (CASES["all-sampled"], 5),
+             (CASES["bias"], 0), (SamplingParams(logprobs=3), 0)]
     together = BatchSampler(8, "cpu")
     alone = [BatchSampler(8, "cpu") for _ in kinds]
     for step in range(5):
         rows = _rows(step, len(kinds))
-        specs = [k._replace(counter=step, key=i, prompt=PROMPT) if k.stateful else k._replace(counter=step)
-                 for i, k in enumerate(kinds)]
+        specs = [RowSpec.of(p, seed, step, key=i, prompt=PROMPT) for i, (p, seed) in enumerate(kinds)]
         batch = together.sample(rows, specs)
         for i, spec in enumerate(specs):
             assert int(alone[i].sample(rows[i : i + 1], [spec])) == int(batch[i])
@@ -150,7 +149,7 @@ def test_scored_rows_are_the_raw_distribution():
     """Prompt rows: log_softmax of the raw logits at the targets, whatever the sampled rows do."""
     s = BatchSampler(4, "cpu")
     all_rows = _rows(1, 6)
-    specs = [RowSpec.of(CASES["all-sampled"], 3, 0, key=0, prompt=PROMPT)._replace(logprobs=2), GREEDY]
+    specs = [RowSpec.of(replace(CASES["all-sampled"], logprobs=2), 3, 0, key=0, prompt=PROMPT), GREEDY]
     scored = ScoredRows(all_rows, [0, 2, 3], [7, 1, 60], 4)
     out = s.run(all_rows[[4, 5]], specs, scored)
     lp = out.logprobs
@@ -253,7 +252,8 @@ def test_the_step_path_reads_nothing_back(no_host_reads):
     specs = [RowSpec.of(replace(CASES["all"], logprobs=3), 1, 0, key=0, prompt=PROMPT),
              RowSpec.of(CASES["all-sampled"], 2, 0, key=1, prompt=PROMPT), GREEDY, RowSpec(1.0, 5, 0.8, 4, 0)]
     for step in range(3):
-        out = s.run(rows[:4], [sp._replace(counter=step) for sp in specs], ScoredRows(rows, [4, 5], [1, 2], 5))
+        step_specs = [sp._replace(counter=step) for sp in specs]
+        out = s.run(rows[:4], step_specs, ScoredRows(rows, [4, 5], [1, 2], 5))
         assert out.logprobs is not None
 
 
@@ -278,6 +278,7 @@ def test_parameters_are_validated_with_the_value_and_the_limit():
     p = SamplingParams(logit_bias={3: 1, 1: -2.5})
     assert p.logit_bias == ((3, 1.0), (1, -2.5)) and hash(p)  # kept as pairs, still hashable
     assert not SamplingParams(logprobs=0).penalized and SamplingParams(repetition_penalty=1.1).penalized
+    assert RowSpec.of(SamplingParams(temperature=0.5, top_k=3), 1, 2, key=4, prompt=[1]).extra is None  # plain
     with pytest.raises(ValueError, match="needs its request's key"):
         BatchSampler(2, "cpu").sample(_rows(0), [RowSpec.of(SamplingParams(presence_penalty=1.0), 0, 0)])
 
@@ -286,8 +287,8 @@ def test_parameters_are_validated_with_the_value_and_the_limit():
 def test_gpu_sampler_matches_the_cpu_sampler_with_every_feature():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    specs = [RowSpec.of(CASES["all"], 1, 0, key=0, prompt=PROMPT)._replace(logprobs=5),
-             RowSpec.of(CASES["all-sampled"], 2, 0, key=1, prompt=PROMPT)._replace(logprobs=3), GREEDY]
+    specs = [RowSpec.of(replace(CASES["all"], logprobs=5), 1, 0, key=0, prompt=PROMPT),
+             RowSpec.of(replace(CASES["all-sampled"], logprobs=3), 2, 0, key=1, prompt=PROMPT), GREEDY]
     cpu, gpu = BatchSampler(4, "cpu"), BatchSampler(4, "cuda")
     for step in range(6):
         rows = _rows(step, 5)

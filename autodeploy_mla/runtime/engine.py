@@ -92,9 +92,10 @@ class Request:
     #: generated token is appended
     prompt_logprobs: list[Optional[TokenLogprobs]] = field(default_factory=list)
     choice: int = 0  # index in its group (add_group)
-    #: choice 0 of its group, whose full prompt pages this choice shares (None: it prefills alone)
+    #: choice 0 of its group, whose full prompt pages this choice shares, until its first token
+    #: (None: it prefills alone, or has its first token)
     leader: Optional["Request"] = field(default=None, repr=False, compare=False)
-    shared_tokens: int = 0  # prompt tokens whose cache pages it shares with its leader
+    shared_tokens: int = 0  # prompt tokens whose cache pages it shares with choice 0 (0: none)
 
     @property
     def tokens(self) -> list[int]:
@@ -372,9 +373,11 @@ class GenerationEngine:
             r.pending -= 1
             if r.finished:  # stopped or cancelled after this step was queued: its token is not used
                 continue
-            if not r.generated and r.leader is not None and r.params.prompt_logprobs is not None:
-                n = r.shared_tokens + 1  # its leader scored the shared part, in an earlier step
-                r.prompt_logprobs[:n] = r.leader.prompt_logprobs[:n]
+            if r.leader is not None:  # its first token: the leader is needed no more
+                if r.params.prompt_logprobs is not None:
+                    n = r.shared_tokens + 1  # the leader scored the shared part, in an earlier step
+                    r.prompt_logprobs[:n] = r.leader.prompt_logprobs[:n]
+                r.leader = None
             if r.params.logprobs is not None:
                 r.logprobs.append(result.logprobs[sid])
             r.generated.append(tok)

@@ -139,6 +139,8 @@ class SamplingParams:
             if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS):
                 raise ValueError(f"{name}={k!r}: must be None (off) or an integer in [0, {MAX_LOGPROBS}] "
                                  "(how many most likely alternatives to return with each token)")
+        # Worked out once: RowSpec.of asks for every row of every step.
+        object.__setattr__(self, "_row_extras", self.penalized or bool(self.logit_bias) or self.logprobs is not None)
 
     @property
     def greedy(self) -> bool:
@@ -170,17 +172,12 @@ class TokenLogprobs(NamedTuple):
     top: tuple[tuple[int, float], ...]
 
 
-class RowSpec(NamedTuple):
-    """What one row of a step samples with: its request's parameters, seed, the index of the token
-    being drawn (the hash counter), and for rows with penalties or bias the key of the request's
-    device state (`key`, the request id) and its prompt (read once, when the state is set up: the
-    first row of a request, counter 0)."""
+class RowExtras(NamedTuple):
+    """The optional part of a row: penalties, bias, logprobs, and for rows with penalties or bias
+    the key of the request's device state (`key`, the request id) and its prompt (read once, when
+    the state is set up: the request's first row, counter 0). Plain rows carry None instead, so
+    the sampler tells them apart with one `is None` test a row."""
 
-    temperature: float
-    top_k: int
-    top_p: float
-    seed: int
-    counter: int
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -188,13 +185,6 @@ class RowSpec(NamedTuple):
     logprobs: Optional[int] = None
     key: int = -1
     prompt: Sequence[int] = ()
-
-    @classmethod
-    def of(cls, params: SamplingParams, seed: int, counter: int, key: int = -1, prompt: Sequence[int] = ()
-           ) -> "RowSpec":
-        return cls(params.temperature, params.top_k, params.top_p, seed, counter, params.presence_penalty,
-                   params.frequency_penalty, params.repetition_penalty, params.logit_bias, params.logprobs,
-                   key, prompt)
 
     @property
     def penalized(self) -> bool:
@@ -204,6 +194,35 @@ class RowSpec(NamedTuple):
     def stateful(self) -> bool:
         """Whether the row reads per-request device state (penalties or a logit bias)."""
         return self.penalized or bool(self.logit_bias)
+
+
+class RowSpec(NamedTuple):
+    """What one row of a step samples with: its request's parameters, seed, the index of the token
+    being drawn (the hash counter), and the optional extras (None on plain rows)."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    counter: int
+    extra: Optional[RowExtras] = None
+
+    @classmethod
+    def of(cls, params: SamplingParams, seed: int, counter: int, key: int = -1, prompt: Sequence[int] = ()
+           ) -> "RowSpec":
+        if not params._row_extras:  # type: ignore[attr-defined]
+            return cls(params.temperature, params.top_k, params.top_p, seed, counter)
+        return cls(params.temperature, params.top_k, params.top_p, seed, counter,
+                   RowExtras(params.presence_penalty, params.frequency_penalty, params.repetition_penalty,
+                             params.logit_bias, params.logprobs, key, prompt))
+
+    @property
+    def stateful(self) -> bool:
+        return self.extra is not None and self.extra.stateful
+
+    @property
+    def logprobs(self) -> Optional[int]:
+        return None if self.extra is None else self.extra.logprobs
 
 
 GREEDY = RowSpec(0.0, 0, 1.0, 0, 0)
@@ -413,8 +432,9 @@ class BatchSampler:
             raise ValueError(f"sample: {b} logits rows but {len(specs)} row specs")
         if b > self.max_batch_size:
             raise ValueError(f"sample: {b} rows, over max_batch_size={self.max_batch_size}")
-        stateful = any(s.stateful for s in specs)
-        sampled_lp = [i for i, s in enumerate(specs) if s.logprobs is not None]
+        extras = [i for i, s in enumerate(specs) if s.extra is not None]  # the one pass over plain rows
+        stateful = any(specs[i].stateful for i in extras)
+        sampled_lp = [i for i in extras if specs[i].logprobs is not None]
         if scored is not None and not scored.rows:
             scored = None
         if not stateful:
@@ -442,7 +462,8 @@ class BatchSampler:
                 noise = gumbel_noise(keys, self._vocab_ids).gather(1, idx)  # noise follows the vocab id
                 drawn = idx.gather(1, (vals + noise).argmax(dim=-1, keepdim=True))[:, 0]
             else:
-                drawn = (logits / temperature.clamp_min(1e-6)[:, None] + gumbel_noise(keys, self._vocab_ids)).argmax(dim=-1)
+                scaled = logits / temperature.clamp_min(1e-6)[:, None]
+                drawn = (scaled + gumbel_noise(keys, self._vocab_ids)).argmax(dim=-1)
             ids = torch.where(temperature > 0, drawn, greedy)
         k = max([specs[i].logprobs for i in sampled_lp] + ([scored.k] if scored is not None else []), default=0)
         return _Draw(ids, logits, temperature, slot_idx if self.state.counting(specs) else None, sampled_lp,
@@ -471,8 +492,10 @@ class BatchSampler:
             host_f[:b] = torch.tensor([(s.temperature, s.top_p, 0.0, 0.0, 1.0) for s in specs], dtype=torch.float32)
             host_i[:b] = torch.tensor([(s.top_k, s.seed, s.counter, 0) for s in specs], dtype=torch.int64)
         else:
-            host_f[:b] = torch.tensor([(s.temperature, s.top_p, s.presence_penalty, s.frequency_penalty,
-                                        s.repetition_penalty) for s in specs], dtype=torch.float32)
+            plain = RowExtras()
+            host_f[:b] = torch.tensor([(s.temperature, s.top_p, e.presence_penalty, e.frequency_penalty,
+                                        e.repetition_penalty) for s in specs for e in (s.extra or plain,)],
+                                      dtype=torch.float32)
             host_i[:b] = torch.tensor([(s.top_k, s.seed, s.counter, sl) for s, sl in zip(specs, slots)],
                                       dtype=torch.int64)
         host_x = None

@@ -41,16 +41,22 @@ MAX_LOGIT_BIAS = 300  # entries per request (OpenAI's limit); the width of the b
 
 
 def _rep(s: Any) -> bool:
-    return s.repetition_penalty != 1
+    """Row spec `s` has a repetition penalty."""
+    return s.extra is not None and s.extra.repetition_penalty != 1
 
 
 def _pres_freq(s: Any) -> bool:
-    return s.presence_penalty != 0 or s.frequency_penalty != 0
+    """Row spec `s` has a presence or frequency penalty."""
+    return s.extra is not None and (s.extra.presence_penalty != 0 or s.extra.frequency_penalty != 0)
+
+
+def _bias(s: Any) -> bool:
+    return s.extra is not None and bool(s.extra.logit_bias)
 
 
 class SamplerState:
     """Device state of the requests whose rows have penalties or a logit bias (`RowSpec.stateful`),
-    keyed by `RowSpec.key` (the request id)."""
+    keyed by `RowExtras.key` (the request id). Takes the step's RowSpecs."""
 
     def __init__(self, num_slots: int, device: torch.device | str) -> None:
         self.num_slots = int(num_slots)
@@ -89,9 +95,10 @@ class SamplerState:
             if not s.stateful:
                 out.append(self.none)
                 continue
-            if s.key < 0:
-                raise ValueError("a row with penalties or a logit bias needs its request's key (RowSpec.key)")
-            slot = self._slot_of.get(s.key)
+            key = s.extra.key
+            if key < 0:
+                raise ValueError("a row with penalties or a logit bias needs its request's key (RowExtras.key)")
+            slot = self._slot_of.get(key)
             if slot is None:
                 if not self._free:
                     raise RuntimeError(
@@ -100,7 +107,7 @@ class SamplerState:
                         "(GenerationEngine._finish calls runner.release)"
                     )
                 slot = self._free.pop()
-                self._slot_of[s.key] = slot
+                self._slot_of[key] = slot
                 inits.append((slot, s))
             elif s.counter == 0:  # a key reused by a new request (another engine on this runner)
                 inits.append((slot, s))
@@ -132,7 +139,7 @@ class SamplerState:
             if pres_freq:
                 logits = (logits - counts.to(logits.dtype) * frequency[:, None]
                           - present.to(logits.dtype) * presence[:, None])
-        if any(s.logit_bias for s in specs):
+        if any(_bias(s) for s in specs):
             assert self.bias_ids is not None and self.bias_vals is not None
             logits = logits.scatter_add(1, self.bias_ids.index_select(0, slot_idx),
                                         self.bias_vals.index_select(0, slot_idx))
@@ -156,7 +163,7 @@ class SamplerState:
             self.counts = torch.zeros(rows, self.vocab, dtype=torch.int32, device=dev)
         if self.seen is None and any(_rep(s) for s in specs):
             self.seen = torch.zeros(rows, self.vocab, dtype=torch.bool, device=dev)
-        if self.bias_ids is None and any(s.logit_bias for s in specs):
+        if self.bias_ids is None and any(_bias(s) for s in specs):
             self.bias_ids = torch.zeros(rows, MAX_LOGIT_BIAS, dtype=torch.int64, device=dev)
             self.bias_vals = torch.zeros(rows, MAX_LOGIT_BIAS, dtype=torch.float32, device=dev)
 
@@ -176,16 +183,16 @@ class SamplerState:
         bias_ids: list[int] = []
         bias_vals: list[float] = []
         for sl, s in inits:
-            if _rep(s) and len(s.prompt):
-                toks = np.unique(np.asarray(s.prompt, dtype=np.int64))
+            if _rep(s) and len(s.extra.prompt):
+                toks = np.unique(np.asarray(s.extra.prompt, dtype=np.int64))
                 mask_slots.append(np.full(toks.shape, sl, dtype=np.int64))
                 mask_ids.append(toks)
-            for tok, val in s.logit_bias:
+            for tok, val in s.extra.logit_bias:
                 bias_slots.append(sl)
                 bias_ids.append(tok)
                 bias_vals.append(val)
         n_bias = len(bias_slots)
-        bias_cols = [c for sl, s in inits for c in range(len(s.logit_bias))]
+        bias_cols = [c for _, s in inits for c in range(len(s.extra.logit_bias))]
         ms = np.concatenate(mask_slots) if mask_slots else np.zeros(0, np.int64)
         mi = np.concatenate(mask_ids) if mask_ids else np.zeros(0, np.int64)
         ints = np.concatenate([np.asarray(slots, np.int64), ms, mi, np.asarray(bias_slots, np.int64),

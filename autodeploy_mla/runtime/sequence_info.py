@@ -153,8 +153,7 @@ class SequenceInfo:
         self.num_decode_seqs = 0
         self.num_device_tokens = 0  # tokens whose id the previous step sampled on the device
         self.num_logits_rows = 0  # rows of logits the step returns (logits_index)
-        self.row_start: list[int] = []  # per sequence (flat order): its first logits row
-        self.rows_per_seq: list[int] = []  # per sequence: its logits rows (1, or its new tokens)
+        self._rows_per: Optional[np.ndarray] = None  # logits rows per sequence; None: one each
         self.clear()
 
     # ------------------------------------------------------------------ access
@@ -214,13 +213,6 @@ class SequenceInfo:
                 f"logits_for='all' returns one row per token, at most max_batch_size={self.max_batch_size}; "
                 f"the step has {num_tokens} tokens."
             )
-        num_rows = sum(len(s.token_ids) if s.all_logits else 1 for s in ordered)
-        if logits_for == "last" and num_rows > self.max_batch_size:
-            raise CapacityError(
-                f"step asks for {num_rows} logits rows (every new token of the sequences with all_logits, one "
-                f"per other sequence), over max_batch_size={self.max_batch_size}, the rows the step returns; "
-                "cap the chunks of sequences that want all their rows."
-            )
         if pad_to is not None and not (num_tokens <= pad_to <= self.max_num_tokens):
             raise CapacityError(
                 f"pad_to={pad_to} must lie in [{num_tokens} (tokens this step), "
@@ -228,6 +220,7 @@ class SequenceInfo:
             )
         seen: set[int] = set()
         page_rows: list[Sequence[int]] = []
+        extra_rows = 0  # logits rows past one per sequence (all_logits)
         for s in ordered:
             if s.seq_id in seen:
                 raise ValueError(f"sequence {s.seq_id} appears twice in one step.")
@@ -257,8 +250,50 @@ class SequenceInfo:
                     f"{self.max_pages_per_seq}."
                 )
             page_rows.append(pages)
-        self._write(ordered, page_rows, pad_to, logits_for)
+            if s.all_logits:
+                extra_rows += len(s.token_ids) - 1
+        if logits_for == "last" and len(ordered) + extra_rows > self.max_batch_size:
+            raise CapacityError(
+                f"step asks for {len(ordered) + extra_rows} logits rows (every new token of the sequences with "
+                f"all_logits, one per other sequence), over max_batch_size={self.max_batch_size}, the rows the "
+                "step returns; cap the chunks of sequences that want all their rows."
+            )
+        self._write(ordered, page_rows, pad_to, "all" if logits_for == "all" else "some" if extra_rows else "last")
         return list(self.seq_ids)
+
+    def _write_rows(self, ordered: Sequence[StepSequence], lens_np: np.ndarray, logits_for: str) -> None:
+        """`logits_index` and `sample_row`: one row per sequence ("last"), or every new token's
+        row for every sequence ("all") or for those with all_logits ("some")."""
+        h_np = self._host_np
+        n_seq = len(ordered)
+        h_np["logits_index"][:] = 0
+        h_np["sample_row"][:] = 0
+        if logits_for == "last":
+            h_np["logits_index"][:n_seq] = h_np["last_token"][:n_seq]
+            h_np["sample_row"][:n_seq] = np.arange(n_seq)
+            self.num_logits_rows, self._rows_per = n_seq, None
+            return
+        wants = np.fromiter((logits_for == "all" or s.all_logits for s in ordered), bool, count=n_seq)
+        rows_per = np.where(wants, lens_np, 1)
+        row_end = np.cumsum(rows_per)
+        num_rows = int(row_end[-1]) if n_seq else 0
+        seq_of_row = np.repeat(np.arange(n_seq), rows_per)
+        after = row_end[seq_of_row] - 1 - np.arange(num_rows)  # row r of sequence s: rows of s after r
+        h_np["logits_index"][:num_rows] = h_np["last_token"][seq_of_row] - after
+        h_np["sample_row"][:n_seq] = row_end - 1
+        self.num_logits_rows, self._rows_per = num_rows, rows_per
+
+    @property
+    def rows_per_seq(self) -> list[int]:
+        """Per sequence of the step (flat order): its logits rows (1, or its new tokens)."""
+        return [1] * len(self.seq_ids) if self._rows_per is None else self._rows_per.tolist()
+
+    @property
+    def row_start(self) -> list[int]:
+        """Per sequence of the step (flat order): its first logits row."""
+        if self._rows_per is None:
+            return list(range(len(self.seq_ids)))
+        return (np.cumsum(self._rows_per) - self._rows_per).tolist()
 
     def _write(
         self, ordered: Sequence[StepSequence], page_rows: Sequence[Sequence[int]], pad_to: int | None, logits_for: str
@@ -319,19 +354,7 @@ class SequenceInfo:
         h_np["cache_loc"][num_tokens:t_pad] = SCRATCH_PAGE * ps
         h_np["last_token"][:] = 0
         h_np["last_token"][:n_seq] = cu[1 : n_seq + 1] - 1
-        rows_per = np.where(np.fromiter((logits_for == "all" or s.all_logits for s in ordered), bool, count=n_seq),
-                            lens_np, 1)
-        row_end = np.cumsum(rows_per)
-        num_rows = int(row_end[-1]) if n_seq else 0
-        h_np["logits_index"][:] = 0
-        if num_rows == n_seq:
-            h_np["logits_index"][:n_seq] = h_np["last_token"][:n_seq]
-        else:  # row r of sequence s: its last token minus the rows after r
-            seq_of_row = np.repeat(np.arange(n_seq), rows_per)
-            h_np["logits_index"][:num_rows] = (h_np["last_token"][seq_of_row] - (row_end[seq_of_row] - 1)
-                                               + np.arange(num_rows))
-        h_np["sample_row"][:] = 0
-        h_np["sample_row"][:n_seq] = row_end - 1
+        self._write_rows(ordered, lens_np, logits_for)
         n_dec_total = n_dec + dummy_seqs
         h_np["batch_info"][:] = (n_pre, int(lens_np[:n_pre].sum()), n_dec_total)
         max_kv = int((cached_np + lens_np).max()) if n_seq else 0
@@ -349,6 +372,3 @@ class SequenceInfo:
         self.num_prefill_seqs = n_pre
         self.num_decode_seqs = n_dec_total
         self.num_prefill_tokens = sum(lens[:n_pre])
-        self.num_logits_rows = num_rows
-        self.rows_per_seq = rows_per.tolist()
-        self.row_start = (row_end - rows_per).tolist()
