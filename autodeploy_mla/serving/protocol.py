@@ -15,6 +15,8 @@ per choice, so a model without a tokenizer can be served on token ids).
 Logprobs are of the distribution the token was drawn from: the model's logits after
 `repetition_penalty`, the frequency/presence penalties and `logit_bias`, divided by the temperature
 (1 for greedy requests), log-softmaxed over the whole vocabulary, before top-k / top-p truncation.
+Prompt tokens' logprobs (`echo`) are the model's own log-softmax, with no penalty, bias or
+temperature (nothing was drawn there), as vLLM's prompt logprobs are.
 """
 
 from __future__ import annotations
