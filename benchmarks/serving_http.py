@@ -155,7 +155,8 @@ class ServeProcess:
         self.log_path = out / f"{label}_serve.log"
         self.t0 = time.perf_counter()
         self.proc = subprocess.Popen([sys.executable, "-m", "autodeploy_mla.cli", "serve", "--model", family, "--config",
-                                      str(cfg_path), "--port", str(self.port), "--log-level", "warning"],
+                                      str(cfg_path), "--port", str(self.port), "--served-model-name", "default",
+                                      "--log-level", "warning"],
                                      stdout=open(self.log_path, "w"), stderr=subprocess.STDOUT, env=env)
 
     def wait_ready(self, timeout_s: float = 900.0) -> float:

@@ -19,6 +19,7 @@ The same `EngineCore` also runs in a thread over an already-built model (`Server
 from __future__ import annotations
 
 import os
+import sys
 import signal
 import time
 import traceback
@@ -266,4 +267,4 @@ def run_core_process(spec: CoreSpec) -> None:
         outbox.close(linger=5000)
         inbox.close(linger=0)
         ctx.term()
-    os._exit(code)  # no interpreter teardown of CUDA state: the parent has what it needs
+    sys.exit(code)
