@@ -105,7 +105,10 @@ def run_load(url: str, model: str, prompts: Sequence[Sequence[int]], max_tokens:
     for p in procs:
         p.join(timeout=30)
     reqs = [r for _, r in sorted(results, key=lambda x: x[0])]
-    return {"summary": summarize(reqs, t0, concurrency, workers), "requests": reqs}
+    timeline = [[round(r["start"] - t0, 4), round(r["chunk_times"][0][0] - t0, 4) if r["chunk_times"] else None,
+                 round(r["end"] - t0, 4), len(r["token_ids"])] for r in reqs]
+    return {"summary": summarize(reqs, t0, concurrency, workers), "requests": reqs,
+            "timeline": timeline}  # per request: sent, first token, last token (s after the start), tokens
 
 
 def summarize(reqs: list[dict[str, Any]], t0: float, concurrency: int, workers: int) -> dict[str, Any]:

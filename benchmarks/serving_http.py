@@ -207,7 +207,7 @@ def http_runs(url: str, prompts: list[list[int]], args: argparse.Namespace, want
         if want is not None:
             load["summary"]["sequences_equal_in_process"] = sum(g == w for g, w in zip(got, want))
             load["summary"]["first_tokens_equal_in_process"] = sum(g[:1] == w[:1] for g, w in zip(got, want))
-        runs[name] = load["summary"]
+        runs[name] = {**load["summary"], "timeline": load["timeline"]}
         print(f"{name}: {json.dumps(load['summary'], default=str)}", flush=True)
     return runs
 

@@ -19,6 +19,7 @@ only once it is built (the Triton backend's FA3 prefill: docs/serving.md, start-
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -50,6 +51,7 @@ class JitBuild:
     def _run(self) -> None:
         t = time.perf_counter()
         try:
+            _lower_priority()
             self.build()
         except Exception as exc:  # noqa: BLE001 - the wrapper builds (and reports) it again when used
             self.error = f"{type(exc).__name__}: {exc}"[:500]
@@ -69,6 +71,20 @@ class JitBuild:
 
     def to_dict(self) -> dict[str, Any]:
         return {"module": self.name, "done": self.done(), "seconds": self.seconds, "error": self.error}
+
+
+#: nice value of the build threads and the nvcc processes they start (Linux: per thread, inherited)
+BUILD_NICE = 10
+
+
+def _lower_priority() -> None:
+    """Run this thread (and the ninja / nvcc processes it starts, which inherit it) at a lower CPU
+    priority: the build is background work; model export, Inductor's compile workers and, once
+    serving, the engine loop and HTTP come first."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BUILD_NICE)
+    except (AttributeError, OSError):  # not Linux, or not allowed: build at normal priority
+        pass
 
 
 def dims_from_hf_config(config: Any) -> Optional[MLADims]:

@@ -19,6 +19,7 @@ import multiprocessing as mp
 import shutil
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol, Union
@@ -60,7 +61,7 @@ class ProcessCore:
         self.process: Optional[mp.process.BaseProcess] = None
 
     def start(self, input_addr: str, output_addr: str) -> None:
-        spec = CoreSpec(self.config, input_addr, output_addr, self.backend_policies)
+        spec = CoreSpec(self.config, input_addr, output_addr, self.backend_policies, started_at=time.time())
         # not a daemon: the build may start processes of its own (compile workers); the core dies
         # with this process anyway (PR_SET_PDEATHSIG, and its loop watches its parent)
         self.process = mp.get_context("spawn").Process(target=run_core_process, args=(spec,), name="autodeploy-core")

@@ -192,6 +192,7 @@ class CoreSpec:
     input_addr: str  # the API process binds; the core connects (PULL)
     output_addr: str  # (PUSH)
     backend_policies: Optional[dict[str, Any]] = None
+    started_at: float = 0.0  # time.time() when the API process started it (the spawn's cost is measured)
 
 
 def model_info(om: Any, startup: dict[str, Any]) -> ModelInfo:
@@ -246,8 +247,12 @@ def run_core_process(spec: CoreSpec) -> None:
 
     code = 0
     try:
+        spawned = time.time() - spec.started_at if spec.started_at else None
         from ..api import optimize
 
+        if spawned is not None:
+            say(Progress(f"engine process up {spawned:.1f} s after its start (interpreter, imports); "
+                         f"{time.time() - spec.started_at:.1f} s with the model's imports"))
         t0 = time.perf_counter()
         om = optimize(None, spec.config, backend_policies=spec.backend_policies,
                       on_pass=lambda rec: say(Progress(f"pass {rec.name}: {rec.seconds:.2f} s  {rec.summary}")))
