@@ -225,7 +225,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", default="256:2048")
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--concurrency", default="64,16")
-    ap.add_argument("--client-workers", type=int, default=4)
+    ap.add_argument("--client-workers", type=int, default=8)
     ap.add_argument("--single-client", action="store_true",
                     help="also the first concurrency from one client process (the generator's own limit)")
     ap.add_argument("--profile", action="store_true", help="py-spy the first HTTP run (API and engine processes)")

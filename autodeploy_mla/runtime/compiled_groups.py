@@ -9,10 +9,10 @@ every compile: count, seconds, and the Inductor / AOTAutograd cache hits and mis
 
 Dynamic shapes. With `dynamic=None` Dynamo specialises a graph to the first token count it meets and
 compiles it again, dynamic in T, at the second: two compiles per graph (three with T = 1, which Dynamo
-always specialises). Instead, until the group has compiled once at a token count >= 2, each call is
-made with `torch.compiler.config.dynamic_sources` naming exactly the inputs and dims that vary with T
-(runtime/piece_shapes.py): the first compile is already dynamic in T and static in every other dim, and
-later token counts hit it. T = 1 still gets its own specialised graph (one more compile per group).
+always specialises). Instead, until the group has compiled once at a token count >= 2, the inputs and
+dims that vary with T (runtime/piece_shapes.py) are marked dynamic on each call (tensor dims with
+`maybe_mark_dynamic`, int inputs through `torch.compiler.config.dynamic_sources`): the first compile is
+already dynamic in T and static in every other dim, and later token counts hit it. T = 1 still gets its own specialised graph (one more compile per group).
 The warm-up runs the largest step first (ModelRunner.warmup), so that first compile, whose size hints
 Inductor tunes its kernels' block sizes with, sees the largest token count, as before.
 """
@@ -93,29 +93,45 @@ class CompiledGroup:
                     self.stats.cache[k] = self.stats.cache.get(k, 0) + v - before[k]
 
     def sources(self, args: tuple[Any, ...]) -> str:
-        """`dynamic_sources` for this call: the token-dependent inputs that are >= 2 here (size-1 dims
-        stay specialised: Dynamo would specialise them anyway)."""
+        """`dynamic_sources` for this call: the token-dependent int inputs that are >= 2 here (whole
+        sources: the form every torch >= 2.8 reads; tensor dims are marked on the tensors instead,
+        `mark_token_dims`)."""
         dims = self.token_dims
         if dims is None:
             return ""
-        out = [f"L['x{i}']" for i in dims.ints if isinstance(args[i], int) and args[i] >= 2]
+        return ",".join(f"L['x{i}']" for i in dims.ints if isinstance(args[i], int) and args[i] >= 2)
+
+    def mark_token_dims(self, args: tuple[Any, ...]) -> list[str]:
+        """Mark the token dims of this call's tensors dynamic (`maybe_mark_dynamic`: Dynamo may still
+        specialise one it must); size-1 dims stay specialised, as Dynamo would anyway. Returns what was
+        marked. (torch 2.11 ignores the `L['x']:dim` form of `dynamic_sources`: on the H200 the first
+        compile came out static at 2048 tokens and every group compiled three times.)"""
+        dims = self.token_dims
+        marked: list[str] = []
+        if dims is None:
+            return marked
         for i, ds in dims.tensors:
             a = args[i]
             if isinstance(a, torch.Tensor):
-                out += [f"L['x{i}']:{d}" for d in ds if d < a.dim() and a.shape[d] >= 2]
-        return ",".join(out)
+                for d in ds:
+                    if d < a.dim() and a.shape[d] >= 2:
+                        torch._dynamo.maybe_mark_dynamic(a, d)
+                        marked.append(f"L['x{i}']:{d}")
+        return marked
 
     def __call__(self, args: tuple[Any, ...], params: tuple[torch.Tensor, ...]) -> Any:
         n = self.stats.compiles
         t0 = time.perf_counter()
-        sources = "" if self._dynamic_done else self.sources(args)
+        sources, marked = "", []
+        if not self._dynamic_done:
+            sources, marked = self.sources(args), self.mark_token_dims(args)
         with torch.compiler.config.patch(dynamic_sources=sources) if sources else nullcontext():
             out = self._fn(*args, *params)
         if self.stats.compiles != n:
             self.stats.seconds += time.perf_counter() - t0
-            if sources:
+            if sources or marked:
                 self._dynamic_done = True
-                self.stats.dynamic_sources = sources
+                self.stats.dynamic_sources = ",".join(x for x in (sources, *marked) if x)
         return out
 
     def to_dict(self) -> dict[str, Any]:
