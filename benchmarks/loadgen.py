@@ -2,7 +2,8 @@
 (it imports nothing from the package): the official `openai` client, streaming completions,
 token-id prompts with `return_token_ids`, a fixed number of requests in flight.
 
-The client work (SSE parsing, the openai client's pydantic models) is spread over `workers`
+Token-id prompts go in `extra_body` (see `_one`). The client work (SSE parsing, the openai
+client's pydantic models) is spread over `workers`
 processes, each an asyncio loop with its share of the concurrency, so that at 64 streams the
 generator is not the bottleneck it would be in one Python process. Requests are taken from one
 shared counter, so the concurrency is global. Times are `time.monotonic()` (one clock for every
@@ -38,8 +39,11 @@ def _percentiles(xs: Sequence[float]) -> dict[str, Optional[float]]:
 async def _one(client: Any, model: str, prompt: list[int], max_tokens: int, extra: dict[str, Any]) -> dict[str, Any]:
     rec: dict[str, Any] = {"start": time.monotonic(), "chunk_times": [], "token_ids": [], "error": None}
     try:
-        stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
-                                                 stream=True, extra_body={"return_token_ids": True,
+        # The prompt rides in extra_body: passed as `prompt`, the client's parameter transform walks the
+        # list element by element (~28 ms for 1150 ids on a loaded 2-core host, 3 ms this way), so
+        # at 8 requests per client process the requests would leave over ~0.25 s instead of ~25 ms.
+        stream = await client.completions.create(model=model, prompt=[0], max_tokens=max_tokens, temperature=0,
+                                                 stream=True, extra_body={"prompt": prompt, "return_token_ids": True,
                                                                           "ignore_eos": True, **extra})
         async for chunk in stream:
             now = time.monotonic()
