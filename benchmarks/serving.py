@@ -24,7 +24,7 @@ Per model, after one build, its warm-up (`om.warmup()`) and one untimed pass of 
   the first run captures its CUDA graphs; the second is reported).
 
     python benchmarks/serving.py --out /root/out/serving                 # on the GPU
-    python benchmarks/serving.py --render docs/benchmarks/serving.json   # markdown + plot (CPU ok)
+    python benchmarks/serving.py --render docs/benchmarks/archive/serving_2026-11-23.json   # markdown + plot (CPU ok)
     python benchmarks/serving.py --quick --device cpu --out /tmp/serving # dry run of the plumbing
 """
 
