@@ -47,17 +47,6 @@ def v2_ckpt(tmp_path_factory):
     return path, model
 
 
-@pytest.fixture
-def no_build(monkeypatch):
-    """Fail the test if anything builds a model or runs the passes."""
-    import autodeploy_mla.api as api
-    import autodeploy_mla.cli.build_command as cli_build
-
-    def boom(*a, **k):
-        raise AssertionError("build work started before the bad input was refused")
-
-    for mod, name in ((api, "build_model"), (api, "build_skeleton"), (api, "run_pipeline"), (cli_build, "optimize")):
-        monkeypatch.setattr(mod, name, boom)
 
 
 # ----------------------------------------------------------------------------- checkpoints + families

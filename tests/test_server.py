@@ -10,6 +10,7 @@ page back (the engine core's page gauge on /metrics)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -566,37 +567,41 @@ def test_cli_serve_and_bench_refuse_bad_flags(capsys):
     assert "no such file" in capsys.readouterr().out
 
 
-def _serve_cli(port: int, name: str):
+@contextlib.contextmanager
+def _serve_cli(name: str):
+    """`autodeploy serve` in a subprocess (as users start it) until it answers GET /health 200;
+    yields (process, url); the process is killed at the end if it is still running."""
     import subprocess
     import sys
 
-    return subprocess.Popen([sys.executable, "-m", "autodeploy_mla.cli", "serve", "--device", "cpu", "--dtype",
+    from autodeploy_mla.serving.server import _free_port
+
+    port = _free_port("127.0.0.1")
+    proc = subprocess.Popen([sys.executable, "-m", "autodeploy_mla.cli", "serve", "--device", "cpu", "--dtype",
                              "float32", "--port", str(port), "--served-model-name", name, "--log-level", "warning"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def _wait_health(proc, url: str, timeout_s: float = 240) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        assert proc.poll() is None, proc.stdout.read()
-        assert time.monotonic() < deadline, "the server did not come up"
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.25)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "the server did not come up"
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.25)
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def test_cli_serve_process_answers_and_stops_on_ctrl_c():
     """`autodeploy serve` as users run it: a subprocess (and its engine-core process), a client, then SIGINT."""
-    from autodeploy_mla.serving.server import _free_port
-
-    port = _free_port("127.0.0.1")
-    proc = _serve_cli(port, "tiny-cli")
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_health(proc, url)
+    with _serve_cli("tiny-cli") as (proc, url):
         r = client(url).completions.create(model="tiny-cli", prompt=[5, 6, 7], max_tokens=3, temperature=0,
                                            extra_body=GREEDY)
         assert len(r.choices[0].token_ids) == 3
@@ -605,20 +610,10 @@ def test_cli_serve_process_answers_and_stops_on_ctrl_c():
         out = proc.stdout.read()
         assert "listening on" in out and "ready after" in out and "server stopped" in out and "Traceback" not in out
         assert "pass export" in out and "start-up:" in out  # the engine core's progress, in the server log
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_cli_serve_exits_non_zero_when_the_engine_process_dies():
-    from autodeploy_mla.serving.server import _free_port
-
-    port = _free_port("127.0.0.1")
-    proc = _serve_cli(port, "tiny-cli")
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_health(proc, url)
+    with _serve_cli("tiny-cli") as (proc, url):
         kids = [int(x) for x in open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()]
         assert kids, "no engine-core process"
         for k in kids:
@@ -626,10 +621,6 @@ def test_cli_serve_exits_non_zero_when_the_engine_process_dies():
         assert proc.wait(timeout=60) == 1
         out = proc.stdout.read()
         assert "engine" in out and "signal 9" in out
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.mark.gpu

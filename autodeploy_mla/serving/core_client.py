@@ -147,10 +147,6 @@ class RequestStream:
     prompt: list[int]
     params: SamplingParams
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    open: set[int] = field(default_factory=set)
-
-    def __post_init__(self) -> None:
-        self.open = set(self.ids)
 
 
 class EngineCoreClient:
@@ -290,7 +286,6 @@ class EngineCoreClient:
         for f in msg.finished:
             s = streams.pop(f.id, None)
             if s is not None:
-                s.open.discard(f.id)
                 s.queue.put_nowait(f)
         if self.on_step is not None:
             self.on_step(msg)

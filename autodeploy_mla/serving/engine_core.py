@@ -108,11 +108,14 @@ class EngineCore:
             self._finished.append(Finished(api_id, r.finish_reason or "error", r.error))
 
     def _forget_finished(self) -> None:
+        """Drop what the core and the engine keep of the requests just reported finished (the engine
+        keeps every finished request for `run()`; a server that runs for weeks must not)."""
         for f in self._finished:
             rid = self._engine_id.pop(f.id, None)
             if rid is not None:
                 self._api_id.pop(rid, None)
                 self._requests.pop(rid, None)
+                self.engine.done.pop(rid, None)
 
     def _token_out(self, rid: int, tok: int) -> Optional[TokenOut]:
         api_id = self._api_id.get(rid)

@@ -26,7 +26,7 @@ class ServingMetrics:
         self.tokens_per_s = Gauge("autodeploy_generation_tokens_per_second",
                                   f"generated tokens per second over the last {window_s:g} s", registry=r)
         self.generated = Counter("autodeploy_generation_tokens", "generated tokens", registry=r)
-        self.prompt = Counter("autodeploy_prompt_tokens", "prompt tokens of finished requests", registry=r)
+        self.prompt = Counter("autodeploy_prompt_tokens", "prompt tokens of the requests submitted", registry=r)
         self.finished = Counter("autodeploy_requests_finished", "finished requests", ["finish_reason"], registry=r)
         self.ttft = Histogram("autodeploy_time_to_first_token_seconds", "time from arrival to the first token",
                               buckets=TTFT_BUCKETS, registry=r)

@@ -297,11 +297,12 @@ class Server:
         g = sum(len(c.generated) for c in choices)
         return {"prompt_tokens": p, "completion_tokens": g, "total_tokens": p + g}
 
-    def _completion_logprobs(self, c: Choice, tokens: Sequence[int], lps: Sequence[Optional[Logprob]],
-                             text_before: str) -> dict[str, Any]:
-        """OpenAI's legacy completion logprobs for `tokens` (their text follows `text_before`)."""
+    def _completion_logprobs(self, c: Choice, tokens: Sequence[int], lps: Sequence[Optional[Logprob]]
+                             ) -> dict[str, Any]:
+        """OpenAI's legacy completion logprobs for `tokens` (their text starts at the choice's
+        `text_offset`: what it streamed so far)."""
         strs = [self._token_str(t) for t in tokens]
-        offsets, off = [], c.text_offset + len(text_before)
+        offsets, off = [], c.text_offset
         for s in strs:
             offsets.append(off)
             off += len(s)
@@ -380,7 +381,7 @@ class Server:
                     toks, lps = list(c.generated[:kept]), list(c.logprobs[:kept])
                     if echo:
                         toks, lps = c.prompt + toks, list(c.prompt_logprobs or [None] * len(c.prompt)) + lps
-                    item["logprobs"] = self._completion_logprobs(c, toks, lps, "")
+                    item["logprobs"] = self._completion_logprobs(c, toks, lps)
             if req.return_token_ids:
                 item["prompt_token_ids"] = c.prompt
                 item["token_ids"] = c.generated[:kept]
@@ -412,7 +413,7 @@ class Server:
             else:
                 item["text"] = prefix + (text or "")
                 if want_lp and (ids or prompt_ids):
-                    item["logprobs"] = self._completion_logprobs(c, [*prompt_ids, *ids], [*prompt_lps, *lps], "")
+                    item["logprobs"] = self._completion_logprobs(c, [*prompt_ids, *ids], [*prompt_lps, *lps])
                     c.text_offset += len(prefix) + len(text or "")
             if req.return_token_ids:
                 if first:
