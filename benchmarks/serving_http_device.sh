@@ -17,11 +17,19 @@ export AUTODEPLOY_CACHE_DIR=${AUTODEPLOY_CACHE_DIR:-/tmp/adc}
 w=$(mktemp -d)
 s="python3 benchmarks/serving_http.py --out $w"
 k() { echo "triton kernels cached after $1: $(find "$AUTODEPLOY_CACHE_DIR" -path '*triton*' -name '*.json' 2>/dev/null | wc -l)"; }
+# the Triton kernels (by name, with their count) compiled between two snapshots: what ran first after ready
+names() { find "$AUTODEPLOY_CACHE_DIR" -path '*triton*' -name '*.json' ! -name '__grp__*' -printf '%f\n' 2>/dev/null | sort; }
 timeout 240 $s --model v2_lite --phases startup --label fresh 2>&1 | tail -1; k "v2_lite fresh"
 timeout 240 $s --model v2_lite --phases serve --label warm --profile --single-client 2>&1 | grep "^http\|ready" | cut -c1-330
 k "v2_lite warm + http"
 timeout 180 $s --model v2_lite --phases inproc --label inproc 2>&1 | grep "^in-process\|^step" | cut -c1-250
+names > "$w/kernels_before_v3.txt"
+timeout 300 $s --model v3_4layer --phases startup --label v3start 2>&1 | tail -1
+names > "$w/kernels_after_v3_start.txt"
 timeout 300 $s --model v3_4layer --phases serve,inproc --label v3 --single-client 2>&1 | grep "^http\|ready\|^in-process\|^step" | cut -c1-330
+names > "$w/kernels_after_v3_runs.txt"
+echo "Triton kernels compiled by the v3 runs after a start that had compiled everything it knew of:"
+comm -13 "$w/kernels_after_v3_start.txt" "$w/kernels_after_v3_runs.txt" | uniq -c | sort -rn | head -20
 k "v3_4layer"
 if [ "${GLM:-1}" != 0 ]; then
   timeout 300 $s --model glm_4_7_flash --phases startup --label fresh 2>&1 | tail -1
