@@ -176,7 +176,7 @@ def _fuse(gm: GraphModule, members: list[_Member], order: dict[Node, int]) -> di
             "in_features": int(wvals[0].shape[1]), "dtype": str(wvals[0].dtype).replace("torch.", "")}
 
 
-@register_pass("fuse_gemms", PassOptions, stage=Stage.FUSE, requires=("export",), refresh_shapes=True)
+@register_pass("fuse_gemms", PassOptions, stage=Stage.FUSE, requires=("export",), refresh_shapes="missing")
 def fuse_gemms(ctx: BuildContext, opts: PassOptions) -> PassResult:
     gm = ctx.gm
     assert gm is not None

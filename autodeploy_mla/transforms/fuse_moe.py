@@ -521,7 +521,7 @@ def _fuse_shared_entry(gm: GraphModule, m: ExpertsMatch, fused: Node, mode: Shar
     return f"in the fused op as expert {m.num_experts} (weights {names})"
 
 
-@register_pass("fuse_moe", FuseMoEOptions, stage=Stage.FUSE, requires=("export",), refresh_shapes=True)
+@register_pass("fuse_moe", FuseMoEOptions, stage=Stage.FUSE, requires=("export",), refresh_shapes="missing")
 def fuse_moe(ctx: BuildContext, opts: FuseMoEOptions) -> PassResult:
     gm = ctx.gm
     assert gm is not None

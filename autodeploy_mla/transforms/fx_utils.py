@@ -4,7 +4,7 @@ and fake-tensor shape propagation. One definition each, instead of a private cop
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch.fx import GraphModule, Node
@@ -94,9 +94,31 @@ def erase_dead_region(graph: torch.fx.Graph, region: set[Node]) -> None:
         work.extend(a for a in inputs if a in region)
 
 
-def refresh_shapes(gm: GraphModule) -> None:
+def _same_val(a: Any, b: Any) -> bool:
+    """Whether two fake values describe the same tensor(s): shape, strides, dtype, device."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return (a.dtype == b.dtype and a.device == b.device and [str(x) for x in a.shape] == [str(x) for x in b.shape]
+                and [str(x) for x in a.stride()] == [str(x) for x in b.stride()])
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_same_val(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return False
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - symbolic or opaque values: treat as changed
+        return False
+
+
+def refresh_shapes(gm: GraphModule, new_nodes: Optional[set[Node]] = None) -> None:
     """Re-run fake-tensor propagation over the whole graph (new shapes after a rewrite that changed
-    weights or shape literals), from the fake inputs export recorded."""
+    weights or shape literals), from the fake inputs export recorded.
+
+    `new_nodes` (the nodes a rewrite added): recompute only those, the nodes left without a value, and
+    from them the nodes whose inputs' values came out different (a fused GEMM's slices have the fused
+    row stride, so the views after them do too), stopping where a recomputed value equals the old
+    one. Equal to a full run (tests/test_refresh_shapes.py) for rewrites that only add nodes and rewire
+    uses (no existing node's target or arguments edited in place); on the DeepSeek-V2-Lite graph
+    (4104 nodes) it costs milliseconds where the full run costs seconds of symbolic-shape work."""
     from torch._guards import detect_fake_mode
 
     vals = [n.meta.get("val") for n in placeholders(gm)]
@@ -104,21 +126,37 @@ def refresh_shapes(gm: GraphModule) -> None:
     if mode is None:
         raise ValueError("the graph has no fake values on its inputs (was it exported?)")
 
+    incremental = new_nodes is not None
+    changed: set[Node] = set()
+
     class _Prop(torch.fx.Interpreter):
         def run_node(self, n: Node) -> Any:
             if n.op == "placeholder":
                 return n.meta.get("val")
-            if n.op == "get_attr":
-                t = self.fetch_attr(n.target)
-                out = mode.from_tensor(t, static_shapes=True) if isinstance(t, torch.Tensor) else t
-            elif n.op == "call_module":
-                out = None  # export's input guards: nothing to propagate
+            old = n.meta.get("val")
+            if incremental and n.op != "output" and old is not None and n not in new_nodes:
+                if not any(a in changed for a in n.all_input_nodes):
+                    return old
+                out = self._compute(n)
+                if _same_val(out, old):
+                    return old
+                changed.add(n)
             else:
-                with mode:
-                    out = super().run_node(n)
+                out = self._compute(n)
+                if incremental and n.op != "output":
+                    changed.add(n)
             if out is not None and n.op != "output":
                 n.meta["val"] = out
             return out
+
+        def _compute(self, n: Node) -> Any:
+            if n.op == "get_attr":
+                t = self.fetch_attr(n.target)
+                return mode.from_tensor(t, static_shapes=True) if isinstance(t, torch.Tensor) else t
+            if n.op == "call_module":
+                return None  # export's input guards: nothing to propagate
+            with mode:
+                return super().run_node(n)
 
     # The Python dispatcher runs composite ops (linear -> matmul) through their SymInt-aware Python
     # decompositions, as export did; the C++ composites may call numel() on symbolic sizes (seen on

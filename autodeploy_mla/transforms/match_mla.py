@@ -869,7 +869,7 @@ class MatchMLAOptions(PassOptions):
     require_match: bool = Field(True, description="error if the graph has no MLA attention at all")
 
 
-@register_pass("match_mla", MatchMLAOptions, stage=Stage.PATTERN, requires=("export",))
+@register_pass("match_mla", MatchMLAOptions, stage=Stage.PATTERN, requires=("export",), refresh_shapes="missing")
 def match_mla_pass(ctx: BuildContext, opts: MatchMLAOptions) -> PassResult:
     assert ctx.gm is not None
     matches = match_mla(ctx.gm)

@@ -97,6 +97,7 @@ def run_pipeline(ctx: BuildContext, pipeline: Pipeline,
             rec = PassRecord(info.name, False, 0.0, "disabled")
         else:
             t0 = time.perf_counter()
+            before = set(ctx.gm.graph.nodes) if info.refresh_shapes == "missing" and ctx.gm is not None else None
             result = info.fn(ctx, opts)
             if info.needs_graph:
                 if ctx.gm is None:
@@ -105,7 +106,8 @@ def run_pipeline(ctx: BuildContext, pipeline: Pipeline,
                 ctx.gm.recompile()
                 if info.refresh_shapes:
                     try:
-                        refresh_shapes(ctx.gm)
+                        new = None if before is None else {n for n in ctx.gm.graph.nodes if n not in before}
+                        refresh_shapes(ctx.gm, new)
                     except Exception as exc:
                         raise PassError(f"pass {info.name!r}: the rewritten graph does not type-check "
                                         f"({type(exc).__name__}: {exc})") from exc

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Union
 
 from pydantic import BaseModel, ConfigDict
 
@@ -57,14 +57,19 @@ class PassInfo:
     stage: Stage
     requires: tuple[str, ...] = ()
     needs_graph: bool = True  # the manager lints + recompiles the graph after it
-    refresh_shapes: bool = False  # the manager re-propagates fake-tensor shapes after it
+    #: the manager re-propagates fake-tensor shapes after it: True (the whole graph: the pass changed
+    #: shapes) or "missing" (the nodes the pass added, and what their values change downstream: for
+    #: passes that only add nodes and rewire uses, fx_utils.refresh_shapes)
+    refresh_shapes: Union[bool, str] = False
 
 
 _PASSES: dict[str, PassInfo] = {}
 
 
 def register_pass(name: str, options: type[PassOptions] = PassOptions, *, stage: Stage,
-                  requires: tuple[str, ...] = (), needs_graph: bool = True, refresh_shapes: bool = False):
+                  requires: tuple[str, ...] = (), needs_graph: bool = True, refresh_shapes: Union[bool, str] = False):
+    if refresh_shapes not in (False, True, "missing"):
+        raise ValueError(f"pass {name!r}: refresh_shapes={refresh_shapes!r}; expected False, True or 'missing'")
     def deco(fn: PassFn) -> PassFn:
         if name in _PASSES:
             raise ValueError(f"pass {name!r} registered twice")
