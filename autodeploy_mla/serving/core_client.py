@@ -31,7 +31,7 @@ import zmq.asyncio
 from ..runtime.sampling import SamplingParams
 from .engine_core import CoreSpec, run_core_process, serve_model
 from .messages import (AbortRequests, AddRequest, CoreFailed, CoreOutput, EngineStats, Finished, ModelInfo, Progress,
-                       Ready, Shutdown, StepOutputs, Stopped, TokenOut)
+                       Ready, Shutdown, StepOutputs, Stopped)
 
 log = logging.getLogger("autodeploy.serve")
 
@@ -141,11 +141,9 @@ class ThreadCore:
 
 @dataclass
 class RequestStream:
-    """The outputs of one HTTP request's choices: (`TokenOut` | `Finished`) items on `queue`."""
+    """The outputs of one prompt's choices: (`TokenOut` | `Finished`) items on `queue`."""
 
     ids: list[int]
-    prompt: list[int]
-    params: SamplingParams
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
 
 
@@ -239,7 +237,7 @@ class EngineCoreClient:
         """Queue one prompt as `n` choices; its outputs arrive on the returned stream's queue
         (`queue`: one that several streams of one HTTP request share)."""
         ids = [next(self._ids) for _ in range(n)]
-        stream = RequestStream(ids, prompt, params, queue if queue is not None else asyncio.Queue())
+        stream = RequestStream(ids, queue if queue is not None else asyncio.Queue())
         for i in ids:
             self._streams[i] = stream
         self._send(AddRequest(ids, prompt, params))
