@@ -86,9 +86,12 @@ class PySpy:
 
 
 # ----------------------------------------------------------------------------- in-process measurements
-def step_times(om: Any, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
+def step_times(om: Any, prompts: list[list[int]], max_tokens: int,
+               profile_to: Optional[Path] = None) -> dict[str, Any]:
     """Step the engine by hand on all `prompts` at once; the wall time of each decode-only step
-    with every prompt running (median and spread), and the run's generated tokens per second."""
+    with every prompt running (median and spread), and the run's generated tokens per second.
+    `profile_to`: the torch profiler over 10 of those decode steps (from the 20th), its op table
+    written there (what a slow step spends its time on: graph replays, kernels, host ops)."""
     import torch
 
     from autodeploy_mla.runtime.sampling import SamplingParams
@@ -97,9 +100,16 @@ def step_times(om: Any, prompts: list[list[int]], max_tokens: int) -> dict[str, 
     for p in prompts:
         eng.add_request(p, SamplingParams(max_new_tokens=max_tokens, ignore_eos=True))
     walls: list[float] = []
+    prof: Any = None
+    prof_summary: dict[str, Any] = {}
     t0 = last = time.perf_counter()
     gen = 0
     while eng.has_work():
+        if profile_to is not None and prof is None and len(walls) == 20:
+            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                      torch.profiler.ProfilerActivity.CUDA])
+            prof.__enter__()
+            prof_from = len(walls)
         nsteps = len(eng.steps)
         new = eng.step()
         now = time.perf_counter()
@@ -108,6 +118,17 @@ def step_times(om: Any, prompts: list[list[int]], max_tokens: int) -> dict[str, 
         if launched is not None and launched.num_prefill_tokens == 0 and launched.num_seqs == len(prompts):
             walls.append(now - last)
         last = now
+        if prof is not None and not prof_summary and len(walls) >= prof_from + 10:
+            if om.device.type == "cuda":
+                torch.cuda.synchronize(om.device)
+            prof.__exit__(None, None, None)
+            ka = prof.key_averages()
+            profile_to.write_text(ka.table(sort_by="self_cuda_time_total", row_limit=25) + "\n\n"
+                                  + ka.table(sort_by="self_cpu_time_total", row_limit=25))
+            prof_summary = {"steps": len(walls) - prof_from, "table": str(profile_to),
+                            "cuda_graph_launches": sum(e.count for e in ka if e.key == "cudaGraphLaunch"),
+                            "self_cuda_ms": sum(e.self_device_time_total for e in ka) / 1e3,
+                            "self_cpu_ms": sum(e.self_cpu_time_total for e in ka) / 1e3}
     eng.drain()
     if om.device.type == "cuda":
         torch.cuda.synchronize(om.device)
@@ -117,7 +138,8 @@ def step_times(om: Any, prompts: list[list[int]], max_tokens: int) -> dict[str, 
             "step_ms_p50": statistics.median(walls) * 1e3 if walls else None,
             "step_ms_p10": sorted(walls)[len(walls) // 10] * 1e3 if walls else None,
             "step_ms_p90": sorted(walls)[(9 * len(walls)) // 10] * 1e3 if walls else None,
-            "tokens_per_s": gen / wall, "generated_tokens": gen, "wall_s": wall}
+            "tokens_per_s": gen / wall, "generated_tokens": gen, "wall_s": wall,
+            **({"profile": prof_summary} if prof_summary else {})}
 
 
 def in_process(om: Any, prompts: list[list[int]], max_tokens: int) -> tuple[dict[str, Any], list[list[int]]]:
@@ -229,6 +251,8 @@ def main() -> None:
     ap.add_argument("--single-client", action="store_true",
                     help="also the first concurrency from one client process (the generator's own limit)")
     ap.add_argument("--profile", action="store_true", help="py-spy the first HTTP run (API and engine processes)")
+    ap.add_argument("--torch-profile", action="store_true",
+                    help="inproc: the torch profiler over 10 decode steps of each `step bN` (op tables in --out)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -294,7 +318,8 @@ def main() -> None:
         print(f"in-process: {json.dumps(res['runs']['in-process'])}; per token: "
               f"{json.dumps(res['runs']['in-process timed per token'], default=str)}", flush=True)
         for b in sorted({min(64, len(prompts)), min(16, len(prompts))}, reverse=True):
-            res["runs"][f"step b{b}"] = step_times(om, prompts[:b], args.output_len)
+            prof_to = args.out / f"step_b{b}_{tag}_profile.txt" if args.torch_profile else None
+            res["runs"][f"step b{b}"] = step_times(om, prompts[:b], args.output_len, prof_to)
             print(f"step b{b}: {res['runs'][f'step b{b}']}", flush=True)
         save()
     res["total_s"] = time.perf_counter() - t_start

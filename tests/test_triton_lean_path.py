@@ -232,6 +232,50 @@ def test_every_contract_backend_offers_its_implementation_as_direct_call():
     assert torch.equal(via_op, direct) and torch.equal(caches[0], caches[1])
 
 
+def test_unspecialised_parameters_do_not_split_the_key(monkeypatch):
+    """A parameter the kernel declares `do_not_specialize` (the per-step bases) keeps one direct
+    launch across values of another divisibility (Triton compiles no variant for them); a
+    specialised one still separates them."""
+    from autodeploy_mla.custom_ops.triton_mla import launch as L
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(L, "_on_cuda", lambda ptrs: True)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda dev: 1, raising=False)
+
+    class Param:
+        def __init__(self, name, const, nospec=False):
+            self.name, self.is_constexpr, self.do_not_specialize = name, const, nospec
+            self.default = __import__("inspect").Parameter.empty
+
+    class Compiled:
+        function, packed_metadata = "fn", "meta"
+
+        def run(self, *a):
+            pass
+
+    jit: list[tuple] = []
+
+    class Fake:
+        params = [Param("X", False), Param("base", False, nospec=True), Param("n", False), Param("B", True)]
+
+        def __getitem__(self, grid):
+            def launch(*a, **k):
+                jit.append(a)
+                return Compiled()
+            return launch
+
+    bk = L.BoundKernel(Fake(), {"B": 2})
+    x = torch.zeros(32)
+    for base in (0, 5, 16, 1, 33):  # every divisibility class of the unspecialised base
+        bk.launch((1,), (x,), (base, 7))
+    assert len(jit) == 1 and bk.direct_launches == 4
+    bk.launch((1,), (x,), (3, 16))  # the specialised `n` becomes a multiple of 16: a new variant
+    assert len(jit) == 2
+    bk.launch((1,), (x,), (2 ** 40, 7))  # 64-bit base: Triton types it i64, another variant
+    assert len(jit) == 3
+
+
 def test_specialisation_key_separates_what_triton_specialises():
     t = torch.zeros(64, dtype=torch.float16)
     assert _spec(t) != _spec(t[1:])  # 16-byte alignment

@@ -277,7 +277,10 @@ if _GLUON_ERROR is None:
             gl.store(la, out0.to(LATENT.dtype.element_ty), mask=ok)
             gl.store(la + BLOCK_C, out1.to(LATENT.dtype.element_ty), mask=ok)
 
-    @gluon.jit
+    # The bases and the chunk size change from step to step (where a step's decode rows start among
+    # its tokens), and so do the LSE partials' strides (the split count): specialising on their
+    # divisibility would compile new variants while serving.
+    @gluon.jit(do_not_specialize=["seq_base", "tok_base", "abs_base", "chunk_size", "stride_pl_t", "stride_pl_h"])
     def gluon_decode_kernel(
         kv_desc, kpe_desc, Q_ABS, Q_PE, PAGE_TABLE, CU_SEQLEN, SEQ_LEN, LATENT, PART_ACC, PART_LSE,
         seq_base, tok_base, abs_base, chunk_size, qk_scale,

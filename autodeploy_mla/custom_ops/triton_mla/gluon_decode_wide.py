@@ -212,7 +212,10 @@ def _wg(ME: gl.constexpr, q0_s, q1_s, qpe_s, kv0_s, kv1_s, kpe_s, m_s, l_s, full
         gl.store(la, res, mask=ok)
 
 
-@gluon.jit
+# Not specialised on the per-step bases (see gluon_decode_kernel): a new divisibility of one of them
+# (or of the split count in the LSE strides) compiled new variants in the first minute of serving
+# (4 variants, seconds each, on the H200).
+@gluon.jit(do_not_specialize=["seq_base", "tok_base", "abs_base", "chunk_size", "stride_pl_t", "stride_pl_h"])
 def gluon_decode_wide_kernel(
     kv_desc, kpe_desc, q_desc, Q_ABS, Q_PE, PAGE_TABLE, CU_SEQLEN, SEQ_LEN, LATENT, PART_ACC, PART_LSE,
     seq_base, tok_base, abs_base, chunk_size, qk_scale,

@@ -53,6 +53,13 @@ def _spec(v: Any) -> Any:
     return type(v)
 
 
+def _spec_unspecialised(v: Any) -> Any:
+    """`_spec` of a `do_not_specialize` parameter: Triton keeps only an int's width (i32 or i64)."""
+    if isinstance(v, int) and not isinstance(v, bool):
+        return ("int", -(2 ** 31) <= v < 2 ** 31)
+    return _spec(v)
+
+
 def _launch_hooks_active() -> bool:
     """Whether a profiler set Triton's launch enter/exit hooks (they need the JIT path's launch
     metadata). Triton >= 3.5 keeps them as a `HookChain` that is empty by default; older versions
@@ -78,7 +85,7 @@ class BoundKernel:
     pointers' on every call (their alignment is what changes). Not thread safe: one per backend
     session (sessions are per model and stepped by one thread)."""
 
-    __slots__ = ("fn", "constexprs", "_tail", "_compiled", "_scalar_keys", "direct", "jit_launches",
+    __slots__ = ("fn", "constexprs", "_tail", "_compiled", "_scalar_keys", "_nospec", "direct", "jit_launches",
                  "direct_launches", "why_jit")
 
     #: distinct scalar tuples remembered (a step's layers share one; bases change between steps)
@@ -107,6 +114,9 @@ class BoundKernel:
                 self.why_jit = f"no value for constexpr {e}"  # stay on the JIT path
         self._compiled: dict[tuple, Any] = {}
         self._scalar_keys: dict[tuple, tuple] = {}
+        #: per runtime parameter, whether the kernel declared it `do_not_specialize` (the key then
+        #: ignores its divisibility too, so a per-step base does not send launches down the JIT path)
+        self._nospec = tuple(bool(getattr(p, "do_not_specialize", False)) for p in params[:n_runtime])
         self.direct = self._tail is not None
         self.jit_launches = 0
         self.direct_launches = 0
@@ -120,7 +130,9 @@ class BoundKernel:
         if skey is None:
             if len(self._scalar_keys) >= self.MAX_SCALAR_KEYS:
                 self._scalar_keys.clear()
-            skey = self._scalar_keys[scalars] = tuple(map(_spec, scalars))
+            flags = self._nospec[len(ptrs):]
+            skey = self._scalar_keys[scalars] = tuple(
+                _spec_unspecialised(v) if i < len(flags) and flags[i] else _spec(v) for i, v in enumerate(scalars))
         key = (tuple(map(_spec, ptrs)), skey)
         ck = self._compiled.get(key)
         if ck is not None:
