@@ -25,8 +25,9 @@ names "$AUTODEPLOY_CACHE_DIR" > "$w/kernels_after_serve.txt"
 echo "Triton kernels compiled by the v3 HTTP runs after a complete start:"
 comm -13 "$w/kernels_before_serve.txt" "$w/kernels_after_serve.txt" | uniq -c | sort -rn | head
 for f in "$w"/step_b64_*profile.txt; do echo "== $f"; head -16 "$f" | cut -c1-160; done
-if [ "${GLM:-1}" != 0 ]; then
-  AUTODEPLOY_CACHE_DIR=/tmp/adc_glm timeout 240 $s --model glm_4_7_flash --phases startup --label fresh 2>&1 | tail -1
-fi
 tar czf "$out/serving_v3_step_runs.tgz" -C "$w" .
+if [ "${GLM:-1}" != 0 ]; then
+  AUTODEPLOY_CACHE_DIR=/tmp/adc_glm timeout ${GLM_S:-240} $s --model glm_4_7_flash --phases startup --label fresh 2>&1 | tail -1
+  tar czf "$out/serving_v3_step_runs.tgz" -C "$w" .
+fi
 grep -h "ready after\|start-up: \(load\|compile (\|capture\|warm\)" "$w"/*serve.log | cut -c1-200
