@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A/B of the in-process step times of two package trees on one GPU machine, in separate processes,
 # in the order B A B (A: this checkout; B: an older autodeploy_mla exported next to it). Made here with
-#   rm -rf .ab_old && mkdir .ab_old && git archive <commit> autodeploy_mla | tar -x -C .ab_old
+#   rm -rf .ab_old && mkdir .ab_old && git archive <commit> autodeploy_mla model_configs | tar -x -C .ab_old
 # (untracked, so a device call carries it); then on the device, after installing the wheels:
 #   MODEL=v3_4layer bash benchmarks/inproc_ab_device.sh OUT_DIR
 set -u
