@@ -2,6 +2,7 @@
 render it as the markdown table and plot of docs/benchmarks/serving_http.{md,json,png}.
 
     python benchmarks/serving_http_report.py --collect before=/tmp/r0 A=/tmp/r1 ... --json docs/benchmarks/serving_http.json
+    python benchmarks/serving_http_report.py --collect D=/tmp/r4 --append --json docs/benchmarks/serving_http.json
     python benchmarks/serving_http_report.py --render docs/benchmarks/serving_http.json --out docs/benchmarks
 """
 
@@ -57,7 +58,10 @@ def render(data: dict[str, Any], out: Path) -> None:
         files = call["files"]
         by_model: dict[str, dict[str, Any]] = {}
         for name, d in files.items():
-            by_model.setdefault(d["model"], {}).update({**d["runs"], "_commit": d.get("commit")})
+            key = d["model"]
+            if set(d["runs"]) & set(by_model.get(key, {})):  # an A/B in one call: one row group per run
+                key = f"{d['model']} ({name.removeprefix(d['model'] + '_')})"
+            by_model.setdefault(key, {}).update({**d["runs"], "_commit": d.get("commit")})
         for model, runs in by_model.items():
             inproc = runs.get("in-process", {}).get("tokens_per_s")
             steps = {64: runs.get("step b64", {}).get("step_ms_p50"), 16: runs.get("step b16", {}).get("step_ms_p50")}
@@ -131,12 +135,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--collect", nargs="*", default=[], metavar="LABEL=DIR")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--append", action="store_true", help="--collect adds its calls to those in --json")
     ap.add_argument("--render", type=Path)
     ap.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
     args = ap.parse_args()
     if args.collect:
         data = collect(args.collect)
-        (args.json or args.out / "serving_http.json").write_text(json.dumps(data, indent=1))
+        dest = args.json or args.out / "serving_http.json"
+        if args.append and dest.exists():  # later calls added to the ones recorded already
+            data = {"calls": json.loads(dest.read_text())["calls"] + data["calls"]}
+        dest.write_text(json.dumps(data, indent=1))
     if args.render:
         render(json.loads(args.render.read_text()), args.out)
 
