@@ -29,7 +29,6 @@ import copy
 import functools
 import inspect
 import itertools
-import types
 from collections.abc import Iterator
 from typing import Any, Callable, Optional
 
@@ -83,10 +82,14 @@ def index_inputs(indexer: nn.Module, facts: IndexerFacts, x: torch.Tensor, q_res
 
 def sparse_forward(self: nn.Module, facts: LayerFacts, hidden_states: torch.Tensor,
                    position_embeddings: tuple[torch.Tensor, torch.Tensor], attention_mask: Optional[torch.Tensor] = None,
-                   **kwargs: Any) -> Any:
+                   *args: Any, **kwargs: Any) -> Any:
     """The module's sparse attention (uncached, causal) with the indexer's selection and the attention
     as DSA source ops, as `facts` describe it; returns what the module's forward returns (the
-    output, and the selection where the module passes it on)."""
+    output, and the selection where the module passes it on). Further positional arguments are named
+    by the module's own signature, so an earlier selection is found however the caller passes it."""
+    if args:
+        names = [n for n in inspect.signature(type(self).forward).parameters if n != "self"][3:]
+        kwargs = {**dict(zip(names, args)), **kwargs}
     b, s = hidden_states.shape[:-1]
     q_resid = self.q_a_layernorm(self.q_a_proj(hidden_states))
     q = self.q_b_proj(q_resid).view(b, s, -1, self.qk_nope_head_dim + self.qk_rope_head_dim)
@@ -246,6 +249,7 @@ def _prove_indexer(name: str, module: nn.Module, indexer: nn.Module, selected: t
     rows = slice(topk, t)  # query i sees i + 1 keys
     chosen = selected[0, rows]
     rejected: list[str] = []
+    misses: list[tuple[int, str]] = []  # (queries it got wrong, candidate): the closest are named on refusal
     for rope, norm, weighting in itertools.product(ropes, norms, weightings):
         cand = IndexerFacts(rope, norm, weighting)
         label = " / ".join(cand.describe(d, cos.shape[-1]).values())
@@ -262,13 +266,17 @@ def _prove_indexer(name: str, module: nn.Module, indexer: nn.Module, selected: t
                         f"{topk} keys (smallest margin {margin:.2e} of a query's largest |score|, tolerance {tol:.0e})")
             return cand, {"selection": evidence}, rejected
         rejected.append(f"{label}: not the top-{topk} on {bad}/{t - topk} queries")
-    tried = (f"indexer RoPE {[r.name for r in ropes]} x index-key norm {[n.name for n in norms]} x score weighting "
-             f"{[w.name for w in weightings]}")
+        misses.append((bad, rejected[-1]))
+    tried = (f"indexer RoPE {[r.name for r in ropes]} (r = {cos.shape[-1]}, the RoPE width) x index-key norm "
+             f"{[n.name for n in norms]} x score weighting {[w.name for w in weightings]}")
+    closest = [why for _, why in sorted(misses, key=lambda m: m[0])[:3]]
+    failed = [why for why in rejected if not why.endswith("queries")]
     raise SparseExportError(
         f"{name} ({type(module).__name__}): no candidate reproduces its indexer's selection on a random {t}-token "
-        f"sequence (index_topk {topk}); tried {len(rejected)}: {tried} ({'; '.join(rejected[:4])}"
-        f"{'; ...' if len(rejected) > 4 else ''}). Sparse export can express index scores sum_h w_h * relu(q_h . k) "
-        "with these variants only; a model whose indexer differs needs a new candidate in transforms/sparse_facts.py")
+        f"sequence (index_topk {topk}); tried {len(rejected)}: {tried}; closest: {'; '.join(closest) or 'none ran'}"
+        f"{'; failed to run: ' + '; '.join(failed[:2]) if failed else ''}. Sparse export expresses index scores "
+        "sum_h w_h * relu(q_h . k) with these variants only: a model whose indexer differs needs a new candidate in "
+        "transforms/sparse_facts.py (and in the cached indexer ops if the score formula changes)")
 
 
 def _selection_params(module: nn.Module) -> list[str]:
