@@ -312,10 +312,11 @@ def _prove_attention(name: str, module: nn.Module, base: dict[str, Any], ref: An
             return facts, err, tried
         tried.append(f"{rope.name}: differs by {err:.2e} of max |output|")
     raise SparseExportError(
-        f"{name} ({type(module).__name__}): the DSA source-op forward differs from the module's own forward with "
-        f"every attention RoPE candidate (limit {tol:.0e} of max |output| in {dtype}): {'; '.join(tried)}. The "
-        "indexer part was proven; the attention around it computes something sparse export does not "
-        "(a gate, another projection layout, another transformers version?), so it is refused")
+        f"{name} ({type(module).__name__}): the DSA source-op forward does not reproduce the module's own forward "
+        f"with any attention RoPE candidate (limit {tol:.0e} of max |output| in {dtype}): {'; '.join(tried)}. How "
+        "it selects was proven; the attention around the selection is not the MLA that sparse export reads "
+        "(q_a_proj -> q_a_layernorm -> q_b_proj, kv_a_proj_with_mqa -> kv_a_layernorm, kv_b_proj, o_proj; a gate "
+        "or a fused projection is not captured), so it is refused")
 
 
 def prove_layer(model: nn.Module, info: SparseAttentionInfo, name: str, module: nn.Module, *,
