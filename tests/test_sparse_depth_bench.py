@@ -4,15 +4,18 @@ models build, decode, and the indexer's share is measured and written with the t
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 
 def test_sparse_depth_smoke(tmp_path):
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "sparse_depth.py"
-    run = subprocess.run([sys.executable, str(script), "--smoke", "--out", str(tmp_path)], capture_output=True,
-                         text=True, timeout=600)
+    repo = Path(__file__).resolve().parents[1]
+    # the package importable from a checkout that is not pip-installed, as pytest's rootdir makes it here
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")])))
+    run = subprocess.run([sys.executable, str(repo / "benchmarks" / "sparse_depth.py"), "--smoke", "--out",
+                          str(tmp_path)], capture_output=True, text=True, timeout=600, env=env)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     data = json.loads((tmp_path / "sparse_mla_depth.json").read_text())
     assert data["smoke"] and len(data["rows"]) == 1

@@ -192,3 +192,18 @@ def test_an_indexer_no_candidate_expresses_is_refused_naming_the_candidates():
                  "indexer.k_norm (LayerNorm)", "softmax over heads of weights_proj(x)"):
         assert name in msg, name
     assert "needs a new candidate in transforms/sparse_facts.py" in msg
+
+
+def test_a_weightless_model_is_proven_on_a_random_copy():
+    """The facts belong to the code: a skeleton (weights loaded after export) is proven on a random-weight
+    copy of each kind's first module, and the record says so; the model's own modules stay untouched."""
+    from autodeploy_mla.transforms.sparse_export import prove_each_kind, sparse_attention_modules
+
+    model = variant_model(**VARIANTS["interleaved_last_odd_heads"])
+    model._autodeploy_skeleton = object()  # is_skeleton(): weights arrive after export
+    before = model.model.layers[0].self_attn.indexer.wk.weight.clone()
+    info = find_sparse_attention(model)
+    plan, records = prove_each_kind(model, info, sparse_attention_modules(model, info))
+    assert len(plan) == 3 and records[0]["weights"].startswith("random")
+    assert records[0]["facts"]["indexer_rope"] == "interleaved on the last 8 of 24 dims"
+    assert torch.equal(model.model.layers[0].self_attn.indexer.wk.weight, before)
