@@ -17,7 +17,7 @@ from torch.export import Dim
 from ..models.factory import eos_token_ids
 from ..models.sparse_attention import find_sparse_attention
 from .context import BuildContext
-from .sparse_export import SparseExportError, check_each_kind, sparse_attention_modules, sparse_forwards
+from .sparse_export import SparseExportError, prove_each_kind, sparse_attention_modules, sparse_forwards
 from .registry import PassOptions, PassResult, Stage, register_pass
 
 __all__ = ["ExportError", "SparseAttentionNotCaptured", "export_model"]
@@ -70,14 +70,13 @@ def export_model(model: nn.Module, *, example_batch: int = 2, example_seq: int =
     patch = contextlib.nullcontext()
     if sparse is not None:
         # HF's sparse attention does not export (an unprovable min(index_topk, T) top-k) and hides its
-        # selection in a data-dependent mask: export it as the DSA source ops instead, once that
-        # forward has matched the HF one (transforms/sparse_export.py).
+        # selection in a data-dependent mask: export it as the DSA source ops instead, with the facts
+        # proven against each kind of layer's own forward (transforms/sparse_export.py).
         try:
-            modules = sparse_attention_modules(model, sparse)
-            sparse_checks = check_each_kind(model, modules)
+            plan, sparse_checks = prove_each_kind(model, sparse, sparse_attention_modules(model, sparse))
         except SparseExportError as exc:
             raise SparseAttentionNotCaptured(f"{sparse.describe()}: {exc}") from exc
-        patch = sparse_forwards(modules)
+        patch = sparse_forwards(plan)
     wrapper = _LogitsOnly(model).eval()
     vocab = getattr(getattr(model, "config", None), "vocab_size", None) or 2
     input_ids = torch.randint(0, vocab, (example_batch, example_seq), device=_device_of(model))
