@@ -2,7 +2,7 @@
 # A/B of two code roots on one benchmark, alternating the roots (ABBA...) in one device call, so
 # run-to-run drift of the machine shows up as spread instead of as a difference between versions.
 #
-#   bash benchmarks/ab_roots.sh OLD_ROOT ROUNDS OUTDIR -- python3 benchmarks/e2e_roofline.py --models v2_lite ...
+#   bash benchmarks/ab_roots.sh OLD_ROOT ROUNDS OUTDIR -- python3 -m benchmarks.e2e.e2e_roofline --models v2_lite ...
 #
 # OLD_ROOT: a package tree extracted next to the repo, e.g.
 #   mkdir -p .baseline_470ed57 && git archive 470ed57 autodeploy_mla model_configs | tar -x -C .baseline_470ed57
