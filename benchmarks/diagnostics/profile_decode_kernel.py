@@ -7,7 +7,7 @@ compiled code (registers, spills, shared memory, PTX instruction counts).
         python -m benchmarks.diagnostics.profile_decode_kernel fp8          # one variant per ncu run
     python -m benchmarks.diagnostics.profile_decode_kernel bf16 fp8 --asm   # compiled-code counts of both
 
-Shape: DeepSeek-V3 TP8 (N 16, R 512, Dr 64), batch 64 x kv 4096, page 64 (docs/benchmarks/decode_kernel_profile.md).
+Shape: DeepSeek-V3 TP8 (N 16, R 512, Dr 64), batch 64 x kv 4096, page 64 (docs/benchmarks/archive/decode_kernel_profile.md).
 """
 
 from __future__ import annotations

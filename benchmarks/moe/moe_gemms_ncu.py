@@ -13,7 +13,7 @@ launch per table, for
         python -m benchmarks.moe.moe_gemms_ncu
     python -m benchmarks.moe.moe_gemms_ncu [T] [extra]     # timings (T = 2048, extra = 16)
 
-Results: docs/benchmarks/moe_prefill_gemms_ncu_2026-11-26.md.
+Results: docs/benchmarks/archive/moe_prefill_gemms_ncu_2026-11-26.md.
 """
 
 from __future__ import annotations
