@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
-# The GPU test pass, as run on the lent H200 machines (CI has no GPU): every `gpu`-marked test plus
+# The GPU test pass, as run on the lent H200 machines (CI has no GPU): the `gpu`-marked tests plus
 # `autodeploy build`, with logs written to $OUT (default /tmp/gpu_checks).
 #
+#   bash benchmarks/gpu_checks.sh          # the default GPU suite + autodeploy build: fits one 10-minute call
+#   bash benchmarks/gpu_checks.sh full     # every GPU case, the slow ones too (tests/gpu_cases.py), split
+#                                          # over the visible GPUs (4 x H200: one call; 1 GPU: ~25 min)
 #   bash benchmarks/gpu_checks.sh tp       # 2-GPU tests (tests/test_tensor_parallel.py -m gpu)
-#   bash benchmarks/gpu_checks.sh single   # 1-GPU tests, split over the visible GPUs, + autodeploy build
 #
+# The default suite skips the cases tests/gpu_cases.py marks slow (pytest -m gpu does the same, see
+# tests/conftest.py); its estimates say ~470 s on a fresh H200. Every pytest run prints --durations,
+# so a run's log is what to correct those estimates with.
 # A run that hangs is not silent: after its time limit every Python process of the run gets SIGABRT,
 # and PYTHONFAULTHANDLER=1 makes each (spawned ranks included) print its stack before it dies.
 set -uo pipefail
@@ -43,26 +48,63 @@ run() {
     return $rc
 }
 
-case "${1:-}" in
+# full_groups N: the GPU test files in N groups of about equal expected time (greedy, by the
+# estimates of tests/gpu_cases.py plus ~15 s per slow entry), one line per group
+full_groups() {
+    python3 - "$1" <<'PY'
+import collections, sys
+sys.path.insert(0, "tests")
+import gpu_cases
+n = int(sys.argv[1])
+cost = collections.Counter()
+for key, s in gpu_cases.ESTIMATE_S.items():
+    cost[key.split("::")[0]] += s
+for key in gpu_cases.SLOW:
+    cost[key.split("::")[0]] += 15
+cost.pop("test_tensor_parallel.py", None)
+groups = [[0, []] for _ in range(n)]
+for f, c in sorted(cost.items(), key=lambda kv: -kv[1]):
+    g = min(groups, key=lambda g: g[0])
+    g[0] += c
+    g[1].append("tests/" + f)
+for c, files in groups:
+    print(" ".join(files))
+PY
+}
+
+PYTEST=(python3 -m pytest -q -m gpu -p no:cacheprovider --durations=30)
+case "${1:-default}" in
 tp)
-    run "${TP_LIMIT:-300}" tp_tests.log python3 -m pytest -q -s -x -m gpu tests/test_tensor_parallel.py -p no:cacheprovider
+    run "${TP_LIMIT:-300}" tp_tests.log python3 -m pytest -q -s -x -m gpu tests/test_tensor_parallel.py -p no:cacheprovider \
+        --durations=10
     ;;
-single)
+default | single)
     n=$(python3 -c "import torch; print(torch.cuda.device_count())")
     if [ "$n" -ge 2 ]; then  # two GPUs: the FlashInfer tests on one, the rest on the other
-        CUDA_VISIBLE_DEVICES=0 run "${SINGLE_LIMIT:-400}" gpu_flashinfer.log \
-            python3 -m pytest -q -m gpu tests/test_flashinfer_backends.py -p no:cacheprovider &
-        CUDA_VISIBLE_DEVICES=1 run "${SINGLE_LIMIT:-400}" gpu_triton_piecewise.log \
-            python3 -m pytest -q -m gpu tests/test_triton_mla.py tests/test_piecewise.py -p no:cacheprovider
+        CUDA_VISIBLE_DEVICES=0 run "${SINGLE_LIMIT:-450}" gpu_flashinfer.log \
+            "${PYTEST[@]}" tests/test_flashinfer_backends.py tests/test_fp8_cache.py &
+        CUDA_VISIBLE_DEVICES=1 run "${SINGLE_LIMIT:-450}" gpu_rest.log "${PYTEST[@]}" tests \
+            --deselect tests/test_tensor_parallel.py --deselect tests/test_flashinfer_backends.py \
+            --deselect tests/test_fp8_cache.py
         wait
     else
-        run "${SINGLE_LIMIT:-400}" gpu_single.log python3 -m pytest -q -m gpu tests -p no:cacheprovider \
-            --deselect tests/test_tensor_parallel.py
+        run "${SINGLE_LIMIT:-450}" gpu_single.log "${PYTEST[@]}" tests --deselect tests/test_tensor_parallel.py
     fi
     CUDA_VISIBLE_DEVICES=0 run "${BUILD_LIMIT:-120}" build.log python3 -m autodeploy_mla.cli build --report "$OUT/build_report.json"
     ;;
+full)
+    n=$(python3 -c "import torch; print(max(1, torch.cuda.device_count()))")
+    i=0
+    while read -r files; do
+        [ -n "$files" ] || continue
+        # shellcheck disable=SC2086
+        CUDA_VISIBLE_DEVICES=$i run "${FULL_LIMIT:-570}" "gpu_full_$i.log" "${PYTEST[@]}" --slow $files &
+        i=$((i + 1))
+    done < <(full_groups "$n")
+    wait
+    ;;
 *)
-    echo "usage: $0 tp|single" >&2
+    echo "usage: $0 [default|full|tp]" >&2
     exit 2
     ;;
 esac

@@ -12,7 +12,34 @@ import pytest  # noqa: E402
 import autodeploy_mla  # noqa: E402,F401
 
 
+def pytest_addoption(parser):
+    parser.addoption("--slow", action="store_true", default=False,
+                     help="also run the slow GPU cases (tests/gpu_cases.py; benchmarks/gpu_checks.sh full)")
+
+
+def _mark_slow_gpu_cases(config, items):
+    """`slow` on the GPU cases tests/gpu_cases.py names; unless --slow is given (or the -m
+    expression names `slow`), a slow GPU case is skipped, so `pytest -m gpu` fits one device call.
+    Slow CPU tests are not affected."""
+    import fnmatch
+
+    from gpu_cases import SLOW
+
+    run_slow = config.getoption("--slow") or "slow" in (config.option.markexpr or "")
+    skip = pytest.mark.skip(reason="slow GPU case (tests/gpu_cases.py): run with --slow")
+    for item in items:
+        if "gpu" not in item.keywords:
+            continue
+        node = item.nodeid.split("tests/", 1)[-1]
+        function = node.split("[", 1)[0]
+        if function in SLOW or any(fnmatch.fnmatchcase(node, p.replace("[", "[[]")) for p in SLOW):  # [ ] literal
+            item.add_marker(pytest.mark.slow)
+            if not run_slow:
+                item.add_marker(skip)
+
+
 def pytest_collection_modifyitems(config, items):
+    _mark_slow_gpu_cases(config, items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -6,14 +6,14 @@ import sys
 import types
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+ROOT = Path(__file__).resolve().parents[1]  # benchmarks run as modules from here: python -m benchmarks.<topic>.<name>
 
 
 def test_inductor_launch_configs_reads_the_chosen_config():
     """e2e_profile --inductor-kernels: per matching Inductor kernel, its size hints, its candidate
     configs and the config its launcher runs (what autotuning settled on); other kernels and objects
     without launchers are skipped, and a kernel held by two modules is listed once."""
-    from e2e_profile import inductor_launch_configs
+    from benchmarks.e2e.e2e_profile import inductor_launch_configs
 
     def config(xblock, warps):
         return types.SimpleNamespace(kwargs={"XBLOCK": xblock}, num_warps=warps, num_stages=1)
@@ -47,11 +47,10 @@ def test_e2e_roofline_runs_each_variant_in_its_own_process(tmp_path):
     import json
     import subprocess
 
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "e2e_roofline.py"
-    cmd = [sys.executable, str(script), "--quick", "--device", "cpu", "--out", str(tmp_path), "--models", "v2_lite",
+    cmd = [sys.executable, "-m", "benchmarks.e2e.e2e_roofline", "--quick", "--device", "cpu", "--out", str(tmp_path), "--models", "v2_lite",
            "--variants", "base,moe", "--batches", "1", "--contexts", "32", "--chunks", "16", "--steps", "2",
            "--warmup", "1", "--prefill-reps", "1", "--prefill-stream", "0", "--decode-stream", "0"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads((tmp_path / "e2e_roofline.json").read_text())
     assert data["meta"]["isolated"] and not data["errors"], data["errors"]
@@ -67,11 +66,10 @@ def test_host_floor_smoke(tmp_path):
     import os
     import subprocess
 
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "host_floor.py"
     out = tmp_path / "floor.json"
     env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, str(script), "--smoke", "--json", str(out)], capture_output=True,
-                          text=True, timeout=600, env=env)
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.diagnostics.host_floor", "--smoke", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     pieces = json.loads(out.read_text())["pieces"]
     assert "sequence: 2 bmm + 1 empty + 3 launches" in pieces and len(pieces) == 5
@@ -85,14 +83,14 @@ def test_read_floor_smoke_and_report(tmp_path):
     import os
     import subprocess
 
-    root = Path(__file__).resolve().parents[1]
-    script = root / "benchmarks" / "read_floor.py"
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root))
-    proc = subprocess.run([sys.executable, str(script), "--smoke", "--out", str(tmp_path)], capture_output=True,
-                          text=True, timeout=600, env=env)
+    root = ROOT
+    script = ["-m", "benchmarks.kernels.read_floor"]
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, *script, "--smoke", "--out", str(tmp_path)], capture_output=True,
+                          text=True, timeout=600, env=env, cwd=root)
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout + proc.stderr[-3000:]
-    proc = subprocess.run([sys.executable, str(script), "--report-from", str(root / "docs/benchmarks/read_floor.json"),
-                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=600, env=env)
+    proc = subprocess.run([sys.executable, *script, "--report-from", str(root / "docs/benchmarks/read_floor.json"),
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=600, env=env, cwd=root)
     assert proc.returncode == 0, proc.stderr[-3000:]
     md = (tmp_path / "read_floor.md").read_text()
     assert "floor ≤ target?" in md and "clean L2 flush" in md
@@ -103,8 +101,8 @@ def test_bench_mla_kernels_refuses_an_unknown_flush_mode():
     """`--flush` takes the modes FLUSH_MODES names; anything else is an error naming them, not a
     silent default."""
     import pytest
-    from bench_mla_kernels import FLUSH_MODES, _do_bench
+    from benchmarks.lib import FLUSH_MODES, do_bench
 
     assert FLUSH_MODES == ("zero", "read")
     with pytest.raises(ValueError, match="'dirty'.*zero"):
-        _do_bench(lambda: None, 1.0, "dirty")
+        do_bench(lambda: None, 1.0, "dirty")

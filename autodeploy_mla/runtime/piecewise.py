@@ -57,7 +57,7 @@ STATIC, DYNAMIC = "static", "dynamic"
 #: Token buckets of `buckets: auto`: powers of two up to this (and max_num_tokens), plus max_batch_size.
 #: Up to 2048 so that prefill chunks of that size replay too: run eagerly, a 2048-token step of the
 #: DeepSeek-V2-Lite config spent ~15 ms of its ~55 ms launching ~2600 kernels (H200,
-#: benchmarks/e2e_profile.py); the graphs of the larger buckets cost capture time and pool memory
+#: benchmarks/e2e/e2e_profile.py); the graphs of the larger buckets cost capture time and pool memory
 #: for their activations only.
 AUTO_BUCKET_LIMIT = 2048
 #: Default largest token bucket replayed as a whole-graph mixed graph (when every dynamic op is

@@ -1,0 +1,1 @@
+"""Benchmarks: diagnostics (see benchmarks/README.md)."""

@@ -1,0 +1,1 @@
+"""Benchmarks: e2e (see benchmarks/README.md)."""

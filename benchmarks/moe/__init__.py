@@ -1,0 +1,1 @@
+"""Benchmarks: moe (see benchmarks/README.md)."""

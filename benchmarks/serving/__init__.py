@@ -1,0 +1,1 @@
+"""Benchmarks: serving (see benchmarks/README.md)."""

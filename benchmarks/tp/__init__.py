@@ -1,0 +1,1 @@
+"""Benchmarks: tp (see benchmarks/README.md)."""
