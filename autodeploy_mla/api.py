@@ -23,9 +23,9 @@ from torch import nn
 
 from .config.loader import ConfigError, ConfigLayer, config_layers, load_config
 from .config.schema import AppConfig, ModelConfig, RuntimeConfig
-from .custom_ops.backend_registry import Target
-from .custom_ops.cache_format import resolve_cache_dtype
-from .custom_ops.flashinfer_jit import JitBuild, dims_from_hf_config, prefetch
+from .custom_ops.attention.registry import Target
+from .custom_ops.attention.cache_format import resolve_cache_dtype
+from .custom_ops.flashinfer.jit import JitBuild, dims_from_hf_config, prefetch
 from .distributed.env import require_group, resolve_world
 from .models.factory import build_model, hf_config, resolve_device, resolve_dtype
 from .models.skeleton import build_skeleton
@@ -127,7 +127,7 @@ class OptimizedModel:
         self.eager_model = eager_model
         self.build_times = build_times
         self.last_generation: dict[str, Any] = {}
-        #: FlashInfer modules optimize() started compiling in the background (custom_ops/flashinfer_jit.py)
+        #: FlashInfer modules optimize() started compiling in the background (custom_ops/flashinfer/jit.py)
         self.jit_prefetch: list[JitBuild] = []
 
     # ------------------------------------------------------------------ views
@@ -360,7 +360,7 @@ def optimize(
 
 def _prefetch_kernels(hf: Any, rt: RuntimeConfig, device: torch.device, dtype: torch.dtype) -> list[JitBuild]:
     """Start compiling, in the background, the FlashInfer modules this model's attention may plan
-    (custom_ops/flashinfer_jit.py): they build while the model is made, exported and compiled."""
+    (custom_ops/flashinfer/jit.py): they build while the model is made, exported and compiled."""
     dims = dims_from_hf_config(hf) if hf is not None else None
     if dims is None or device.type != "cuda":
         return []

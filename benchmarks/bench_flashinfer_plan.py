@@ -36,9 +36,9 @@ from pathlib import Path
 import torch
 
 from autodeploy_mla.custom_ops import BackendSession, MLADims, SessionSpec, Target, all_backends, get_backend
-from autodeploy_mla.custom_ops.flashinfer_metadata import mla_csr
-from autodeploy_mla.custom_ops.flashinfer_mla import FlashInferPolicy
-from autodeploy_mla.custom_ops.step_context import using_sessions
+from autodeploy_mla.custom_ops.flashinfer.metadata import mla_csr
+from autodeploy_mla.custom_ops.flashinfer.mla import FlashInferPolicy
+from autodeploy_mla.custom_ops.attention.step_context import using_sessions
 from autodeploy_mla.runtime import PageAllocator, SequenceInfo, StepSequence
 from autodeploy_mla.runtime.model_runner import step_descriptor
 

@@ -37,7 +37,7 @@ from autodeploy_mla.custom_ops.triton_mla import TritonPolicy  # noqa: E402
 from autodeploy_mla.custom_ops.triton_mla import op as top  # noqa: E402
 
 from autodeploy_mla.custom_ops import MLADims, Target, get_backend  # noqa: E402
-from autodeploy_mla.custom_ops.cache_format import FP8_DTYPE  # noqa: E402
+from autodeploy_mla.custom_ops.attention.cache_format import FP8_DTYPE  # noqa: E402
 from autodeploy_mla.custom_ops.triton_mla import tuning  # noqa: E402
 
 DIMS = {
@@ -306,7 +306,7 @@ def main() -> None:
         return
     if not torch.cuda.is_available():
         sys.exit("bench_fp8_cache.py times GPU kernels: no CUDA device")
-    from autodeploy_mla.custom_ops.backend_registry import library_versions
+    from autodeploy_mla.custom_ops.attention.registry import library_versions
 
     v = library_versions()
     data = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": v.get("triton"),

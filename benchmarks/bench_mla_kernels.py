@@ -36,8 +36,8 @@ if __name__ == "__main__" and "--smoke" in sys.argv and not __import__("torch").
 import torch  # noqa: E402
 
 from autodeploy_mla.custom_ops import MLADims, SessionSpec, Target, get_backend  # noqa: E402
-from autodeploy_mla.custom_ops.mla_dims import resolve_scale  # noqa: E402
-from autodeploy_mla.custom_ops.step_context import using_sessions  # noqa: E402
+from autodeploy_mla.custom_ops.attention.mla_dims import resolve_scale  # noqa: E402
+from autodeploy_mla.custom_ops.attention.step_context import using_sessions  # noqa: E402
 from autodeploy_mla.custom_ops.triton_mla import TritonPolicy, tuning  # noqa: E402
 from autodeploy_mla.custom_ops.triton_mla import op as top  # noqa: E402
 from autodeploy_mla.runtime import PageAllocator, SequenceInfo, StepSequence  # noqa: E402

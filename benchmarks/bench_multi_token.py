@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_mla_kernels import Case, time_us  # noqa: E402
 
-from autodeploy_mla.custom_ops.mla_dims import MLADims  # noqa: E402
+from autodeploy_mla.custom_ops.attention.mla_dims import MLADims  # noqa: E402
 from autodeploy_mla.custom_ops.triton_mla import TritonPolicy  # noqa: E402
 from autodeploy_mla.custom_ops.triton_mla import op as top  # noqa: E402
 from autodeploy_mla.custom_ops.triton_mla import tuning  # noqa: E402

@@ -127,7 +127,7 @@ class OldApi:
     name = "old"
 
     def __init__(self) -> None:
-        from autodeploy_mla.custom_ops import backend_registry as reg
+        from autodeploy_mla.custom_ops.attention import registry as reg
 
         self.reg = reg
 
@@ -145,8 +145,8 @@ class NewApi:
     name = "new"
 
     def __init__(self) -> None:
-        from autodeploy_mla.custom_ops import backend_registry as reg
-        from autodeploy_mla.custom_ops.step_context import using_sessions
+        from autodeploy_mla.custom_ops.attention import registry as reg
+        from autodeploy_mla.custom_ops.attention.step_context import using_sessions
 
         try:  # the runner's own step description (it moved here from testing.scenarios)
             from autodeploy_mla.runtime.model_runner import step_descriptor
@@ -185,7 +185,7 @@ def load_api(root: Path):
     where = Path(autodeploy_mla.__file__).resolve()
     if root.resolve() not in where.parents:
         raise SystemExit(f"autodeploy_mla was imported from {where}, not from --root {root}")
-    from autodeploy_mla.custom_ops import backend_registry as reg
+    from autodeploy_mla.custom_ops.attention import registry as reg
 
     return NewApi() if hasattr(reg, "SessionSpec") else OldApi()
 
@@ -194,7 +194,7 @@ def build_step_data(be, shape: Shape, dtype, device):
     """SequenceInfo, cache and inputs of one step, and the op's argument tuple."""
     import torch
 
-    from autodeploy_mla.custom_ops.mla_dims import MLADims
+    from autodeploy_mla.custom_ops.attention.mla_dims import MLADims
     from autodeploy_mla.runtime.page_allocator import PageAllocator
     from autodeploy_mla.runtime.sequence_info import SequenceInfo, StepSequence
 
@@ -272,8 +272,8 @@ def child_main(args: argparse.Namespace) -> None:
     root = Path(args.root)
     api = load_api(root)
     api.via = args.via
-    from autodeploy_mla.custom_ops.backend_registry import all_backends
-    from autodeploy_mla.custom_ops.mla_dims import MLADims
+    from autodeploy_mla.custom_ops.attention.registry import all_backends
+    from autodeploy_mla.custom_ops.attention.mla_dims import MLADims
 
     device = args.device
     dtype = getattr(torch, args.dtype)

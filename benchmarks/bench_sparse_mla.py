@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_mla_kernels import PAGE, bench_decode, machine, time_us  # noqa: E402
 
 from autodeploy_mla.custom_ops import MLADims  # noqa: E402
-from autodeploy_mla.custom_ops.sparse_mla import INDEXER_METADATA  # noqa: E402
+from autodeploy_mla.custom_ops.attention.sparse_mla import INDEXER_METADATA  # noqa: E402
 from autodeploy_mla.runtime import PageAllocator, SequenceInfo, StepSequence  # noqa: E402
 
 V32 = MLADims(num_heads=128, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, kv_lora_rank=512)
@@ -71,7 +71,7 @@ def flashinfer_rows(c: dict, d: MLADims, dtype, dev: str, rep_ms: float, idx: to
     """The flashinfer_mla_sparse attention on the same step and selection (one-token pages), eager
     (eager wrapper) and as a graph replay (fixed-buffer wrapper); its indexer is the Triton op's."""
     from autodeploy_mla.custom_ops import using_sessions
-    from autodeploy_mla.custom_ops.backend_registry import SessionSpec, Target, get_backend
+    from autodeploy_mla.custom_ops.attention.registry import SessionSpec, Target, get_backend
     from autodeploy_mla.runtime.model_runner import step_descriptor
 
     be = get_backend("flashinfer_mla_sparse")

@@ -277,7 +277,7 @@ RUNTIME_PARTS: dict[str, dict[str, Any]] = {"fp8": {"kv_cache_dtype": "fp8_e4m3"
 
 def variant_policies(variant: str) -> dict[str, Any]:
     """Backend policies of a variant (`absorbed`: FlashInferPolicy(prefill="flashinfer"))."""
-    from autodeploy_mla.custom_ops.flashinfer_mla import FlashInferPolicy
+    from autodeploy_mla.custom_ops.flashinfer.mla import FlashInferPolicy
 
     parts = variant.split("+")
     return {"flashinfer_mla": FlashInferPolicy(prefill="flashinfer")} if "absorbed" in parts else {}

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_mla_kernels import Case, decode_core_triton  # noqa: E402
 
 from autodeploy_mla.custom_ops import MLADims  # noqa: E402
-from autodeploy_mla.custom_ops.cache_format import FP8_DTYPE  # noqa: E402
+from autodeploy_mla.custom_ops.attention.cache_format import FP8_DTYPE  # noqa: E402
 from autodeploy_mla.custom_ops.triton_mla import kernels as K  # noqa: E402
 
 SHOWN = ("cvt", "wgmma", "mma", "ld.shared", "st.shared", "ldmatrix", "stmatrix", "cp.async", "prmt", "shfl")

@@ -54,7 +54,7 @@ def main() -> None:
                 step.op(*step.args)
             torch.cuda.synchronize()
             sess = None
-            from autodeploy_mla.custom_ops.step_context import active_session
+            from autodeploy_mla.custom_ops.attention.step_context import active_session
 
             sess = active_session("triton")
             print("session stats:", sess.stats())

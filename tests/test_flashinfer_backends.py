@@ -20,14 +20,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autodeploy_mla.custom_ops import DeviceInfo, MLADims, SessionSpec, Target, get_backend, library_versions
-from autodeploy_mla.custom_ops import capabilities as caps
-from autodeploy_mla.custom_ops import flashinfer_trtllm_mla as ft
-from autodeploy_mla.custom_ops.fallback import resolve_fallback
-from autodeploy_mla.custom_ops.flashinfer_common import FI_METADATA, PlanKey
-from autodeploy_mla.custom_ops.flashinfer_mla import FlashInferPolicy
-from autodeploy_mla.custom_ops.prefill_cost import PathCost, PrefillCostFacts, path_costs
-from autodeploy_mla.custom_ops.step_context import using_sessions
-from autodeploy_mla.custom_ops.flashinfer_metadata import (
+from autodeploy_mla.custom_ops.flashinfer import capabilities as caps
+from autodeploy_mla.custom_ops.flashinfer import trtllm_mla as ft
+from autodeploy_mla.custom_ops.attention.handoff import resolve_fallback
+from autodeploy_mla.custom_ops.flashinfer.common import FI_METADATA, PlanKey
+from autodeploy_mla.custom_ops.flashinfer.mla import FlashInferPolicy
+from autodeploy_mla.custom_ops.attention.prefill_cost import PathCost, PrefillCostFacts, path_costs
+from autodeploy_mla.custom_ops.attention.step_context import using_sessions
+from autodeploy_mla.custom_ops.flashinfer.metadata import (
     StepCounts,
     fa_plan_work_bound,
     fa_plan_work_count,
@@ -258,7 +258,7 @@ def test_import_and_refusal_without_flashinfer():
         "import sys; sys.modules['flashinfer'] = None\n"
         "import torch, autodeploy_mla\n"
         "from autodeploy_mla.custom_ops import get_backend, library_versions, DeviceInfo, MLADims, Target\n"
-        "from autodeploy_mla.custom_ops.flashinfer_mla import import_flashinfer_module, FlashInferUnavailable\n"
+        "from autodeploy_mla.custom_ops.flashinfer.mla import import_flashinfer_module, FlashInferUnavailable\n"
         "d = MLADims(128, 128, 64, 128, 512)\n"
         "r = get_backend('flashinfer_mla').check(d, torch.bfloat16, Target(DeviceInfo('cuda', (9, 0)), {'flashinfer': None}, 64))\n"
         "assert not r.ok and 'not installed' in r.reason, r\n"
@@ -334,9 +334,9 @@ def test_fallback_runs_in_its_own_session(fake_fi):
     """The steps a FlashInfer session hands off run the fallback op inside the fallback backend's own
     per-model session (Triton's plans and FA3 prefill live there), added to the step's sessions; none
     when the configs fall back to different backends."""
-    from autodeploy_mla.custom_ops.cache_format import UNIT_SCALES
-    from autodeploy_mla.custom_ops.fallback import Fallback, call_fallback, fallback_sessions
-    from autodeploy_mla.custom_ops.step_context import active_session, using_sessions
+    from autodeploy_mla.custom_ops.attention.cache_format import UNIT_SCALES
+    from autodeploy_mla.custom_ops.attention.handoff import Fallback, call_fallback, fallback_sessions
+    from autodeploy_mla.custom_ops.attention.step_context import active_session, using_sessions
 
     fake_fi()
     res = fa(DS16, STANDARD_SCHEDULES["prefill_then_decode"], FlashInferPolicy(prefill="fallback",

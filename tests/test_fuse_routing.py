@@ -311,7 +311,7 @@ def test_gate_gemm_option_takes_the_gate_in_and_keeps_hf_tokens(gate_gemm):
 def test_backend_choice_and_refusal(monkeypatch):
     from types import SimpleNamespace
 
-    from autodeploy_mla.custom_ops.backend_registry import DeviceInfo
+    from autodeploy_mla.custom_ops.attention.registry import DeviceInfo
     from autodeploy_mla.transforms.fuse_routing import _backend_for
 
     def ctx(dev):

@@ -336,7 +336,7 @@ def test_pieces_writing_their_inputs_are_not_captured():
 def _triton_ok() -> bool:
     if "triton" not in all_backends():
         return False
-    from autodeploy_mla.custom_ops.mla_dims import MLADims
+    from autodeploy_mla.custom_ops.attention.mla_dims import MLADims
 
     c = TINY_CONFIGS["deepseek_v3"]
     dims = MLADims(c["num_attention_heads"], c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"],
@@ -511,7 +511,7 @@ def test_gpu_queued_prefill_steps_never_wait_for_the_device(backend, tokens):
     assert r.piecewise.stats["piecewise"] + r.piecewise.stats["eager"] >= 6  # never a whole-step graph
     from autodeploy_mla.custom_ops import MLADims
     from autodeploy_mla.custom_ops.triton_mla import tuning
-    from autodeploy_mla.custom_ops.triton_mla.fa3_prefill import fa3_unavailable
+    from autodeploy_mla.custom_ops.flashinfer.fa3_prefill import fa3_unavailable
 
     dims = MLADims(16, 128, 64, 128, 512)  # the model's heads, as set above
     handed = backend == "triton" or any(getattr(s, "fallback_steps", 0) for s in r.sessions.values())

@@ -24,7 +24,7 @@ import torch
 
 from autodeploy_mla.api import optimize
 from autodeploy_mla.custom_ops import MLADims
-from autodeploy_mla.custom_ops.backend_registry import DeviceInfo
+from autodeploy_mla.custom_ops.attention.registry import DeviceInfo
 from autodeploy_mla.custom_ops.triton_mla.tuning import (STATIC_MAX_EXTRA_FLOPS, max_static_bounds_extra_flops,
                                                          static_bounds_extra_flops)
 from autodeploy_mla.runtime.compile_cache import (CACHE_DIR_ENV, VARS_SET_ENV, cache_key, cache_key_parts,
@@ -300,7 +300,7 @@ def test_static_bounds_bound_is_exact_and_covers_multi_sequence_steps():
 def test_triton_session_says_which_buckets_it_may_decline():
     pytest.importorskip("triton")
     from autodeploy_mla.custom_ops import Target, get_backend
-    from autodeploy_mla.custom_ops.backend_registry import SessionSpec
+    from autodeploy_mla.custom_ops.attention.registry import SessionSpec
     from autodeploy_mla.custom_ops.triton_mla.op import TritonPolicy
 
     dims = MLADims(16, 128, 64, 128, 512)
@@ -317,7 +317,7 @@ def test_triton_session_says_which_buckets_it_may_decline():
 def test_warmup_captures_pieces_of_mixed_buckets_only_where_a_step_can_run_them(monkeypatch):
     """A mixed-graph bucket's pieces are warmed (captured) only where some session may decline one
     of its steps; decode and prefill steps of every bucket are warmed as before."""
-    from autodeploy_mla.custom_ops.backend_registry import BackendSession
+    from autodeploy_mla.custom_ops.attention.registry import BackendSession
     from autodeploy_mla.runtime.model_runner import ModelRunner
 
     om = _build("deepseek_v3", 1)

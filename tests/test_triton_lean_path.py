@@ -18,9 +18,9 @@ import torch
 
 from autodeploy_mla.api import optimize
 from autodeploy_mla.custom_ops import get_backend
-from autodeploy_mla.custom_ops.backend_registry import StepDescriptor, Target, direct_calls, make_session_spec
-from autodeploy_mla.custom_ops.mla_dims import MLADims
-from autodeploy_mla.custom_ops.step_context import using_sessions
+from autodeploy_mla.custom_ops.attention.registry import StepDescriptor, Target, direct_calls, make_session_spec
+from autodeploy_mla.custom_ops.attention.mla_dims import MLADims
+from autodeploy_mla.custom_ops.attention.step_context import using_sessions
 from autodeploy_mla.custom_ops.triton_mla import op as top
 from autodeploy_mla.custom_ops.triton_mla.launch import BoundKernel, _spec
 from autodeploy_mla.runtime.page_allocator import PageAllocator

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from autodeploy_mla.custom_ops import get_backend
-from autodeploy_mla.custom_ops.backend_registry import Target, all_backends, make_session_spec
-from autodeploy_mla.custom_ops.mla_dims import MLADims
-from autodeploy_mla.custom_ops.step_context import using_sessions
+from autodeploy_mla.custom_ops.attention.registry import Target, all_backends, make_session_spec
+from autodeploy_mla.custom_ops.attention.mla_dims import MLADims
+from autodeploy_mla.custom_ops.attention.step_context import using_sessions
 from autodeploy_mla.custom_ops.triton_mla import op as top
 from autodeploy_mla.custom_ops.triton_mla.launch import BoundKernel
 from autodeploy_mla.custom_ops.triton_mla.op import TritonPolicy
@@ -66,7 +66,7 @@ def test_static_bounds_steps_match_reference(dims, policy, monkeypatch):
 def test_static_bounds_with_an_fp8_cache(fp8_dot):
     """e4m3 cache with per-layer scales on static bounds: the oracle on the same e4m3 values (tiles
     converted to the query dtype: fp32 rounding; e4m3 products: within the format's error)."""
-    from autodeploy_mla.custom_ops.cache_format import FP8_DTYPE, CacheScales
+    from autodeploy_mla.custom_ops.attention.cache_format import FP8_DTYPE, CacheScales
 
     res = run_scenario("triton", MLADims(4, 16, 8, 16, 32), SCHEDULE, pad_to=PAD, graph_buckets={8, 16, 32},
                        mixed_graph_max_tokens=32, max_batch_size=6, cache_dtype=FP8_DTYPE,
@@ -246,7 +246,7 @@ def test_gpu_static_bounds_with_an_fp8_cache_on_real_dims(dims_name):
     values) as the eager path's expanded prefill / decode is on the same schedule."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    from autodeploy_mla.custom_ops.cache_format import FP8_DTYPE
+    from autodeploy_mla.custom_ops.attention.cache_format import FP8_DTYPE
 
     sch = [{0: 200, 1: 40, 2: 1}, {0: 1, 1: 1, 2: 120, 3: 60}, {0: 1, 1: 1, 2: 4, 3: 9, 4: 1}, {4: 100}]
     common = dict(max_batch_size=8, page_size=64, dtype=torch.bfloat16, device="cuda", seed=5,

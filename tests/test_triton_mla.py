@@ -20,7 +20,7 @@ import torch
 pytest.importorskip("triton")
 
 from autodeploy_mla.custom_ops import DeviceInfo, MLADims, MLAShapeError, SessionSpec, Target, get_backend  # noqa: E402
-from autodeploy_mla.custom_ops.step_context import using_sessions  # noqa: E402
+from autodeploy_mla.custom_ops.attention.step_context import using_sessions  # noqa: E402
 from autodeploy_mla.custom_ops.triton_mla import TritonPolicy  # noqa: E402
 from autodeploy_mla.custom_ops.triton_mla import op as top  # noqa: E402
 from autodeploy_mla.custom_ops.triton_mla import tuning  # noqa: E402
@@ -301,7 +301,7 @@ def test_heads_on_n_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
 def test_heads_on_n_fp8_cache_fp16_products():
     """bf16 activations on an e4m3 cache: the kernel runs its products in fp16 (F16) and stays within
     bf16 rounding of the oracle that reads the same e4m3 values."""
-    from autodeploy_mla.custom_ops.cache_format import FP8_DTYPE, CacheScales
+    from autodeploy_mla.custom_ops.attention.cache_format import FP8_DTYPE, CacheScales
 
     for sc in (CacheScales(1.0, 1.0), CacheScales(0.37, 2.5)):
         res = run_scenario("triton", CPU_DIMS["r64_dr16"], STANDARD_SCHEDULES["long_decode"], dtype=torch.bfloat16,
@@ -562,7 +562,7 @@ def test_gpu_fa3_prefill(dims_name, forced):
     runs: a 1100-token fresh prefill beside a short one, then a 1030-token chunk on that cached prefix
     beside a decode (kv longer than q), then decodes; against the fp64 oracle. Forced: both prefill
     steps take FA3; auto: the steps from tuning.FA3_PREFILL_MIN_TOKENS new tokens, where a workspace was set up."""
-    from autodeploy_mla.custom_ops.triton_mla.fa3_prefill import fa3_unavailable
+    from autodeploy_mla.custom_ops.flashinfer.fa3_prefill import fa3_unavailable
 
     why = fa3_unavailable(GPU_DIMS[dims_name], torch.bfloat16, torch.device("cuda"))
     if why:
@@ -741,7 +741,7 @@ def test_fa3_prefill_choice_and_refusals():
     """FA3 is a per-model session object: never on CPU (the reason is in the stats), refused when forced
     where it cannot run; head dims outside its kernels named; used under "auto" only from
     FA3_PREFILL_MIN_TOKENS new tokens and never while a graph is captured."""
-    from autodeploy_mla.custom_ops.triton_mla.fa3_prefill import fa3_unavailable
+    from autodeploy_mla.custom_ops.flashinfer.fa3_prefill import fa3_unavailable
 
     with pytest.raises(ValueError, match="prefill_attention='fa2'"):
         TritonPolicy(prefill_attention="fa2")

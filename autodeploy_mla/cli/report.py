@@ -9,8 +9,8 @@ from rich.console import Console
 from rich.table import Table
 
 from ..config.families import available_model_configs, model_config_path, published_dims
-from ..custom_ops.backend_registry import Target, all_backends
-from ..custom_ops.mla_dims import MLADims
+from ..custom_ops.attention.registry import Target, all_backends
+from ..custom_ops.attention.mla_dims import MLADims
 
 
 def list_models(console: Console) -> int:

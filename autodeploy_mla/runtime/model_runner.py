@@ -29,9 +29,9 @@ import torch
 import torch.distributed as dist
 
 from ..config.schema import RuntimeConfig
-from ..custom_ops.backend_registry import BackendSession, SessionSpec, StepDescriptor, Target, get_backend
-from ..custom_ops.cache_format import cache_dtype_name
-from ..custom_ops.step_context import using_sessions
+from ..custom_ops.attention.registry import BackendSession, SessionSpec, StepDescriptor, Target, get_backend
+from ..custom_ops.attention.cache_format import cache_dtype_name
+from ..custom_ops.attention.step_context import using_sessions
 from ..custom_ops.tp_all_reduce import WORKSPACE, SymmAllReduceWorkspace
 from .artifacts import CompiledModel, TensorParallel
 from .errors import CapacityError, OutOfPagesError

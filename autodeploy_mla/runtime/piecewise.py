@@ -47,7 +47,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from ..custom_ops.backend_registry import StepDescriptor, direct_calls
+from ..custom_ops.attention.registry import StepDescriptor, direct_calls
 from .compiled_groups import CompiledGroup, GroupMember
 from .cuda_graphs import BORROW, OWNED, CaptureError, GraphCapturer, cuda_graphs_available, tensor_key
 from .piece_groups import CanonicalPiece, CompileGroup, canonicalize, group_pieces

@@ -13,9 +13,9 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from ..custom_ops.backend_registry import BackendDecision, CheckResult, DeviceInfo, Target, all_backends, get_backend
-from ..custom_ops.cache_format import cache_dtype_name
-from ..custom_ops.mla_dims import MLADims
+from ..custom_ops.attention.registry import BackendDecision, CheckResult, DeviceInfo, Target, all_backends, get_backend
+from ..custom_ops.attention.cache_format import cache_dtype_name
+from ..custom_ops.attention.mla_dims import MLADims
 
 #: Keys of the `preference:` table: one auto order per device class.
 DEVICE_CLASSES: tuple[str, ...] = ("sm100", "sm90", "sm80", "cuda", "cpu")

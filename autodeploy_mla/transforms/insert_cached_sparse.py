@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 
-from ..custom_ops.backend_registry import BackendDecision, CacheSpec, Target, get_backend
-from ..custom_ops.cache_format import CacheScales, is_fp8
-from ..custom_ops.flashinfer_sparse import flashinfer_mla_sparse_with_cache
-from ..custom_ops.mla_dims import MLADims
-from ..custom_ops.sparse_mla import DSA_INDEXER, DSA_INDEXER_WITH_CACHE, INDEXER_METADATA
+from ..custom_ops.attention.registry import BackendDecision, CacheSpec, Target, get_backend
+from ..custom_ops.attention.cache_format import CacheScales, is_fp8
+from ..custom_ops.flashinfer.sparse import flashinfer_mla_sparse_with_cache
+from ..custom_ops.attention.mla_dims import MLADims
+from ..custom_ops.attention.sparse_mla import DSA_INDEXER, DSA_INDEXER_WITH_CACHE, INDEXER_METADATA
 from ..custom_ops.torch_backend import torch_mla_sparse_with_cache
 from ..custom_ops.triton_mla.sparse import DSA_INDEXER_WITH_CACHE as TRITON_INDEXER_WITH_CACHE
 from ..custom_ops.triton_mla.sparse import triton_mla_sparse_with_cache

@@ -34,8 +34,8 @@ from pydantic import Field
 from torch._guards import detect_fake_mode
 from torch.fx import GraphModule, Node
 
-from ..custom_ops.mla_dims import MLADims, infer_dims
-from ..custom_ops.torch_mla import source_arg
+from ..custom_ops.attention.mla_dims import MLADims, infer_dims
+from ..custom_ops.attention.torch_mla import source_arg
 from .context import BuildContext
 from .fx_utils import ASSERT_METADATA, RESHAPES, TORCH_MLA, aten, module_path, module_stack, skip
 from .fx_utils import shape as _shape

@@ -30,7 +30,7 @@ import torch
 from pydantic import Field, field_validator
 from torch.fx.passes.split_module import split_module
 
-from ..custom_ops.backend_registry import MLABackend, all_backends, cached_ops
+from ..custom_ops.attention.registry import MLABackend, all_backends, cached_ops
 from ..runtime.artifacts import RunnerOptions
 from ..runtime.piecewise import (AUTO_BUCKET_LIMIT, DYNAMIC, MIXED_GRAPH_MAX_TOKENS, STATIC, Piece, SplitGraph,
                                  assign_compile_groups, resolve_buckets)

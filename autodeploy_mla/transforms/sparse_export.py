@@ -5,7 +5,7 @@ Exporting the HF code as written fails (`topk(min(index_topk, T))` leaves torch.
 mask that no MLA matcher may rewrite. So while the model is exported, each sparse attention module
 runs `sparse_forward` instead: the same projections, norms and RoPE as the HF module (its own
 submodules and its modeling file's RoPE functions), with the indexer's score + top-k as
-`torch_dsa_indexer` and the attention as `torch_mla_sparse` (custom_ops/sparse_mla.py).
+`torch_dsa_indexer` and the attention as `torch_mla_sparse` (custom_ops/attention/sparse_mla.py).
 
 Before that forward is used, it is compared with the module's own forward on random inputs longer
 than index_topk (so the selection matters), once per kind of layer (one that runs its indexer, one
@@ -24,9 +24,9 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from ..custom_ops import sparse_mla
-from ..custom_ops.mla_dims import MLADims, infer_dims
-from ..custom_ops.sparse_mla import SPARSE_OP
+from ..custom_ops.attention import sparse_mla
+from ..custom_ops.attention.mla_dims import MLADims, infer_dims
+from ..custom_ops.attention.sparse_mla import SPARSE_OP
 from ..models.skeleton import is_placeholder, is_skeleton
 from .fx_utils import module_path
 from ..models.sparse_attention import SparseAttentionInfo

@@ -34,17 +34,17 @@ from typing import Any, Literal, Optional
 
 import torch
 
-from ..backend_registry import (BackendSession, CheckResult, MLABackend, SessionSpec, StepDescriptor, StepMetadata, Target,
+from ..attention.registry import (BackendSession, CheckResult, MLABackend, SessionSpec, StepDescriptor, StepMetadata, Target,
                                 parse_version, register_backend)
-from ..cache_format import FP8_DTYPE, FP8_MAX, UNIT_SCALES, CacheScales, cache_dtype_name, is_fp8
-from ..mla_dims import MLADims, MLAShapeError, resolve_scale
-from ..op_contract import MLAInputs, check_cached_inputs, define_cached_op_and_kernel
-from ..step_context import active_session
+from ..attention.cache_format import FP8_DTYPE, FP8_MAX, UNIT_SCALES, CacheScales, cache_dtype_name, is_fp8
+from ..attention.mla_dims import MLADims, MLAShapeError, resolve_scale
+from ..attention.contract import MLAInputs, check_cached_inputs, define_cached_op_and_kernel
+from ..attention.step_context import active_session
 from . import gluon_decode as GD
 from . import tuning
 from .sparse import DSA_INDEXER_WITH_CACHE as SPARSE_INDEXER_WITH_CACHE
 from .sparse import triton_mla_sparse_with_cache
-from .fa3_prefill import Fa3Prefill, fa3_unavailable
+from ..flashinfer.fa3_prefill import Fa3Prefill, fa3_unavailable
 from .launch import BoundKernel, LaunchCache
 from .tuning import (
     MAX_EXPAND_HEAD_DIM,

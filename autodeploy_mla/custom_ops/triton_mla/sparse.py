@@ -1,6 +1,6 @@
 """Sparse MLA (DSA) cached ops of the Triton backend: `triton_dsa_indexer_with_cache` and
 `triton_mla_sparse_with_cache`, the same contracts as the torch reference ops
-(custom_ops/sparse_mla.py, custom_ops/torch_backend.py) with the scoring and the attention in Triton
+(custom_ops/attention/sparse_mla.py, custom_ops/torch_backend.py) with the scoring and the attention in Triton
 (sparse_kernels.py). Appends, the W_UK / W_V products and the top-k selection stay in torch.
 
 Both are CUDA-graph safe: eagerly they size their launches from the host metadata; under capture
@@ -15,10 +15,10 @@ from typing import Optional
 
 import torch
 
-from ..cache_format import CacheScales, is_fp8
-from ..mla_dims import MLAShapeError, resolve_scale
-from ..op_contract import MLAInputs, append_to_paged_cache, check_cached_inputs, define_cached_op
-from ..sparse_mla import INDEXER_METADATA, _check_indexer, append_index_keys, select_topk
+from ..attention.cache_format import CacheScales, is_fp8
+from ..attention.mla_dims import MLAShapeError, resolve_scale
+from ..attention.contract import MLAInputs, append_to_paged_cache, check_cached_inputs, define_cached_op
+from ..attention.sparse_mla import INDEXER_METADATA, _check_indexer, append_index_keys, select_topk
 
 try:
     import triton

@@ -14,8 +14,8 @@ from typing import Optional
 
 import torch
 
-from ..backend_registry import EMULATED_SM_COUNT
-from ..mla_dims import MLADims
+from ..attention.registry import EMULATED_SM_COUNT
+from ..attention.mla_dims import MLADims
 
 
 def interpreting() -> bool:

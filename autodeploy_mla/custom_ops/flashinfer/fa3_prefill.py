@@ -11,7 +11,7 @@ strides). With that packing the whole op beats our kernel from 1024 new tokens (
 0.87x at 2048; GLM 0.92x, 0.84x), so "auto" takes FA3 from tuning.FA3_PREFILL_MIN_TOKENS = 1024.
 
 `Fa3Prefill` is per-model state (the Triton session owns one): a FlashInfer workspace and wrapper,
-and the background compile of its module (`flashinfer_jit`: ~96 s of nvcc on a fresh H200 host,
+and the background compile of its module (`flashinfer.jit`: ~96 s of nvcc on a fresh H200 host,
 started when the session is made unless `optimize()` started it earlier): until that compile has
 finished, `ready` is False and the op attends with `expanded_prefill_kernel`, so no step and no
 start-up waits for nvcc. The wrapper is planned once per step (the plan depends on the step's sequence lengths only, so every layer of a
@@ -26,8 +26,8 @@ from typing import Any, Optional
 
 import torch
 
-from ..flashinfer_jit import FA3_HEAD_DIMS, JitBuild, fa3_prefill_module
-from ..mla_dims import MLADims
+from .jit import FA3_HEAD_DIMS, JitBuild, fa3_prefill_module
+from ..attention.mla_dims import MLADims
 
 #: FlashInfer's float workspace for the prefill plan (split-KV partials of long sequences)
 FA3_WORKSPACE_BYTES = 128 << 20

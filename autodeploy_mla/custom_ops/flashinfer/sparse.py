@@ -35,7 +35,7 @@ from typing import Any, Literal, Optional
 import numpy as np
 import torch
 
-from .backend_registry import (
+from ..attention.registry import (
     BackendSession,
     CheckResult,
     MLABackend,
@@ -46,17 +46,17 @@ from .backend_registry import (
     get_backend,
     register_backend,
 )
-from .cache_format import CacheScales, is_fp8
+from ..attention.cache_format import CacheScales, is_fp8
 from .capabilities import FA_MAX_WORK_ITEMS, check_against_facts, fa_kernel_for
-from .flashinfer_common import FlashInferUnavailable, PlanKey, import_flashinfer_module
-from .flashinfer_metadata import StepCounts, fa_plan_work_bound, fa_plan_work_count
-from .flashinfer_mla import FLOAT_WORKSPACE_BYTES, absorbed_attention
-from .mla_dims import MLADims, MLAShapeError
-from .op_contract import MLAInputs, append_to_paged_cache, check_cached_inputs, define_cached_op_and_kernel
-from .sparse_mla import INDEXER_METADATA
-from .step_context import require_session
-from .torch_backend import torch_mla_sparse_with_cache
-from .triton_mla.sparse import triton_mla_sparse_with_cache
+from .common import FlashInferUnavailable, PlanKey, import_flashinfer_module
+from .metadata import StepCounts, fa_plan_work_bound, fa_plan_work_count
+from .mla import FLOAT_WORKSPACE_BYTES, absorbed_attention
+from ..attention.mla_dims import MLADims, MLAShapeError
+from ..attention.contract import MLAInputs, append_to_paged_cache, check_cached_inputs, define_cached_op_and_kernel
+from ..attention.sparse_mla import INDEXER_METADATA
+from ..attention.step_context import require_session
+from ..torch_backend import torch_mla_sparse_with_cache
+from ..triton_mla.sparse import triton_mla_sparse_with_cache
 
 BACKEND = "flashinfer_mla_sparse"
 OP = "flashinfer_mla_sparse_with_cache"
@@ -325,7 +325,7 @@ class FlashInferSparseMLABackend(MLABackend):
     direct_call = staticmethod(_direct)
     metadata = INDEXER_METADATA
     source = ("FlashInfer BatchMLAPagedAttentionWrapper over one-token pages (FlashInfer 0.7.x); selection: the "
-              "Triton indexer op; facts: custom_ops/capabilities.py")
+              "Triton indexer op; facts: custom_ops/flashinfer/capabilities.py")
     sparse_only = True
     decode_graph_safe = True  # graph-marked decode steps plan fixed-buffer wrappers; the op writes their slots
 

@@ -55,7 +55,7 @@ from typing import Any, Literal, Optional
 
 import torch
 
-from .backend_registry import (
+from ..attention.registry import (
     SCRATCH_PAGE,
     CheckResult,
     MLABackend,
@@ -65,10 +65,10 @@ from .backend_registry import (
     Target,
     register_backend,
 )
-from .cache_format import CacheScales, is_fp8
+from ..attention.cache_format import CacheScales, is_fp8
 from .capabilities import FA_MAX_WORK_ITEMS, check_against_facts, check_cache_against_facts, fa_kernel_for, fa_prefill_safe
-from .fallback import Fallback, call_fallback
-from .flashinfer_common import (
+from ..attention.handoff import Fallback, call_fallback
+from .common import (
     DEFAULT_FALLBACK_ORDER,
     FI_METADATA,
     FlashInferSession,
@@ -77,11 +77,11 @@ from .flashinfer_common import (
     import_flashinfer_module,
     plan_configs,
 )
-from .flashinfer_metadata import MLACsr, StepCounts, fa_plan_work_bound, fa_plan_work_count, mla_csr
-from .mla_dims import MLADims, resolve_scale
-from .op_contract import MLAInputs, append_to_paged_cache, check_cached_inputs, define_cached_op_and_kernel
-from .prefill_cost import SM90_FACTS, PrefillCostFacts, path_costs
-from .step_context import require_session
+from .metadata import MLACsr, StepCounts, fa_plan_work_bound, fa_plan_work_count, mla_csr
+from ..attention.mla_dims import MLADims, resolve_scale
+from ..attention.contract import MLAInputs, append_to_paged_cache, check_cached_inputs, define_cached_op_and_kernel
+from ..attention.prefill_cost import SM90_FACTS, PrefillCostFacts, path_costs
+from ..attention.step_context import require_session
 
 OP = "flashinfer_mla_with_cache"
 METADATA = FI_METADATA
@@ -397,7 +397,7 @@ class FlashInferMLABackend(MLABackend):
     cached_op = flashinfer_mla_with_cache
     direct_call = staticmethod(_direct)
     metadata = METADATA
-    source = "FlashInfer BatchMLAPagedAttentionWrapper (fa3 on SM90, fa2 on SM80+); facts: custom_ops/capabilities.py"
+    source = "FlashInfer BatchMLAPagedAttentionWrapper (fa3 on SM90, fa2 on SM80+); facts: custom_ops/flashinfer/capabilities.py"
     is_dynamic = True
     #: Decode-only steps marked for CUDA graphs plan fixed-buffer wrappers (see module doc).
     decode_graph_safe = True
