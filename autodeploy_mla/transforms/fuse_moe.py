@@ -46,7 +46,7 @@ from pydantic import Field
 from torch.fx import GraphModule, Node
 
 from ..custom_ops.moe import HAS_TRITON, TRITON_IMPORT_ERROR
-from ..custom_ops.triton_mla.tuning import interpreting
+from ..custom_ops.triton_helpers import interpreting
 from .context import BuildContext
 from .fx_utils import (ASSERT_METADATA, CASTS, RESHAPES, aten, erase_dead_region, grouped_mm_ops, is_op,
                        module_path, module_tensor, shape, skip, val)

@@ -41,7 +41,7 @@ from pydantic import Field
 from torch.fx import GraphModule, Node
 
 from ..custom_ops.moe.routing import HALF_DTYPES, MAX_EXPERTS, RoutingSpec, route_reference
-from ..custom_ops.triton_mla.tuning import interpreting
+from ..custom_ops.triton_helpers import interpreting
 from .context import BuildContext
 from .fuse_moe import triton_unavailable
 from .fx_utils import ASSERT_METADATA, CASTS, aten, erase_dead_region, is_op, module_stack, shape, val

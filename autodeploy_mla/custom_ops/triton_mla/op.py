@@ -45,6 +45,7 @@ from . import tuning
 from .sparse import DSA_INDEXER_WITH_CACHE as SPARSE_INDEXER_WITH_CACHE
 from .sparse import triton_mla_sparse_with_cache
 from ..flashinfer.fa3_prefill import Fa3Prefill, fa3_unavailable
+from ..triton_helpers import dot_precision, interpreting, pow2
 from .launch import BoundKernel, LaunchCache
 from .tuning import (
     MAX_EXPAND_HEAD_DIM,
@@ -55,17 +56,14 @@ from .tuning import (
     absorb_prefill_config,
     choose_prefill_path,
     decode_config,
-    dot_precision,
     expand_config,
     expansion_supported,
     heads_on_n_supported,
     max_static_bounds_extra_flops,
     multi_token_config,
-    interpreting,
     min_chunk,
     nope_chunks,
     num_sms,
-    pow2,
     resident_programs,
     split_plan,
     split_plan_waves,
