@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_mla_kernels import Case, _err, decode_core_triton, time_us  # noqa: E402
 
 from autodeploy_mla.custom_ops.triton_mla import TritonPolicy  # noqa: E402
-from autodeploy_mla.custom_ops.triton_mla import op as top  # noqa: E402
+from autodeploy_mla.custom_ops.triton_mla import launchers as top  # noqa: E402
 
 from autodeploy_mla.custom_ops import MLADims, Target, get_backend  # noqa: E402
 from autodeploy_mla.custom_ops.attention.cache_format import FP8_DTYPE  # noqa: E402
@@ -87,11 +87,11 @@ def triton_fp8_dot(case: Case):
     d, info, b = case.dims, case.info, len(case.seqs)
     kv = max(c + n for c, n in case.seqs)
     cfg = tuning.decode_config(d, case.dtype, case.cache.dtype, "heads_on_m")  # FP8_DOT: heads-on-M kernel only
-    call = top._Call(TritonPolicy(fp8_dot=True), warmed=set())
+    call = top.OpCall(TritonPolicy(fp8_dot=True), warmed=set())
 
     def run():
         q8, qpe8, qs = top.quantize_queries(q_abs, case.x[1])
-        top._launch_absorbed(
+        top.launch_absorbed(
             call, q8, qpe8, case.cache, info.get("page_table"), info.get("cu_seqlen"), info.get("input_pos"),
             info.get("seq_len_with_cache"), latent, seq_base=0, n_seqs=b, tok_base=0, n_tok=b, abs_base=0,
             max_q=1, kv_bound=kv, cfg=cfg, dims=d, qk_scale=case.scale * top.LOG2E, q_scale=qs)

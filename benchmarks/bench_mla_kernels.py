@@ -39,7 +39,7 @@ from autodeploy_mla.custom_ops import MLADims, SessionSpec, Target, get_backend 
 from autodeploy_mla.custom_ops.attention.mla_dims import resolve_scale  # noqa: E402
 from autodeploy_mla.custom_ops.attention.step_context import using_sessions  # noqa: E402
 from autodeploy_mla.custom_ops.triton_mla import TritonPolicy, tuning  # noqa: E402
-from autodeploy_mla.custom_ops.triton_mla import op as top  # noqa: E402
+from autodeploy_mla.custom_ops.triton_mla import launchers as top  # noqa: E402
 from autodeploy_mla.runtime import PageAllocator, SequenceInfo, StepSequence  # noqa: E402
 from autodeploy_mla.testing.scenarios import step_descriptor  # noqa: E402
 
@@ -222,24 +222,24 @@ def decode_core_triton(case: Case, cfg=None, forced_splits: int = 0):
     B = len(case.seqs)
     kv = max(c + n for c, n in case.seqs)
     # cfg None: what the op runs (the Gluon decode kernel where TritonPolicy.decode_kernel="auto" picks it)
-    call = top._Call(TritonPolicy(decode_splits=forced_splits), warmed=set())
-    gluon = cfg is None and top._gluon_decode_choice(call, tuning.decode_config(d, case.dtype, case.cache.dtype), d,
+    call = top.OpCall(TritonPolicy(decode_splits=forced_splits), warmed=set())
+    gluon = cfg is None and top.gluon_decode_choice(call, tuning.decode_config(d, case.dtype, case.cache.dtype), d,
                                                      q_abs.dtype, case.cache, torch.device(case.device), False)
     cfg = cfg or tuning.decode_config(d, case.dtype, case.cache.dtype)
-    top._launch_append(case.x[2], case.x[3], case.cache, info.get("cache_loc"), B, d)
+    top.launch_append(case.x[2], case.x[3], case.cache, info.get("cache_loc"), B, d)
 
     used: list[int] = []
 
     def run():
         if gluon:
-            got = top._launch_gluon_decode(
+            got = top.launch_gluon_decode(
                 call, q_abs, case.x[1], case.cache, info.get("page_table"), info.get("cu_seqlen"),
                 info.get("seq_len_with_cache"), latent, seq_base=0, n_seqs=B, tok_base=0, abs_base=0, kv_bound=kv,
                 dims=d, qk_scale=case.scale * top.LOG2E)
             if got:
                 used.append(got)
                 return
-        used.append(top._launch_absorbed(
+        used.append(top.launch_absorbed(
             call, q_abs, case.x[1], case.cache, info.get("page_table"), info.get("cu_seqlen"), info.get("input_pos"),
             info.get("seq_len_with_cache"), latent, seq_base=0, n_seqs=B, tok_base=0, n_tok=B, abs_base=0,
             max_q=1, kv_bound=kv, cfg=cfg, dims=d, qk_scale=case.scale * top.LOG2E,
@@ -438,7 +438,7 @@ TUNE_PREFILL = (2048, (4096, 128))  # T of the expand sweep; (prefix, T) of the 
 @contextlib.contextmanager
 def op_launch_config(name: str, cfg):
     """Make the Triton op launch its prefill kernels with `cfg`: `name` is the config function the op
-    calls (expand_config / absorb_prefill_config), replaced where op.py looks it up. TritonPolicy has
+    calls (expand_config / absorb_prefill_config), replaced where launchers.py looks it up. TritonPolicy has
     no launch-config knob, so the sweep swaps the function for the duration of the block."""
     orig = getattr(top, name)
     setattr(top, name, lambda *a, **k: cfg)

@@ -33,7 +33,7 @@ from bench_mla_kernels import Case, time_us  # noqa: E402
 
 from autodeploy_mla.custom_ops.attention.mla_dims import MLADims  # noqa: E402
 from autodeploy_mla.custom_ops.triton_mla import TritonPolicy  # noqa: E402
-from autodeploy_mla.custom_ops.triton_mla import op as top  # noqa: E402
+from autodeploy_mla.custom_ops.triton_mla import launchers as top  # noqa: E402
 from autodeploy_mla.custom_ops.triton_mla import tuning  # noqa: E402
 
 DIMS = {
@@ -64,10 +64,10 @@ def core(case: Case, cfg: tuning.AbsorbedConfig, q: int):
     latent = torch.empty_like(q_abs)
     info, b = case.info, len(case.seqs)
     kv = max(c + k for c, k in case.seqs)
-    call = top._Call(TritonPolicy(), warmed=set())
+    call = top.OpCall(TritonPolicy(), warmed=set())
 
     def run():
-        top._launch_absorbed(call, q_abs, case.x[1], case.cache, info.get("page_table"), info.get("cu_seqlen"),
+        top.launch_absorbed(call, q_abs, case.x[1], case.cache, info.get("page_table"), info.get("cu_seqlen"),
                              info.get("input_pos"), info.get("seq_len_with_cache"), latent, seq_base=0, n_seqs=b,
                              tok_base=0, n_tok=case.num_tokens, abs_base=0, max_q=q, kv_bound=kv, cfg=cfg, dims=d,
                              qk_scale=case.scale * top.LOG2E)

@@ -30,7 +30,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from bench_mla_kernels import DIMS, Case, FlashInferDecode, decode_core_triton, flashinfer_accepts, time_us  # noqa: E402
 
-from autodeploy_mla.custom_ops.triton_mla import op as top  # noqa: E402
+from autodeploy_mla.custom_ops.triton_mla import launchers as top  # noqa: E402
 from autodeploy_mla.custom_ops.triton_mla import tuning  # noqa: E402
 
 SMALL = [(1, 512), (1, 8192), (8, 512), (8, 2048), (32, 1024)]
@@ -60,7 +60,7 @@ def decode_core_gluon(case: Case, q_abs: torch.Tensor, latent: torch.Tensor, for
     `two_per_sm` (2 KV stages, no epilogue layout change, 128 registers at launch)."""
     from autodeploy_mla.custom_ops.triton_mla import gluon_decode as GD
     from autodeploy_mla.custom_ops.triton_mla import kernels as K
-    from autodeploy_mla.custom_ops.triton_mla.op import _reduce_meta
+    from autodeploy_mla.custom_ops.triton_mla.launchers import _reduce_meta
 
     d = case.dims
     n, r, dr = d.num_heads, d.kv_lora_rank, d.qk_rope_head_dim

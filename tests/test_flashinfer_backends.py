@@ -19,6 +19,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from autodeploy_mla.custom_ops.triton_mla import step_shape as tshape, session as tsession  # noqa: E402
 from autodeploy_mla.custom_ops import DeviceInfo, MLADims, SessionSpec, Target, get_backend, library_versions
 from autodeploy_mla.custom_ops.flashinfer import capabilities as caps
 from autodeploy_mla.custom_ops.flashinfer import trtllm_mla as ft
@@ -369,18 +370,17 @@ def test_fallback_session_is_prepared_once_per_handed_step(fake_fi, monkeypatch,
     layers): the op then takes the session's step and shares its launch plans instead of re-reading
     the host metadata and re-making the plans in every layer. Decode steps FlashInfer runs itself
     leave the fallback session alone."""
-    from autodeploy_mla.custom_ops.triton_mla import op as triton_op
 
     trtllm = backend == "flashinfer_trtllm_mla"
     fake_fi(sm=(10, 0) if trtllm else (9, 0))
     made = []
-    real = triton_op.StepShape.from_host.__func__
+    real = tshape.StepShape.from_host.__func__
 
     def counting(cls, *a, **kw):
         made.append(kw.get("static", False))
         return real(cls, *a, **kw)
 
-    monkeypatch.setattr(triton_op.StepShape, "from_host", classmethod(counting))
+    monkeypatch.setattr(tshape.StepShape, "from_host", classmethod(counting))
     sch = [{0: 9, 1: 5}, {0: 1, 1: 1}]  # a prefill step (handed over), then a decode step (FlashInfer's)
     page = 32 if trtllm else 16
     fake = Target.detect("cpu", page)  # the fake's GPU, with Triton (interpreted here) installed
@@ -390,7 +390,7 @@ def test_fallback_session_is_prepared_once_per_handed_step(fake_fi, monkeypatch,
     res = run_scenario(backend, DS16, sch, policy=policy, page_size=page, dtype=BF16, target=target)
     assert res.max_rel_error() < 1e-2
     tri = res.session.fallback_sessions["triton"]
-    assert isinstance(tri, triton_op.TritonMLASession)
+    assert isinstance(tri, tsession.TritonMLASession)
     assert tri.step is not None and tri.step.key[:3] == (2, 14, 0)  # prepared for the prefill step
     assert tri.plans, "the op's launch plans went to the prepared session (shared by a step's layers)"
     assert len(made) == 1  # prepare read the host shape; the op call did not read it again

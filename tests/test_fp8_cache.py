@@ -18,7 +18,7 @@ from autodeploy_mla.custom_ops.attention import cache_format as cf
 from autodeploy_mla.custom_ops.attention.registry import CacheSpec
 from autodeploy_mla.custom_ops.flashinfer.mla import FlashInferPolicy
 from autodeploy_mla.custom_ops.flashinfer import trtllm_mla as ft
-from autodeploy_mla.custom_ops.triton_mla.op import TritonPolicy
+from autodeploy_mla.custom_ops.triton_mla import TritonPolicy
 from autodeploy_mla.runtime import PageAllocator, SequenceInfo, StepSequence
 from autodeploy_mla.runtime.kv_cache import CacheLayout, page_bytes
 from autodeploy_mla.testing import STANDARD_SCHEDULES, run_scenario

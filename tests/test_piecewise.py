@@ -461,7 +461,7 @@ def test_gpu_capture_failure_falls_back_to_eager_and_generation_is_unchanged():
 
 def _fa3_calls(runner) -> int:
     """FA3 prefill calls of the runner's Triton sessions (its own, or a FlashInfer backend's fallback)."""
-    from autodeploy_mla.custom_ops.triton_mla.op import TritonMLASession
+    from autodeploy_mla.custom_ops.triton_mla import TritonMLASession
 
     sessions = list(runner.sessions.values())
     sessions += [f for s in runner.sessions.values() for f in getattr(s, "fallback_sessions", {}).values()]

@@ -301,7 +301,7 @@ def test_triton_session_says_which_buckets_it_may_decline():
     pytest.importorskip("triton")
     from autodeploy_mla.custom_ops import Target, get_backend
     from autodeploy_mla.custom_ops.attention.registry import SessionSpec
-    from autodeploy_mla.custom_ops.triton_mla.op import TritonPolicy
+    from autodeploy_mla.custom_ops.triton_mla import TritonPolicy
 
     dims = MLADims(16, 128, 64, 128, 512)
     spec = SessionSpec((dims,), torch.bfloat16, torch.device("cpu"), Target.detect("cpu", 64), 8, 256, 64,

@@ -15,13 +15,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from autodeploy_mla.custom_ops.triton_mla import session as tsession  # noqa: E402
 from autodeploy_mla.custom_ops import get_backend
 from autodeploy_mla.custom_ops.attention.registry import Target, all_backends, make_session_spec
 from autodeploy_mla.custom_ops.attention.mla_dims import MLADims
 from autodeploy_mla.custom_ops.attention.step_context import using_sessions
 from autodeploy_mla.custom_ops.triton_mla import op as top
 from autodeploy_mla.custom_ops.triton_mla.launch import BoundKernel
-from autodeploy_mla.custom_ops.triton_mla.op import TritonPolicy
+from autodeploy_mla.custom_ops.triton_mla import TritonPolicy
 from autodeploy_mla.runtime.model_runner import step_descriptor
 from autodeploy_mla.runtime.page_allocator import PageAllocator
 from autodeploy_mla.runtime.sequence_info import SequenceInfo, StepSequence
@@ -47,13 +48,13 @@ PAD = {0: 8, 1: 16, 2: 8, 3: 8, 4: 16, 5: 32}  # every step padded to a bucket: 
 ], ids=["auto", "split3", "heads_on_m"])
 def test_static_bounds_steps_match_reference(dims, policy, monkeypatch):
     launched = []
-    orig = top._launch_absorbed
+    orig = top.launch_absorbed
 
     def spy(*a, **k):
         launched.append(k.get("work_list", 0))
         return orig(*a, **k)
 
-    monkeypatch.setattr(top, "_launch_absorbed", spy)
+    monkeypatch.setattr(top, "launch_absorbed", spy)
     res = run_scenario("triton", dims, SCHEDULE, pad_to=PAD, graph_buckets={8, 16, 32}, mixed_graph_max_tokens=32,
                        policy=policy, max_batch_size=6)
     assert res.max_rel_error() < 1e-5
@@ -214,7 +215,7 @@ def test_model_steps_on_static_bounds_generate_hf_greedy_tokens(monkeypatch):
         assert g == hf_greedy_generate(om.eager_model, p, 5)
     assert steps  # the static path ran (prefill steps padded to buckets <= 16)
     sess = om.runner.sessions["triton"]
-    monkeypatch.setattr(top, "STATIC_MAX_EXTRA_FLOPS", -1.0)
+    monkeypatch.setattr(tsession, "STATIC_MAX_EXTRA_FLOPS", -1.0)
     n = len(steps)
     assert om.generate(prompts[:1], max_new_tokens=2) == [hf_greedy_generate(om.eager_model, prompts[0], 2)]
     assert len(steps) == n and sess.stats()["static_bounds_declined"] >= 1
