@@ -151,7 +151,7 @@ def test_split_graph_reports_mixed_graph_safety():
     assert tri.mixed_graph_safe and "mixed_graph_safe" in tri.mixed_graph_reason
     ref = split_graph(graph_with(get_backend("torch").cached_op.default))
     assert not ref.mixed_graph_safe and "'torch'" in ref.mixed_graph_reason
-    sparse = get_backend("triton").dynamic_ops[0]  # sparse attention sizes launches from host counts
+    sparse = get_backend("triton").sparse_ops.attention  # sparse attention sizes launches from host counts
     sp = split_graph(graph_with(getattr(sparse, "default", sparse)))
     assert not sp.mixed_graph_safe and "triton" in sp.mixed_graph_reason
 

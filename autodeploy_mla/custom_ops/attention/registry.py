@@ -212,6 +212,17 @@ class BackendSession:
 
 
 @dataclass(frozen=True)
+class SparseOps:
+    """The cached ops a backend serves sparse MLA (DSA) layers with: the indexer (selection over the
+    layer's index-key cache) and the attention restricted to the selected positions. Both take the
+    shared sparse signature (attention/sparse_mla.py), so a step can be handed from one backend's
+    sparse op to another's unchanged."""
+
+    indexer: Any
+    attention: Any
+
+
+@dataclass(frozen=True)
 class BackendDecision:
     """Which backend serves one MLA node, why, and why each preferred one was rejected."""
 
@@ -246,9 +257,17 @@ class MLABackend:
     is_dynamic: ClassVar[bool] = True  # piecewise split point
     #: serves sparse MLA (DSA) layers only: dense resolution never picks it
     sparse_only: ClassVar[bool] = False
+    #: the sparse (DSA) ops this backend owns (None: it serves no sparse layer with ops of its own);
+    #: split points like `cached_op`
+    sparse_ops: ClassVar[Optional[SparseOps]] = None
+    #: a backend whose sparse *indexer* op this one runs for its selection (its attention op is
+    #: `cached_op`); resolved through the registry (`sparse_ops_of`), so no backend imports another
+    sparse_indexer_from: ClassVar[Optional[str]] = None
+    #: the backend that serves this dense backend's sparse layers when it is requested for every layer
+    sparse_sibling: ClassVar[Optional[str]] = None
     decode_graph_safe: ClassVar[bool] = False  # may run inside a whole-graph decode CUDA graph
     #: `cached_op` may run inside a whole-graph CUDA graph of any step (StepDescriptor.static_bounds);
-    #: covers the dense cached op only, never `dynamic_ops`
+    #: covers the dense cached op only, never the sparse ops
     mixed_graph_safe: ClassVar[bool] = False
     #: the cached op's implementation with the op's signature, for runtimes that call an eager op
     #: without the dispatcher (the lean path; None: always through the dispatcher)
@@ -256,6 +275,13 @@ class MLABackend:
 
     def check(self, dims: MLADims, dtype: torch.dtype, target: Target) -> CheckResult:
         raise NotImplementedError
+
+    def split_ops(self) -> tuple[Any, ...]:
+        """Every op of this backend the piecewise split cuts the graph at: its cached op (when
+        `is_dynamic`) and its own sparse ops."""
+        own = (self.cached_op,) if self.is_dynamic else ()
+        sparse = (self.sparse_ops.attention, self.sparse_ops.indexer) if self.sparse_ops is not None else ()
+        return own + sparse
 
     def check_cache(self, dims: MLADims, dtype: torch.dtype, cache_dtype: torch.dtype, target: Target) -> CheckResult:
         """Whether this backend reads and writes a paged cache of `cache_dtype` for the node (checked
@@ -323,6 +349,23 @@ def cached_ops() -> set[Any]:
             ops.add(b.cached_op)
             ops.add(getattr(b.cached_op, "default", b.cached_op))
     return ops
+
+
+def sparse_ops_of(name: str) -> SparseOps:
+    """The (indexer, attention) cached ops that serve a sparse layer resolved to backend `name`: its own
+    sparse ops, or its cached op with the indexer of the backend it declares (`sparse_indexer_from`)."""
+    be = get_backend(name)
+    if be.sparse_ops is not None:
+        return be.sparse_ops
+    if be.sparse_only and be.sparse_indexer_from is not None:
+        return SparseOps(indexer=sparse_ops_of(be.sparse_indexer_from).indexer, attention=be.cached_op)
+    serving = sorted(n for n, b in _REGISTRY.items() if b.sparse_ops is not None or b.sparse_only)
+    raise KeyError(f"MLA backend {name!r} serves no sparse (DSA) layer; those that do: {', '.join(serving)}")
+
+
+def sparse_backends() -> tuple[str, ...]:
+    """Backends with sparse attention ops of their own (a sparse step can be handed to any of them)."""
+    return tuple(n for n, b in _REGISTRY.items() if b.sparse_ops is not None)
 
 
 def direct_calls() -> dict[Any, Any]:

@@ -401,6 +401,8 @@ class FlashInferMLABackend(MLABackend):
     is_dynamic = True
     #: Decode-only steps marked for CUDA graphs plan fixed-buffer wrappers (see module doc).
     decode_graph_safe = True
+    #: sparse (DSA) layers of a model requested on this backend run on FlashInfer's sparse backend
+    sparse_sibling = "flashinfer_mla_sparse"
 
     def check(self, dims: MLADims, dtype: torch.dtype, target: Target) -> CheckResult:
         res = check_against_facts(self.name, fa_kernel_for(target.device), dims, dtype, target)

@@ -9,7 +9,8 @@ import torch
 
 from ..attention.cache_format import cache_dtype_name, is_fp8
 from ..attention.mla_dims import MLADims
-from ..attention.registry import CheckResult, MLABackend, SessionSpec, Target, parse_version, register_backend
+from ..attention.registry import (CheckResult, MLABackend, SessionSpec, SparseOps, Target, parse_version,
+                                  register_backend)
 from ..triton_helpers import interpreting
 from . import gluon_decode as GD
 from .launchers import HAS_TRITON, TRITON_IMPORT_ERROR
@@ -35,7 +36,7 @@ class TritonMLABackend(MLABackend):
     #: static-bounds steps run `_attend_static` (one work-list launch over the sequence capacity)
     mixed_graph_safe = True
     #: sparse MLA (DSA) ops: split points too; graph safe like the dense op (static sizes under capture)
-    dynamic_ops = (triton_mla_sparse_with_cache, SPARSE_INDEXER_WITH_CACHE)
+    sparse_ops = SparseOps(indexer=SPARSE_INDEXER_WITH_CACHE, attention=triton_mla_sparse_with_cache)
 
     def check(self, dims: MLADims, dtype: torch.dtype, target: Target) -> CheckResult:
         device = target.device
