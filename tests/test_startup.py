@@ -324,8 +324,8 @@ def test_warmup_captures_pieces_of_mixed_buckets_only_where_a_step_can_run_them(
     mr = om.runner
     seen = []
     monkeypatch.setattr(ModelRunner, "capture_buckets", property(lambda self: (1, 2, 4, 8)))
-    monkeypatch.setattr(ModelRunner, "_warm_step", lambda self, kind, n: seen.append(
-        ("piecewise" if self.piecewise.mixed_graph_max_tokens == 0 else kind, n)))
+    monkeypatch.setattr(ModelRunner, "_warm_step", lambda self, kind, n, mixed_graph=True: seen.append(
+        ("piecewise" if not mixed_graph else kind, n)))
     monkeypatch.setattr(mr.piecewise, "mixed_graph_max_tokens", 4)
 
     class Declines(BackendSession):  # declines steps of 4+ tokens (long-prefix chunks)
@@ -340,6 +340,7 @@ def test_warmup_captures_pieces_of_mixed_buckets_only_where_a_step_can_run_them(
     assert [k for k in rep["not_needed"]] == ["piecewise:2", "piecewise:1"]
     assert {("decode", 4), ("decode", 2), ("decode", 1), ("prefill", 8), ("prefill", 1)} <= set(seen)
     assert set(rep["step_seconds"]) == {f"{k}:{n}" for k, n in seen}
+    assert mr.piecewise.mixed_graph_max_tokens == 4  # the warm-up describes steps; it never flips the config
 
 
 # ----------------------------------------------------------------------------- the report

@@ -259,3 +259,31 @@ def test_gpu_static_bounds_with_an_fp8_cache_on_real_dims(dims_name):
     assert static.max_rel_error() < 2 * eager.max_rel_error() + 2e-3, (static.max_rel_error(), eager.max_rel_error())
     for rows in static.extra["padded_rows"]:
         assert torch.equal(rows, torch.zeros_like(rows))
+
+
+def test_step_mode_is_decided_once_by_the_descriptor():
+    """The model runner's descriptor carries the mode and the bucket the piecewise runner runs (issue 43):
+    decode graph, mixed graph, pieces or eager, from the same facts the old runner re-checked per step."""
+    from autodeploy_mla.custom_ops.attention.registry import StepDescriptor
+    from autodeploy_mla.runtime.model_runner import without_static_bounds
+
+    info = SequenceInfo(8, 16, 64, 4, "cpu")
+    alloc = PageAllocator(64, 4, 16)
+
+    def describe(spec, buckets=(4, 8, 16), mixed_max=8, decode_graph=True):
+        alloc.ensure_many({i: c + n for i, (c, n) in enumerate(spec)})
+        info.prepare_step([StepSequence(i, [0] * n, c) for i, (c, n) in enumerate(spec)], alloc.pages_of,
+                          pad_to=next((b for b in buckets if b >= sum(n for _, n in spec)), None))
+        return step_descriptor(info, buckets, mixed_max, decode_graph=decode_graph)
+
+    dec = describe([(3, 1)] * 4)
+    assert (dec.mode, dec.bucket, dec.cuda_graph, dec.static_bounds) == ("decode_graph", 4, True, False)
+    assert describe([(3, 1)] * 4, decode_graph=False).mode == "piecewise"
+    mixed = describe([(0, 5)])
+    assert (mixed.mode, mixed.bucket, mixed.static_bounds) == ("mixed_graph", 8, True)
+    assert (without_static_bounds(mixed).mode, without_static_bounds(mixed).bucket) == ("piecewise", 8)
+    assert describe([(0, 12)]).mode == "piecewise"  # over mixed_graph_max_tokens
+    eager = describe([(0, 5)], buckets=())
+    assert (eager.mode, eager.bucket) == ("eager", None)
+    with pytest.raises(ValueError, match="a bucket is given exactly when"):
+        StepDescriptor(4, 4, 4, True, mode="piecewise")

@@ -153,6 +153,14 @@ class SessionSpec:
         return self.index_topk or (0,) * len(self.dims)
 
 
+#: How a step runs, decided once by the model runner (`StepDescriptor.mode`):
+#: "eager" (every piece eagerly: no CUDA graphs, or a token count that is no bucket), "piecewise"
+#: (static pieces replayed from their bucket's CUDA graphs, attention eagerly between them),
+#: "decode_graph" (one whole-graph decode CUDA graph of the bucket), "mixed_graph" (the bucket's
+#: whole-graph mixed CUDA graph, on static bounds).
+STEP_MODES: tuple[str, ...] = ("eager", "piecewise", "decode_graph", "mixed_graph")
+
+
 @dataclass(frozen=True)
 class StepDescriptor:
     """What the model runner decided about one step before running it (vLLM's batch descriptor).
@@ -162,7 +170,10 @@ class StepDescriptor:
     `static_bounds`: that graph is the mixed-step graph of its token count, captured on one batch
     and replayed for any other batch of as many tokens (prefill, decode, or both): every launch must
     be sized from static bounds (token count, buffer capacities), never from the step's host counts.
-    Only runs graphs whose dynamic ops are all `mixed_graph_safe`."""
+    Only runs graphs whose dynamic ops are all `mixed_graph_safe`.
+    `mode` and `bucket`: how the piecewise runner runs it (STEP_MODES) and the token bucket whose
+    graphs it replays (None when eager). Decided here, once: the runner and its static pieces read
+    them and never decide again (a capture that fails still runs the step piecewise)."""
 
     num_tokens: int  # real tokens
     num_padded_tokens: int  # tokens the graph runs
@@ -170,6 +181,15 @@ class StepDescriptor:
     decode_only: bool
     cuda_graph: bool = False
     static_bounds: bool = False
+    mode: str = "eager"
+    bucket: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in STEP_MODES:
+            raise ValueError(f"StepDescriptor.mode={self.mode!r}; valid: {', '.join(STEP_MODES)}")
+        if (self.bucket is None) != (self.mode == "eager"):
+            raise ValueError(f"StepDescriptor: mode {self.mode!r} with bucket {self.bucket}: a bucket is given "
+                             "exactly when the step replays graphs (every mode but 'eager')")
 
 
 class StepMetadata(Protocol):
