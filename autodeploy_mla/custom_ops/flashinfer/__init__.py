@@ -5,3 +5,5 @@ prefill kernel other backends may use for their expanded prefill.
 
 Nothing here imports FlashInfer at module load: the project (and its CPU tests) run without it.
 """
+
+from . import fa3_prefill  # noqa: F401,E402  (registers the FA3 prefill kernel)

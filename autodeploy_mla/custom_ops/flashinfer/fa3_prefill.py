@@ -28,6 +28,7 @@ import torch
 
 from .jit import FA3_HEAD_DIMS, JitBuild, fa3_prefill_module
 from ..attention.mla_dims import MLADims
+from ..attention.prefill_kernels import register_prefill_kernel
 
 #: FlashInfer's float workspace for the prefill plan (split-KV partials of long sequences)
 FA3_WORKSPACE_BYTES = 128 << 20
@@ -105,3 +106,22 @@ class Fa3Prefill:
     def stats(self) -> dict[str, Any]:
         return {"fa3_prefill_plans": self.plans, "fa3_prefill_calls": self.calls,
                 "fa3_prefill_builds": [b.to_dict() for b in self.builds]}
+
+
+#: the name the Triton session asks the prefill-kernel registry for
+FA3_PREFILL = "flashinfer_fa3"
+
+
+class Fa3PrefillKernel:
+    """The registered descriptor of FlashInfer's FA3 ragged prefill (stateless; `make` gives a model its own)."""
+
+    name = FA3_PREFILL
+
+    def unavailable(self, dims: MLADims, dtype: torch.dtype, device: torch.device) -> str:
+        return fa3_unavailable(dims, dtype, device)
+
+    def make(self, device: torch.device, head_dims: frozenset[tuple[int, int]]) -> Fa3Prefill:
+        return Fa3Prefill(device, head_dims)
+
+
+register_prefill_kernel(Fa3PrefillKernel())

@@ -9,7 +9,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..flashinfer.fa3_prefill import Fa3Prefill
+from ..attention.prefill_kernels import PrefillAttention
 from .launch import BoundKernel, LaunchCache
 from .policy import TritonPolicy
 
@@ -31,7 +31,7 @@ class OpCall:
     #: entries the two per-model tables above may hold before they are cleared
     memo_limit: int = 64
     #: the session's FlashInfer FA3 prefill (None: the expanded prefill's attention is our kernel)
-    fa3: Optional[Fa3Prefill] = field(default=None)
+    fa3: Optional[PrefillAttention] = field(default=None)
 
     def empty(self, *shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         if self.policy.poison_buffers:

@@ -13,7 +13,7 @@ import torch
 
 from ..attention.cache_format import FP8_DTYPE, FP8_MAX, UNIT_SCALES, CacheScales, is_fp8
 from ..attention.mla_dims import MLADims, MLAShapeError
-from ..flashinfer.fa3_prefill import Fa3Prefill
+from ..attention.prefill_kernels import PrefillAttention
 from ..triton_helpers import dot_precision, interpreting, pow2
 from . import gluon_decode as GD
 from . import tuning
@@ -463,7 +463,7 @@ def fa3_for_step(call: OpCall, step: StepShape, dev: torch.device) -> bool:
 
 def prefill_expanded(call: OpCall, q_nope, q_pe, mla_cache, kv_b_proj_weight, page_table, cu_seqlen, input_pos,
                       seq_len, out, *, n_pre, max_q, max_kv, total_kv, dims, qk_scale, scales: CacheScales = UNIT_SCALES,
-                      fa3: Optional[Fa3Prefill] = None, step: Optional[StepShape] = None):
+                      fa3: Optional[PrefillAttention] = None, step: Optional[StepShape] = None):
     n, dv, r, dr = dims.num_heads, dims.v_head_dim, dims.kv_lora_rank, dims.qk_rope_head_dim
     dev = q_nope.device
     scaled = cache_scaled(mla_cache, scales)
@@ -490,7 +490,7 @@ def prefill_expanded(call: OpCall, q_nope, q_pe, mla_cache, kv_b_proj_weight, pa
 PACK_BLOCK_T = 32
 
 
-def _attend_fa3(call: OpCall, fa3: Fa3Prefill, step: StepShape, q_nope, q_pe, kv, lat, out, dims: MLADims,
+def _attend_fa3(call: OpCall, fa3: PrefillAttention, step: StepShape, q_nope, q_pe, kv, lat, out, dims: MLADims,
                 qk_scale: float) -> None:
     """The expanded prefill's attention by FlashInfer's FA3: K per head [k_nope | k_pe] and q [q_nope |
     q_pe] written by one kernel each (pack_heads_kernel; was four torch copies, ~35 µs at N 16 x 2048

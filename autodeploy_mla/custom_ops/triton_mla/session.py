@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from ..attention.registry import BackendSession, SessionSpec, StepDescriptor, StepMetadata
-from ..flashinfer.fa3_prefill import Fa3Prefill, fa3_unavailable
+from ..attention.prefill_kernels import PrefillAttention, prefill_kernel
 from . import tuning
 from .call import OpCall
 from .launch import LaunchCache
@@ -82,19 +82,29 @@ class TritonMLASession(BackendSession):
                 "static_bounds_declined": self.static_declined, **self.launches.stats(), **fa3}
 
 
-def make_fa3(spec: SessionSpec, policy: TritonPolicy) -> tuple[Optional[Fa3Prefill], str]:
-    """The session's FA3 prefill (policy "auto"/"flashinfer", every layer's dims served), or why none."""
+#: the prefill-kernel registry's name of FlashInfer's FA3 ragged prefill (flashinfer/fa3_prefill.py)
+FA3_PREFILL = "flashinfer_fa3"
+
+
+def make_fa3(spec: SessionSpec, policy: TritonPolicy) -> tuple[Optional[PrefillAttention], str]:
+    """The session's FA3 prefill (policy "auto"/"flashinfer", every layer's dims served), or why none.
+    Found by name in the prefill-kernel registry: this backend does not import FlashInfer's."""
     if policy.prefill_attention == "triton":
         return None, "off (prefill_attention='triton')"
     if policy.prefill_attention == "auto" and spec.max_num_tokens < tuning.FA3_PREFILL_MIN_TOKENS:
         # steps never hold that many tokens: no workspace for a path "auto" cannot take
         return None, (f"max_num_tokens {spec.max_num_tokens} < FA3_PREFILL_MIN_TOKENS "
                       f"{tuning.FA3_PREFILL_MIN_TOKENS}: no step is long enough for FA3")
-    why = next((w for w in (fa3_unavailable(d, spec.dtype, spec.device) for d in sorted(set(spec.dims), key=str))
-                if w), "")
+    kernel = prefill_kernel(FA3_PREFILL)
+    if kernel is None:
+        why = f"no prefill kernel {FA3_PREFILL!r} is registered (custom_ops.flashinfer was not imported)"
+    else:
+        why = next((w for w in (kernel.unavailable(d, spec.dtype, spec.device)
+                                for d in sorted(set(spec.dims), key=str)) if w), "")
     if why:
         if policy.prefill_attention == "flashinfer":
             raise ValueError(f"TritonPolicy.prefill_attention='flashinfer': {why}. Use 'auto' or 'triton'.")
         return None, why
-    return Fa3Prefill(spec.device, frozenset((d.qk_nope_head_dim + d.qk_rope_head_dim, d.v_head_dim)
-                                             for d in spec.dims)), ""
+    assert kernel is not None
+    return kernel.make(spec.device, frozenset((d.qk_nope_head_dim + d.qk_rope_head_dim, d.v_head_dim)
+                                              for d in spec.dims)), ""
