@@ -573,6 +573,18 @@ class ModelRunner:
                 self.allocator.free(i)
 
     # ------------------------------------------------------------------ report
+    def attention_paths(self) -> list[dict[str, Any]]:
+        """Per MLA node (layer): its backend's decode path and prefill path, with reasons, as the
+        backend's session for this model routes them (attention/router.py)."""
+        out, seen = [], set()
+        for c in self.compiled.signature.caches:  # a sparse layer's latent cache comes before its index keys
+            sess = self.sessions.get(c.backend)
+            if sess is None or c.layer in seen:
+                continue
+            seen.add(c.layer)
+            out.append({"layer": c.layer, "backend": c.backend, **sess.paths(c.dims).to_dict()})
+        return out
+
     def report(self) -> dict[str, Any]:
         caches = self.caches
         return {
@@ -588,6 +600,7 @@ class ModelRunner:
             },
             "graph_inputs": self.input_names,
             "sessions": {name: s.stats() for name, s in self.sessions.items()},
+            "attention_paths": self.attention_paths(),
             "tp_all_reduce": self.tp_all_reduce,
             "pieces": self.piecewise.report if self.piecewise is not None else None,
             "piecewise_runner": self.piecewise.summary() if self.piecewise is not None else None,

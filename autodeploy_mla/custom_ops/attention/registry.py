@@ -31,6 +31,8 @@ from .torch_mla import source_arg
 if TYPE_CHECKING:
     import torch.fx
 
+    from .router import NodePaths
+
 #: Page 0 of every paged cache is a scratch page: the allocator never hands it out, padded tokens
 #: write there and padded page-table entries point there. Ops and the runtime share this contract.
 SCRATCH_PAGE = 0
@@ -227,8 +229,16 @@ class BackendSession:
         return False
 
     def stats(self) -> dict[str, Any]:
-        """Counters for reports and tests (plans, fallback steps, ...)."""
+        """Counters for reports and tests (plans, fallback steps, routes, ...)."""
         return {}
+
+    def paths(self, dims: MLADims) -> "NodePaths":
+        """The node's decode path and prefill path under this session (the build report shows them):
+        by default both on this backend's own op."""
+        from .router import NodePaths, Path  # router imports this module's neighbours only
+
+        own = Path(self.backend or "own", "every step on this backend's cached op")
+        return NodePaths(own, own)
 
 
 @dataclass(frozen=True)
@@ -321,10 +331,25 @@ class MLABackend:
         scale = source_arg(node, "scale")
         return (None if scale is None else float(scale),)
 
+    #: the policy dataclass `setup` takes (None: the backend has no knobs): the config's `attention:`
+    #: section of this backend is turned into one (`policy_from_config`)
+    policy_type: ClassVar[Optional[type]] = None
+
+    def policy_from_config(self, fields: Mapping[str, Any]) -> Any:
+        """This backend's policy from its `attention:` config section (None when it has no knobs).
+        Sequences become tuples (the policies are frozen values)."""
+        if self.policy_type is None:
+            if fields:
+                raise ValueError(f"attention.{self.name}: this backend has no policy knobs (got {sorted(fields)})")
+            return None
+        return self.policy_type(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
+
     def setup(self, spec: SessionSpec, policy: Any = None) -> BackendSession:
         """This backend's session for one model: validates every node it will serve first."""
         self.check_all(spec)
-        return BackendSession(spec)
+        sess = BackendSession(spec)
+        sess.backend = self.name
+        return sess
 
     def check_all(self, spec: SessionSpec) -> None:
         """Raise ValueError naming the first node of `spec` this backend cannot serve."""
@@ -394,6 +419,22 @@ def direct_calls() -> dict[Any, Any]:
     for b in _REGISTRY.values():
         if b.direct_call is not None:
             out[getattr(b.cached_op, "default", b.cached_op)] = b.direct_call
+    return out
+
+
+def policies_for(config_sections: Mapping[str, Mapping[str, Any]],
+                 overrides: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:
+    """backend -> policy for one model: each backend's policy from the keys its `attention:` config
+    section sets (`MLABackend.policy_from_config`), then `overrides` (backend -> policy object, the
+    Python `backend_policies=`) replacing whole policies. Backends with neither are left out (their
+    `setup` takes its defaults)."""
+    out: dict[str, Any] = {}
+    for name, fields in config_sections.items():
+        try:
+            out[name] = get_backend(name).policy_from_config(fields)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"attention.{name}: {exc}") from None
+    out.update(overrides or {})
     return out
 
 

@@ -322,6 +322,7 @@ flashinfer_mla_sparse_with_cache, _direct = define_cached_op_and_kernel(OP, SPAR
 @register_backend
 class FlashInferSparseMLABackend(MLABackend):
     name = BACKEND
+    policy_type = SparsePolicy
     cached_op = flashinfer_mla_sparse_with_cache
     direct_call = staticmethod(_direct)
     metadata = INDEXER_METADATA

@@ -203,6 +203,7 @@ flashinfer_trtllm_mla_with_cache, _direct = define_cached_op_and_kernel(OP, META
 @register_backend
 class FlashInferTrtllmMLABackend(MLABackend):
     name = "flashinfer_trtllm_mla"
+    policy_type = TrtllmPolicy
     cached_op = flashinfer_trtllm_mla_with_cache
     direct_call = staticmethod(_direct)
     metadata = METADATA

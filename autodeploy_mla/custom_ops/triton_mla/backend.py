@@ -25,6 +25,7 @@ from .tuning import MAX_EXPAND_HEAD_DIM, MAX_KV_LORA_RANK, MAX_ROPE_DIM, expansi
 @register_backend
 class TritonMLABackend(MLABackend):
     name = "triton"
+    policy_type = TritonPolicy
     cached_op = triton_mla_with_cache
     direct_call = staticmethod(triton_mla_with_cache_direct)
     metadata = METADATA

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from ..attention.router import DEFAULT_TRACE_STEPS
+
 PREFILL_MODES = ("auto", "expand", "absorb")
 DECODE_LAYOUTS = ("auto", "heads_on_m", "heads_on_n")
 DECODE_KERNELS = ("auto", "triton", "gluon")
@@ -43,6 +45,8 @@ class TritonPolicy:
     decode_layout: Literal["auto", "heads_on_m", "heads_on_n"] = "auto"
     prefill_attention: Literal["auto", "triton", "flashinfer"] = "auto"
     decode_kernel: Literal["auto", "triton", "gluon"] = "auto"
+    #: steps the session's route trace keeps (`stats()["routes"]`; counters keep every step)
+    trace_steps: int = DEFAULT_TRACE_STEPS
 
     def __post_init__(self) -> None:
         if self.decode_kernel not in DECODE_KERNELS:

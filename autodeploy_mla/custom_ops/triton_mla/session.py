@@ -6,14 +6,17 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from ..attention.mla_dims import MLADims
 from ..attention.registry import BackendSession, SessionSpec, StepDescriptor, StepMetadata
+from ..attention.router import NodePaths, Path, Route, RouteLog, triton_prefill_route
 from ..attention.prefill_kernels import PrefillAttention, prefill_kernel
 from . import tuning
 from .call import OpCall
 from .launch import LaunchCache
 from .policy import DEFAULT_POLICY, TritonPolicy
 from .step_shape import StepShape
-from .tuning import STATIC_MAX_EXTRA_FLOPS, max_static_bounds_extra_flops, static_bounds_extra_flops
+from .tuning import (ABSORB_SLOWDOWN, MAX_EXPAND_HEAD_DIM, STATIC_MAX_EXTRA_FLOPS, choose_prefill_path,
+                     expansion_supported, max_static_bounds_extra_flops, static_bounds_extra_flops)
 
 
 class TritonMLASession(BackendSession):
@@ -41,6 +44,9 @@ class TritonMLASession(BackendSession):
         self.fa3, self.fa3_reason = make_fa3(spec, policy)
         self.call = OpCall(policy, self.warmed, self.launches, self.plans, descriptors={}, views={},
                           memo_limit=2 * len(spec.dims) + 8, fa3=self.fa3)
+        #: the attention router's record of this model's steps on Triton (counters per route, bounded trace)
+        self.routes = RouteLog(policy.trace_steps)
+        self._node_dims = tuple(sorted(set(spec.dims), key=str))
 
     def prepare(self, meta: StepMetadata, step: StepDescriptor) -> None:
         """Read the step's host metadata once for all layers (ops check the batch counts still match)."""
@@ -48,6 +54,44 @@ class TritonMLASession(BackendSession):
                                         meta.get("cu_seqlen_host"), meta.get("input_pos_host"),
                                         static=step.static_bounds)
         self.plans.clear()
+        self._record_routes(self.step)
+
+    def _record_routes(self, shape: StepShape) -> None:
+        """Record the step's route per node kind, as the op will take it (the same rules: the op still
+        decides per call, from the same shape)."""
+        if shape.num_tok == 0:
+            return
+        self.routes.next_step()
+        if shape.n_pre == 0:
+            self.routes.record("all", Route("decode", self.backend, "absorbed", f"{shape.n_dec} decode sequence(s)"))
+            return
+        if shape.static:
+            self.routes.record("all", Route("prefill", self.backend, "absorb", "static bounds (mixed graph)"))
+            return
+        mode = self.policy.prefill_mode
+        fa3 = self.fa3 is not None and bool(shape.qo_indptr) and (
+            self.policy.prefill_attention == "flashinfer"
+            or (shape.max_q >= tuning.FA3_PREFILL_MIN_TOKENS and self.fa3.ready))
+        for d in self._node_dims:
+            path = choose_prefill_path(d, shape.n_pre_tok, shape.prefix, shape.pairs) if mode == "auto" else mode
+            self.routes.record(d.short(), triton_prefill_route(self.backend, path, fa3,
+                                                               f"{mode}: {shape.n_pre_tok} new on {shape.prefix} cached"))
+
+    def paths(self, dims: MLADims) -> NodePaths:
+        """Decode: the absorbed kernels (Gluon where gluon_decode serves the dims, else tl); prefill: the
+        cost rule's expand or absorb per step, the expanded attention on FA3 where it runs."""
+        p = self.policy
+        dec = Path(self.backend, f"absorbed decode (decode_kernel={p.decode_kernel}, decode_layout={p.decode_layout})")
+        if p.prefill_mode != "auto":
+            pre = f"prefill_mode={p.prefill_mode} on every step with prefill tokens"
+        elif not expansion_supported(dims):
+            pre = f"absorbed (Dn/Dv over {MAX_EXPAND_HEAD_DIM}: no expansion)"
+        else:
+            pre = ("per step by the cost rule: expand iff its FLOPs < "
+                   f"{ABSORB_SLOWDOWN:g} x the absorbed FLOPs (tuning.choose_prefill_path)")
+        fa3 = (f"; expanded attention on FlashInfer FA3 from {tuning.FA3_PREFILL_MIN_TOKENS} new tokens"
+               if self.fa3 is not None else f"; expanded attention on the Triton kernel (FA3: {self.fa3_reason})")
+        return NodePaths(dec, Path(self.backend, pre + fa3))
 
     def static_bounds_ok(self, meta: StepMetadata) -> bool:
         """Static bounds absorb the prefill part (no expansion in a graph): decline steps where that
@@ -79,7 +123,8 @@ class TritonMLASession(BackendSession):
     def stats(self) -> dict[str, Any]:
         fa3 = self.fa3.stats() if self.fa3 is not None else {"fa3_prefill": self.fa3_reason}
         return {"warmed_variants": len(self.warmed), "step_plans": len(self.plans),
-                "static_bounds_declined": self.static_declined, **self.launches.stats(), **fa3}
+                "static_bounds_declined": self.static_declined, "routes": self.routes.to_dict(),
+                **self.launches.stats(), **fa3}
 
 
 #: the prefill-kernel registry's name of FlashInfer's FA3 ragged prefill (flashinfer/fa3_prefill.py)
