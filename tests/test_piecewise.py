@@ -518,3 +518,28 @@ def test_gpu_queued_prefill_steps_never_wait_for_the_device(backend, tokens):
     if handed and tokens >= tuning.FA3_PREFILL_MIN_TOKENS and \
             not fa3_unavailable(dims, torch.bfloat16, torch.device("cuda")):
         assert _fa3_calls(r) > 0, "the long steps should have taken FA3 (and been checked for syncs)"
+
+
+def test_bucket_steps_run_each_static_piece_with_the_descriptors_bucket(om4):
+    """The runner runs the mode the model runner's descriptor names; its static pieces get the step's
+    bucket from that bucket's graph module (no reference back to the runner). On CPU: graphs forced
+    on, every capture declined (the piece then runs eagerly), so the per-bucket plumbing runs."""
+    pw0 = om4.runner.piecewise
+    runner = PiecewiseRunner(pw0.split, om4.device, om4.seq_info.max_num_tokens, cuda_graphs=False,
+                             buckets=(8, 16))
+    runner.use_graphs, runner._bucket_set = True, frozenset(runner.buckets)
+    asked = []
+
+    def no_capture(piece, bucket, args):
+        asked.append((piece.index, bucket))
+        return None
+
+    for sp in runner.static_pieces:
+        sp.capture = no_capture
+    flat = run_steps(om4, None)
+    got = run_steps(om4, runner)
+    for a, b in zip(flat, got):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert runner.stats["piecewise"] == len(SCHEDULE) and not runner.stats["eager"]
+    assert {b for _, b in asked} <= {8, 16} and {i for i, _ in asked} == {sp.index for sp in runner.static_pieces}
+    assert set(runner._bucket_modules) == {b for _, b in asked}
