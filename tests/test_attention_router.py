@@ -146,3 +146,15 @@ def test_config_sections_mirror_the_policies():
         built = policy_type(**{k: tuple(v) if isinstance(v, list) else v
                                for k, v in section.annotation().model_dump().items()})
         assert built == default, name
+
+
+def test_trtllm_paths_hand_prefill_off(monkeypatch):
+    install_fake_flashinfer(monkeypatch, "0.7.2", (10, 0))
+    fake = Target.detect("cpu", 64)
+    target = Target(fake.device, {**fake.versions, "triton": "3.6.0"}, 64)
+    d = MLADims(16, 128, 64, 128, 512)
+    sess = get_backend("flashinfer_trtllm_mla").setup(
+        SessionSpec((d,), torch.bfloat16, torch.device("cpu"), target, 8, 256, 64))
+    p = sess.paths(d)
+    assert p.decode.backend == "flashinfer_trtllm_mla" and p.prefill.backend == "triton"
+    assert "handed off" in p.prefill.reason

@@ -23,6 +23,7 @@ from ..custom_ops.attention.mla_dims import MLADims
 from ..custom_ops.attention.registry import BackendDecision, CacheSpec, Target, all_backends, get_backend, sparse_ops_of
 from ..custom_ops.attention.sparse_mla import DSA_INDEXER, INDEXER_METADATA
 from ..runtime.artifacts import CacheInput
+from .backend_resolution import first_accepted
 
 
 #: backends that serve sparse layers, in `auto` order (fastest first on the H200:
@@ -63,16 +64,13 @@ def sparse_decision(layer: str, dims: MLADims, dtype: torch.dtype, requested: st
                              "Choose another backend, use `auto`, or set insert_cached_mla_attention.allow_fallback: true.")
         rejected.append((wanted, res.reason))
     if target.device.type == "cuda":
-        for name in SPARSE_BACKENDS[:-1]:
-            if name == wanted:
-                continue
-            res = get_backend(name).check(dims, dtype, target)
-            if res.ok:
-                how = "fallback" if wanted != "auto" else "auto"
-                return BackendDecision(layer, dims, requested, name,
-                                       f"sparse MLA (DSA): {how}: first accepted in the sparse auto order; {res.reason}",
-                                       tuple(rejected))
-            rejected.append((name, res.reason))
+        name, why = first_accepted(SPARSE_BACKENDS[:-1], wanted, lambda b: get_backend(b).check(dims, dtype, target),
+                                   rejected)
+        if name is not None:
+            how = "fallback" if wanted != "auto" else "auto"
+            return BackendDecision(layer, dims, requested, name,
+                                   f"sparse MLA (DSA): {how}: first accepted in the sparse auto order; {why}",
+                                   tuple(rejected))
     why = "not on CUDA" if target.device.type != "cuda" else "no faster sparse backend accepts the layer"
     return BackendDecision(layer, dims, requested, "torch", f"sparse MLA (DSA): torch reference ({why})",
                            tuple(rejected))

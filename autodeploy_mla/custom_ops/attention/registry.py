@@ -26,12 +26,11 @@ import torch
 
 from .cache_format import UNIT_SCALES, CacheScales, cache_dtype_name
 from .mla_dims import MLADims
+from .router import NodePaths, Path
 from .torch_mla import source_arg
 
 if TYPE_CHECKING:
     import torch.fx
-
-    from .router import NodePaths
 
 #: Page 0 of every paged cache is a scratch page: the allocator never hands it out, padded tokens
 #: write there and padded page-table entries point there. Ops and the runtime share this contract.
@@ -232,11 +231,9 @@ class BackendSession:
         """Counters for reports and tests (plans, fallback steps, routes, ...)."""
         return {}
 
-    def paths(self, dims: MLADims) -> "NodePaths":
+    def paths(self, dims: MLADims) -> NodePaths:
         """The node's decode path and prefill path under this session (the build report shows them):
         by default both on this backend's own op."""
-        from .router import NodePaths, Path  # router imports this module's neighbours only
-
         own = Path(self.backend or "own", "every step on this backend's cached op")
         return NodePaths(own, own)
 

@@ -50,6 +50,7 @@ from .common import (
 )
 from .metadata import StepCounts, fill_trtllm_block_table, trtllm_block_table_width
 from ..attention.mla_dims import MLADims, resolve_scale
+from ..attention.router import NodePaths, Path
 from ..attention.contract import MLAInputs, append_to_paged_cache, check_cached_inputs, define_cached_op_and_kernel
 from ..attention.step_context import require_session
 
@@ -125,6 +126,12 @@ class TrtllmMLASession(FlashInferSession):
         if self.counts != counts:
             raise self.unprepared(counts, self.counts)
         return counts
+
+    def paths(self, dims: MLADims) -> NodePaths:
+        """Decode on TRT-LLM-gen; every step with prefill tokens on the handoff backend (decode only)."""
+        handoff = next((fb.name for k, fb in self.configs.items() if k.num_heads == dims.num_heads), "the handoff")
+        return NodePaths(Path(self.backend, "trtllm_batch_decode_with_kv_cache_mla (decode only)"),
+                         Path(handoff, "TRT-LLM-gen MLA decodes only: every step with prefill tokens is handed off"))
 
     def stats(self) -> dict[str, Any]:
         return {"decode_steps": self.decode_steps, "fallback_steps": self.fallback_steps,
