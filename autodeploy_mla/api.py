@@ -23,9 +23,9 @@ from torch import nn
 
 from .config.loader import ConfigError, ConfigLayer, config_layers, load_config
 from .config.schema import AppConfig, ModelConfig, RuntimeConfig
-from .custom_ops.backend_registry import Target
-from .custom_ops.cache_format import resolve_cache_dtype
-from .custom_ops.flashinfer_jit import JitBuild, dims_from_hf_config, prefetch
+from .custom_ops.attention.registry import Target, policies_for
+from .custom_ops.attention.cache_format import resolve_cache_dtype
+from .custom_ops.flashinfer.jit import JitBuild, dims_from_hf_config, prefetch
 from .distributed.env import require_group, resolve_world
 from .models.factory import build_model, hf_config, resolve_device, resolve_dtype
 from .models.skeleton import build_skeleton
@@ -127,7 +127,7 @@ class OptimizedModel:
         self.eager_model = eager_model
         self.build_times = build_times
         self.last_generation: dict[str, Any] = {}
-        #: FlashInfer modules optimize() started compiling in the background (custom_ops/flashinfer_jit.py)
+        #: FlashInfer modules optimize() started compiling in the background (custom_ops/flashinfer/jit.py)
         self.jit_prefetch: list[JitBuild] = []
 
     # ------------------------------------------------------------------ views
@@ -296,6 +296,7 @@ class OptimizedModel:
                 for r in self.history
             ],
             "layers": [d.to_dict() for d in self.ctx.artifacts.decisions],
+            "attention_paths": run["attention_paths"],
             "cache": run["cache"],
             "runtime": self.config.runtime.model_dump(),
             "graph_inputs": run["graph_inputs"],
@@ -322,9 +323,10 @@ def optimize(
     """Compile `model` (nn.Module, family name, checkpoint dir, or None = the config's model).
 
     `config`: a YAML path, a family name, a dict, a list of them (layered in order over the packaged
-    default), or an AppConfig. `overrides`: `a.b=c` strings applied last. `backend_policies`:
-    backend name -> that backend's policy object for this model (e.g. FlashInferPolicy). The
-    config objects are never mutated.
+    default), or an AppConfig. `overrides`: `a.b=c` strings applied last. The config's `attention:`
+    section sets each backend's policy; `backend_policies` (backend name -> that backend's policy
+    object, e.g. FlashInferPolicy) overrides a backend's whole policy from Python. The config
+    objects are never mutated.
     """
     cfg, pipeline = build_config(model, config, overrides)
     check_runtime_capacity(cfg.runtime, None if isinstance(model, nn.Module) else cfg.model)
@@ -351,7 +353,8 @@ def optimize(
     run_pipeline(ctx, pipeline, on_pass)
     assert ctx.gm is not None
     t0 = time.perf_counter()
-    runner = ModelRunner(ctx.artifacts.compiled(ctx.gm), cfg.runtime, device, dtype, target, backend_policies)
+    policies = policies_for(cfg.attention.set_fields(), backend_policies)
+    runner = ModelRunner(ctx.artifacts.compiled(ctx.gm), cfg.runtime, device, dtype, target, policies)
     times = BuildTimes(caches, load_seconds, load_what, time.perf_counter() - t0)
     om = OptimizedModel(ctx, runner, eager, times)
     om.jit_prefetch = jit
@@ -360,7 +363,7 @@ def optimize(
 
 def _prefetch_kernels(hf: Any, rt: RuntimeConfig, device: torch.device, dtype: torch.dtype) -> list[JitBuild]:
     """Start compiling, in the background, the FlashInfer modules this model's attention may plan
-    (custom_ops/flashinfer_jit.py): they build while the model is made, exported and compiled."""
+    (custom_ops/flashinfer/jit.py): they build while the model is made, exported and compiled."""
     dims = dims_from_hf_config(hf) if hf is not None else None
     if dims is None or device.type != "cuda":
         return []

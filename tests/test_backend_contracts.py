@@ -28,3 +28,20 @@ def test_cached_op_schema(name):
 def test_dynamic_ops_are_split_points(name):
     be = all_backends()[name]
     assert be.is_dynamic and be.cached_op.default in cached_ops()
+    assert be.cached_op in be.split_ops()
+    if be.sparse_ops is not None:  # declared sparse ops are split points too
+        assert {be.sparse_ops.indexer, be.sparse_ops.attention} <= set(be.split_ops())
+
+
+def test_sparse_ops_are_declared_and_resolved_through_the_registry():
+    """Each backend serving sparse layers declares its ops; a backend reusing another's indexer names it
+    (no import between backends), and the one lookup resolves both."""
+    from autodeploy_mla.custom_ops.attention.registry import sparse_backends, sparse_ops_of
+
+    assert sparse_backends() == ("torch", "triton")
+    fi = sparse_ops_of("flashinfer_mla_sparse")
+    assert fi.attention is all_backends()["flashinfer_mla_sparse"].cached_op
+    assert fi.indexer is sparse_ops_of("triton").indexer
+    assert all_backends()["flashinfer_mla"].sparse_sibling == "flashinfer_mla_sparse"
+    with pytest.raises(KeyError, match="serves no sparse"):
+        sparse_ops_of("flashinfer_trtllm_mla")

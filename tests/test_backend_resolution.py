@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from autodeploy_mla.custom_ops import backend_registry as br
-from autodeploy_mla.custom_ops.mla_dims import MLADims
+from autodeploy_mla.custom_ops.attention import registry as br
+from autodeploy_mla.custom_ops.attention.mla_dims import MLADims
 from autodeploy_mla.transforms.backend_resolution import BackendResolutionError, arch_key, resolve_backend
 
 DS = MLADims(128, 128, 64, 128, 512)

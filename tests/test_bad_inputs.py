@@ -238,7 +238,7 @@ def test_caches_that_cannot_be_allocated_are_explained(no_build):
         optimize("default", overrides=[*SMALL, "runtime.num_pages=1000000000000"])
     # where the size is only known at allocation (CUDA, a fraction of free memory), the runner explains it
     from autodeploy_mla.runtime.kv_cache import CacheLayout, MLACacheManager
-    from autodeploy_mla.custom_ops.backend_registry import CacheSpec
+    from autodeploy_mla.custom_ops.attention.registry import CacheSpec
 
     lay = [CacheLayout(f"cache_{i}", f"model.layers.{i}.self_attn", CacheSpec(56, torch.float32)) for i in range(2)]
     with pytest.raises(CapacityError, match=r"paged caches \(2 layers x 1000000000000 pages.*could not be allocated"):

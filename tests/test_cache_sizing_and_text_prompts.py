@@ -8,7 +8,7 @@ import torch
 
 from autodeploy_mla.cli import main
 from autodeploy_mla.config import load_config
-from autodeploy_mla.custom_ops.backend_registry import CacheSpec
+from autodeploy_mla.custom_ops.attention.registry import CacheSpec
 from autodeploy_mla.config import model_config_path
 from autodeploy_mla.models.factory import build_model
 from autodeploy_mla.runtime import CapacityError

@@ -59,7 +59,7 @@ def test_config_errors_list_valid_choices(override, message):
 
 
 def test_explicit_backend_that_cannot_serve_is_an_error(monkeypatch):
-    from autodeploy_mla.custom_ops import backend_registry as br
+    from autodeploy_mla.custom_ops.attention import registry as br
     from autodeploy_mla.custom_ops.torch_backend import TorchMLABackend
 
     monkeypatch.setattr(TorchMLABackend, "check", lambda self, *a: br.CheckResult(False, "mocked: refuses"))

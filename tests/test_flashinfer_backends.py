@@ -19,15 +19,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from autodeploy_mla.custom_ops.triton_mla import step_shape as tshape, session as tsession  # noqa: E402
 from autodeploy_mla.custom_ops import DeviceInfo, MLADims, SessionSpec, Target, get_backend, library_versions
-from autodeploy_mla.custom_ops import capabilities as caps
-from autodeploy_mla.custom_ops import flashinfer_trtllm_mla as ft
-from autodeploy_mla.custom_ops.fallback import resolve_fallback
-from autodeploy_mla.custom_ops.flashinfer_common import FI_METADATA, PlanKey
-from autodeploy_mla.custom_ops.flashinfer_mla import FlashInferPolicy
-from autodeploy_mla.custom_ops.prefill_cost import PathCost, PrefillCostFacts, path_costs
-from autodeploy_mla.custom_ops.step_context import using_sessions
-from autodeploy_mla.custom_ops.flashinfer_metadata import (
+from autodeploy_mla.custom_ops.flashinfer import capabilities as caps
+from autodeploy_mla.custom_ops.flashinfer import trtllm_mla as ft
+from autodeploy_mla.custom_ops.attention.handoff import resolve_fallback
+from autodeploy_mla.custom_ops.flashinfer.common import FI_METADATA, PlanKey
+from autodeploy_mla.custom_ops.flashinfer.mla import FlashInferPolicy
+from autodeploy_mla.custom_ops.attention.prefill_cost import PathCost, PrefillCostFacts, path_costs
+from autodeploy_mla.custom_ops.attention.step_context import using_sessions
+from autodeploy_mla.custom_ops.flashinfer.metadata import (
     StepCounts,
     fa_plan_work_bound,
     fa_plan_work_count,
@@ -258,7 +259,7 @@ def test_import_and_refusal_without_flashinfer():
         "import sys; sys.modules['flashinfer'] = None\n"
         "import torch, autodeploy_mla\n"
         "from autodeploy_mla.custom_ops import get_backend, library_versions, DeviceInfo, MLADims, Target\n"
-        "from autodeploy_mla.custom_ops.flashinfer_mla import import_flashinfer_module, FlashInferUnavailable\n"
+        "from autodeploy_mla.custom_ops.flashinfer.mla import import_flashinfer_module, FlashInferUnavailable\n"
         "d = MLADims(128, 128, 64, 128, 512)\n"
         "r = get_backend('flashinfer_mla').check(d, torch.bfloat16, Target(DeviceInfo('cuda', (9, 0)), {'flashinfer': None}, 64))\n"
         "assert not r.ok and 'not installed' in r.reason, r\n"
@@ -334,9 +335,9 @@ def test_fallback_runs_in_its_own_session(fake_fi):
     """The steps a FlashInfer session hands off run the fallback op inside the fallback backend's own
     per-model session (Triton's plans and FA3 prefill live there), added to the step's sessions; none
     when the configs fall back to different backends."""
-    from autodeploy_mla.custom_ops.cache_format import UNIT_SCALES
-    from autodeploy_mla.custom_ops.fallback import Fallback, call_fallback, fallback_sessions
-    from autodeploy_mla.custom_ops.step_context import active_session, using_sessions
+    from autodeploy_mla.custom_ops.attention.cache_format import UNIT_SCALES
+    from autodeploy_mla.custom_ops.attention.handoff import Fallback, call_fallback, fallback_sessions
+    from autodeploy_mla.custom_ops.attention.step_context import active_session, using_sessions
 
     fake_fi()
     res = fa(DS16, STANDARD_SCHEDULES["prefill_then_decode"], FlashInferPolicy(prefill="fallback",
@@ -369,18 +370,17 @@ def test_fallback_session_is_prepared_once_per_handed_step(fake_fi, monkeypatch,
     layers): the op then takes the session's step and shares its launch plans instead of re-reading
     the host metadata and re-making the plans in every layer. Decode steps FlashInfer runs itself
     leave the fallback session alone."""
-    from autodeploy_mla.custom_ops.triton_mla import op as triton_op
 
     trtllm = backend == "flashinfer_trtllm_mla"
     fake_fi(sm=(10, 0) if trtllm else (9, 0))
     made = []
-    real = triton_op.StepShape.from_host.__func__
+    real = tshape.StepShape.from_host.__func__
 
     def counting(cls, *a, **kw):
         made.append(kw.get("static", False))
         return real(cls, *a, **kw)
 
-    monkeypatch.setattr(triton_op.StepShape, "from_host", classmethod(counting))
+    monkeypatch.setattr(tshape.StepShape, "from_host", classmethod(counting))
     sch = [{0: 9, 1: 5}, {0: 1, 1: 1}]  # a prefill step (handed over), then a decode step (FlashInfer's)
     page = 32 if trtllm else 16
     fake = Target.detect("cpu", page)  # the fake's GPU, with Triton (interpreted here) installed
@@ -390,7 +390,7 @@ def test_fallback_session_is_prepared_once_per_handed_step(fake_fi, monkeypatch,
     res = run_scenario(backend, DS16, sch, policy=policy, page_size=page, dtype=BF16, target=target)
     assert res.max_rel_error() < 1e-2
     tri = res.session.fallback_sessions["triton"]
-    assert isinstance(tri, triton_op.TritonMLASession)
+    assert isinstance(tri, tsession.TritonMLASession)
     assert tri.step is not None and tri.step.key[:3] == (2, 14, 0)  # prepared for the prefill step
     assert tri.plans, "the op's launch plans went to the prepared session (shared by a step's layers)"
     assert len(made) == 1  # prepare read the host shape; the op call did not read it again

@@ -1,4 +1,4 @@
-"""Background compiles of FlashInfer's JIT modules (custom_ops/flashinfer_jit.py), on CPU with a fake
+"""Background compiles of FlashInfer's JIT modules (custom_ops/flashinfer/jit.py), on CPU with a fake
 `flashinfer.jit`: the module arguments are the ones FlashInfer's wrappers plan with, builds run in
 their own threads and report their time and errors, and nothing is started where nothing can run."""
 
@@ -10,8 +10,8 @@ import types
 import pytest
 import torch
 
-from autodeploy_mla.custom_ops import flashinfer_jit as fj
-from autodeploy_mla.custom_ops.mla_dims import MLADims
+from autodeploy_mla.custom_ops.flashinfer import jit as fj
+from autodeploy_mla.custom_ops.attention.mla_dims import MLADims
 
 
 class _Spec:

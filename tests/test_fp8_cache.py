@@ -14,11 +14,11 @@ import torch
 from autodeploy_mla import optimize
 from autodeploy_mla.config.loader import ConfigError
 from autodeploy_mla.custom_ops import DeviceInfo, MLADims, Target, get_backend
-from autodeploy_mla.custom_ops import cache_format as cf
-from autodeploy_mla.custom_ops.backend_registry import CacheSpec
-from autodeploy_mla.custom_ops.flashinfer_mla import FlashInferPolicy
-from autodeploy_mla.custom_ops import flashinfer_trtllm_mla as ft
-from autodeploy_mla.custom_ops.triton_mla.op import TritonPolicy
+from autodeploy_mla.custom_ops.attention import cache_format as cf
+from autodeploy_mla.custom_ops.attention.registry import CacheSpec
+from autodeploy_mla.custom_ops.flashinfer.mla import FlashInferPolicy
+from autodeploy_mla.custom_ops.flashinfer import trtllm_mla as ft
+from autodeploy_mla.custom_ops.triton_mla import TritonPolicy
 from autodeploy_mla.runtime import PageAllocator, SequenceInfo, StepSequence
 from autodeploy_mla.runtime.kv_cache import CacheLayout, page_bytes
 from autodeploy_mla.testing import STANDARD_SCHEDULES, run_scenario

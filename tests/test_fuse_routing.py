@@ -309,24 +309,22 @@ def test_gate_gemm_option_takes_the_gate_in_and_keeps_hf_tokens(gate_gemm):
 
 
 def test_backend_choice_and_refusal(monkeypatch):
-    from types import SimpleNamespace
+    from autodeploy_mla.custom_ops.attention.registry import DeviceInfo
+    from autodeploy_mla.custom_ops.moe.backends import resolve_moe_backend
 
-    from autodeploy_mla.custom_ops.backend_registry import DeviceInfo
-    from autodeploy_mla.transforms.fuse_routing import _backend_for
-
-    def ctx(dev):
-        return SimpleNamespace(target=SimpleNamespace(device=dev))
+    def _backend_for(dev, requested, num_experts):
+        return resolve_moe_backend("routing", requested, dev, num_experts=num_experts)
 
     cpu, gpu = DeviceInfo("cpu"), DeviceInfo("cuda", (9, 0), "H200", 132)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    assert _backend_for(ctx(gpu), "auto", 64)[0] == "triton"
-    assert _backend_for(ctx(gpu), "auto", 2048) == (None, "kept the model's routing: 2048 experts exceed the kernel's 1024")
-    assert _backend_for(ctx(cpu), "auto", 64)[0] == "torch"
+    assert _backend_for(gpu, "auto", 64)[0] == "triton"
+    assert _backend_for(gpu, "auto", 2048) == (None, "kept the model's routing: 2048 experts exceed the kernel's 1024")
+    assert _backend_for(cpu, "auto", 64)[0] == "torch"
     with pytest.raises(ValueError, match="fuse_routing.backend=triton cannot run here: Triton kernels need a CUDA GPU"):
-        _backend_for(ctx(cpu), "triton", 64)
+        _backend_for(cpu, "triton", 64)
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # auto never picks an interpreted kernel; triton may
-    assert _backend_for(ctx(gpu), "auto", 64)[0] == "torch"
-    assert _backend_for(ctx(cpu), "triton", 64)[0] == "triton"
+    assert _backend_for(gpu, "auto", 64)[0] == "torch"
+    assert _backend_for(cpu, "triton", 64)[0] == "triton"
 
 
 # ----------------------------------------------------------------------------- GPU

@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 
+from autodeploy_mla.custom_ops.triton_mla import call as tcall, launchers as tlaunch  # noqa: E402
 from autodeploy_mla.custom_ops.triton_mla import gluon_decode as GD
 
 #: (N, R, Dr): DeepSeek-V3 TP-8, GLM-4.7-Flash, Mistral-Small-4
@@ -82,7 +83,6 @@ def test_split_reduce_heads_kernel_matches_the_one_head_merge():
     partials, with empty splits (LSE -inf, partial never written: NaN) skipped, and the host rule that
     picks it (many-heads decode, many rows, few splits)."""
     from autodeploy_mla.custom_ops.triton_mla import kernels as K
-    from autodeploy_mla.custom_ops.triton_mla import op as top
 
     g = torch.Generator().manual_seed(5)
     t, n, s, r = 3, 8, 3, 16
@@ -102,9 +102,9 @@ def test_split_reduce_heads_kernel_matches_the_one_head_merge():
         outs.append(out)
     assert torch.isfinite(outs[1]).all() and bool((outs[1][3, 1] == 0).all())
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-6)
-    assert top._reduce_heads(128, 512, 32, 2) == top.REDUCE_HEADS
-    assert top._reduce_heads(128, 512, 8, 8) == 1 and top._reduce_heads(128, 512, 32, 8) == 1
-    assert top._reduce_heads(42, 512, 64, 2) == 1  # heads not a multiple of REDUCE_HEADS
+    assert tlaunch._reduce_heads(128, 512, 32, 2) == tlaunch.REDUCE_HEADS
+    assert tlaunch._reduce_heads(128, 512, 8, 8) == 1 and tlaunch._reduce_heads(128, 512, 32, 8) == 1
+    assert tlaunch._reduce_heads(42, 512, 64, 2) == 1  # heads not a multiple of REDUCE_HEADS
 
 
 @pytest.mark.parametrize("args, needle", [
@@ -235,7 +235,7 @@ def _merge_and_check(part_acc, part_lse, latent, cu, ref, b, n, r, splits, heads
     """Merge the split partials (split_reduce_kernel, or split_reduce_heads_kernel with `heads` per
     program) and compare the latent with the float64 oracle."""
     from autodeploy_mla.custom_ops.triton_mla import kernels as K
-    from autodeploy_mla.custom_ops.triton_mla.op import _reduce_heads_meta, _reduce_meta
+    from autodeploy_mla.custom_ops.triton_mla.launchers import _reduce_heads_meta, _reduce_meta
 
     rest = (0, 0, splits, *part_acc.stride()[:3], *part_lse.stride()[:2], latent.stride(0), latent.stride(1))
     if splits > 1 and heads > 1:
@@ -286,7 +286,6 @@ def test_gluon_compile_failure_falls_back_or_explains(monkeypatch):
 
     from autodeploy_mla.custom_ops import MLADims, MLAShapeError
     from autodeploy_mla.custom_ops.triton_mla import TritonPolicy
-    from autodeploy_mla.custom_ops.triton_mla import op as top
 
     if GD._GLUON_ERROR is not None:
         pytest.skip(f"no Gluon in this triton: {GD._GLUON_ERROR}")
@@ -294,7 +293,7 @@ def test_gluon_compile_failure_falls_back_or_explains(monkeypatch):
     def fails(*args, **kwargs):
         raise RuntimeError("while lowering\nunknown op 'ttng.example'")
 
-    monkeypatch.setattr(top, "_warm_gluon_decode", fails)
+    monkeypatch.setattr(tlaunch, "_warm_gluon_decode", fails)
     dims = MLADims(16, 128, 64, 128, 512)
     b = 2
     cache = torch.zeros(3, 64, 576, dtype=torch.bfloat16)
@@ -303,15 +302,15 @@ def test_gluon_compile_failure_falls_back_or_explains(monkeypatch):
     args = (q_abs, q_pe, cache, torch.zeros(b, 2, dtype=torch.int32), torch.arange(b + 1, dtype=torch.int32),
             torch.ones(b, dtype=torch.int32), torch.empty_like(q_abs))
     kw = dict(seq_base=0, n_seqs=b, tok_base=0, abs_base=0, kv_bound=64, dims=dims, qk_scale=1.0)
-    call = top._Call(TritonPolicy(), warmed=set())
+    call = tcall.OpCall(TritonPolicy(), warmed=set())
     with pytest.warns(RuntimeWarning, match="unknown op 'ttng.example'.*tl kernels"):
-        assert top._launch_gluon_decode(call, *args, **kw) == 0
+        assert tlaunch.launch_gluon_decode(call, *args, **kw) == 0
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # remembered for the model: no second attempt, no second warning
-        assert top._launch_gluon_decode(call, *args, **kw) == 0
-    forced = top._Call(TritonPolicy(decode_kernel="gluon"), warmed=set())
+        assert tlaunch.launch_gluon_decode(call, *args, **kw) == 0
+    forced = tcall.OpCall(TritonPolicy(decode_kernel="gluon"), warmed=set())
     with pytest.raises(MLAShapeError, match="did not compile with triton .*unknown op 'ttng.example'"):
-        top._launch_gluon_decode(forced, *args, **kw)
+        tlaunch.launch_gluon_decode(forced, *args, **kw)
 
 
 def test_gluon_warm_up_loads_every_variant(monkeypatch):
@@ -320,12 +319,11 @@ def test_gluon_warm_up_loads_every_variant(monkeypatch):
     from autodeploy_mla.custom_ops import MLADims
     from autodeploy_mla.custom_ops.triton_mla import TritonPolicy
     from autodeploy_mla.custom_ops.triton_mla import kernels as K
-    from autodeploy_mla.custom_ops.triton_mla import op as top
 
     if GD._GLUON_ERROR is not None:
         pytest.skip(f"no Gluon in this triton: {GD._GLUON_ERROR}")
     seen = []
-    monkeypatch.setattr(top.BoundKernel, "warmup",
+    monkeypatch.setattr(tlaunch.BoundKernel, "warmup",
                         lambda self, ptrs, scalars: seen.append((self.fn, dict(self.constexprs), len(ptrs))))
     dims = MLADims(32, 64, 64, 128, 256)  # Mistral-Small-4: two candidate configs
     b = 3
@@ -333,7 +331,7 @@ def test_gluon_warm_up_loads_every_variant(monkeypatch):
     q_abs = torch.zeros(32, b, 256, dtype=torch.bfloat16)
     latent = torch.empty_like(q_abs)
     common = dict(seq_base=0, tok_base=0, abs_base=0, chunk=128, qk_scale=1.0)
-    top._warm_gluon_decode(top._Call(TritonPolicy(), warmed=set()), GD.cache_descriptors(cache, 256, 64), q_abs,
+    tlaunch._warm_gluon_decode(tcall.OpCall(TritonPolicy(), warmed=set()), GD.cache_descriptors(cache, 256, 64), q_abs,
                            torch.zeros(1, b, 32, 64, dtype=torch.bfloat16), torch.zeros(b, 2, dtype=torch.int32),
                            torch.arange(b + 1, dtype=torch.int32), torch.ones(b, dtype=torch.int32), latent, dims, 64,
                            common)

@@ -17,6 +17,13 @@ Layers, lowest first. A module may import its own layer or any lower one, never 
     7 serving     autodeploy_mla/serving/**       (HTTP server, engine thread, workloads, bench)
     8 cli         autodeploy_mla/cli/**
     9 testing     autodeploy_mla/testing/**       (test support; no product module imports it)
+
+Inside custom_ops/, code is grouped by library (issue 43): the shared attention layer
+(`attention/`: contract, registry, router, step context) and helpers (`triton_helpers`,
+`tp_all_reduce`) import no backend; a backend library (`triton_mla/`, `flashinfer/`,
+`torch_backend`, `moe/`) imports no other backend library (they meet through the registry);
+no pass (transforms/) imports a concrete attention backend. Across packages nothing imports a
+private (`_name`) name.
 """
 
 from __future__ import annotations
@@ -241,7 +248,10 @@ MUTABLE_CONSTRUCTORS = {
 MUTABLE_STATE_ALLOWED = {
     # The backend registration table: filled by @register_backend while custom_ops/ is imported,
     # never changed afterwards, holds stateless backend descriptors.
-    ("custom_ops/backend_registry.py", "_REGISTRY"),
+    ("custom_ops/attention/registry.py", "_REGISTRY"),
+    # The prefill-kernel table: filled by register_prefill_kernel while custom_ops/ is imported
+    # (flashinfer/fa3_prefill.py), never changed afterwards, holds stateless kernel descriptors.
+    ("custom_ops/attention/prefill_kernels.py", "_PREFILL_KERNELS"),
 }
 # Names exempt everywhere: `__all__` is export metadata for `import *` and tools, not state.
 MUTABLE_STATE_EXEMPT_NAMES = {"__all__"}
@@ -327,7 +337,7 @@ def _assigned_names(stmt: ast.stmt) -> list[str]:
 def mutable_state_violations(source: str, file: str) -> list[str]:
     """`global` statements and module-level assignments of mutable values in one file.
 
-    `file` is relative to autodeploy_mla/ (e.g. `custom_ops/fallback.py`), as in the allow-list."""
+    `file` is relative to autodeploy_mla/ (e.g. `custom_ops/attention/handoff.py`), as in the allow-list."""
     tree = ast.parse(source, filename=file)
     aliases = _import_aliases(tree)
     stmts = list(module_level_statements(tree.body))
@@ -342,6 +352,64 @@ def mutable_state_violations(source: str, file: str) -> list[str]:
         reason = mutable_value_reason(stmt.value, aliases, local_classes) if names else None
         if reason:
             out.append(f"{PKG}/{file}:{stmt.lineno}: {', '.join(names)} = {reason}  `{ast.unparse(stmt)[:100]}`")
+    return out
+
+
+# ----------------------------------------------------------------------------- custom_ops by library
+CUSTOM_OPS = f"{PKG}.custom_ops"
+#: libraries of custom_ops/ whose modules are (or serve) one backend family: never import each other
+BACKEND_LIBRARIES = frozenset({"triton_mla", "flashinfer", "torch_backend", "moe"})
+#: what every backend builds on: imports no backend library
+SHARED_LIBRARIES = frozenset({"attention", "triton_helpers", "tp_all_reduce"})
+#: the concrete attention backends a pass must reach only through the registry
+ATTENTION_BACKENDS = frozenset({"triton_mla", "flashinfer", "torch_backend"})
+
+
+def library_of(module: str) -> Optional[str]:
+    """custom_ops library of a module (`autodeploy_mla.custom_ops.flashinfer.mla` -> `flashinfer`);
+    "" for the custom_ops package itself (the registrar that imports every backend); None outside."""
+    if module == CUSTOM_OPS:
+        return ""
+    if not module.startswith(CUSTOM_OPS + "."):
+        return None
+    return module[len(CUSTOM_OPS) + 1:].split(".")[0]
+
+
+def library_violation(imp: Import) -> Optional[str]:
+    """Why `imp` breaks the by-library rules of custom_ops/ and passes, or None."""
+    src, dst = library_of(imp.source), library_of(imp.target)
+    if dst is None:
+        return None
+    if src in BACKEND_LIBRARIES and dst in BACKEND_LIBRARIES and src != dst:
+        return f"backend library {src} imports backend library {dst} (meet through the registry instead)"
+    if src in SHARED_LIBRARIES and dst in BACKEND_LIBRARIES:
+        return f"shared {src} imports backend library {dst}"
+    if src is None and layer_of(imp.source) == "transforms" and dst in ATTENTION_BACKENDS:
+        return f"pass imports concrete attention backend {dst} (use the descriptor / registry)"
+    return None
+
+
+def package_of(module: str) -> str:
+    """The package a module belongs to (a package's __init__ belongs to the package itself)."""
+    files = package_files()
+    path = files.get(module)
+    return module if path is not None and path.name == "__init__.py" else module.rpartition(".")[0]
+
+
+def private_imports(source: str, module: str, is_package: bool, file: str) -> list[str]:
+    """`from X import _name` where X is in another package than `module` (dunder names excepted)."""
+    out = []
+    for node in ast.walk(ast.parse(source, filename=file)):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        base = resolve_from(module, is_package, node.level, node.module)
+        if not _in_package(base):
+            continue
+        here = module if is_package else module.rpartition(".")[0]
+        for alias in node.names:
+            private = alias.name.startswith("_") and not alias.name.startswith("__")
+            if private and package_of(base) != here:
+                out.append(f"{file}:{node.lineno}: {module} imports {base}.{alias.name}  `{ast.unparse(node)}`")
     return out
 
 
@@ -461,7 +529,7 @@ def test_checker_detects_mutable_state():
         "    global A\n"                                  # 20
         "    local = {}\n"
     )
-    lines = {int(v.split(":")[1]) for v in mutable_state_violations(source, "custom_ops/backend_registry.py")}
+    lines = {int(v.split(":")[1]) for v in mutable_state_violations(source, "custom_ops/attention/registry.py")}
     assert lines == {4, 6, 8, 14, 17, 20}, lines
     assert len(mutable_state_violations("_REGISTRY = {}\n", "custom_ops/other.py")) == 1
 
@@ -474,3 +542,36 @@ def test_no_mutable_module_state_in_custom_ops():
     bad = [v for p in files for v in mutable_state_violations(p.read_text(), str(p.relative_to(PKG_DIR)))]
     _check(bad, "mutable module-level state in custom_ops/",
            "Use a tuple / frozenset / MappingProxyType, or keep the state in a BackendSession.")
+
+
+def test_checker_detects_library_violations():
+    """Self-test of the by-library rules on made-up imports."""
+    def imp(src, dst):
+        return Import(f"{CUSTOM_OPS}.{src}" if src else f"{PKG}.transforms.x", f"{CUSTOM_OPS}.{dst}", "f.py", 1, "",
+                      False)
+    assert "imports backend library flashinfer" in library_violation(imp("triton_mla.session", "flashinfer.fa3_prefill"))
+    assert "shared attention" in library_violation(imp("attention.router", "triton_mla.op"))
+    assert "pass imports concrete" in library_violation(imp(None, "flashinfer.sparse"))
+    assert library_violation(imp("triton_mla.op", "attention.registry")) is None
+    assert library_violation(imp("triton_mla.op", "triton_helpers")) is None
+    assert library_violation(imp(None, "attention.registry")) is None
+    assert library_violation(Import(CUSTOM_OPS, f"{CUSTOM_OPS}.flashinfer.mla", "f.py", 1, "", False)) is None
+    src = "from ..attention.sparse_mla import _check, ok\nfrom .launch import _spec\nfrom .x import __version__\n"
+    got = private_imports(src, f"{CUSTOM_OPS}.triton_mla.sparse", False, "s.py")
+    assert len(got) == 1 and "_check" in got[0]
+
+
+def test_no_backend_imports_another_backend_and_no_pass_imports_a_backend():
+    bad = [format_import(i, why) for i in package_imports() if (why := library_violation(i))]
+    _check(bad, "custom_ops library violations",
+           "Declare the fact on the descriptor (or register the kernel) and look it up by name through "
+           "custom_ops.attention.registry; passes reach backends only through their descriptors.")
+
+
+def test_nothing_imports_a_private_name_across_packages():
+    bad = []
+    for mod, path in package_files().items():
+        bad += private_imports(path.read_text(), mod, path.name == "__init__.py", str(path.relative_to(REPO_ROOT)))
+    _check(bad, "private names imported across packages",
+           "Make the name public (it is part of the package's surface) or move the caller into the package.")
+

@@ -17,7 +17,7 @@ from torch.export import Dim
 from transformers import AutoConfig
 
 import autodeploy_mla  # noqa: F401  (registers torch.ops.autodeploy.*)
-from autodeploy_mla.custom_ops.mla_dims import MLADims
+from autodeploy_mla.custom_ops.attention.mla_dims import MLADims
 from autodeploy_mla.testing.tiny_configs import TINY_CONFIGS, build_tiny_model
 from autodeploy_mla.transforms.export import ExportError, export_model
 from autodeploy_mla.transforms.match_mla import MLAMatchError, match_mla

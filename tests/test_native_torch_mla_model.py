@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from autodeploy_mla import optimize
-from autodeploy_mla.custom_ops.backend_registry import get_backend
+from autodeploy_mla.custom_ops.attention.registry import get_backend
 
 SMALL = ["runtime.max_num_tokens=6", "runtime.page_size=4", "runtime.max_seq_len=40", "model.device=cpu"]
 

@@ -336,7 +336,7 @@ def test_pieces_writing_their_inputs_are_not_captured():
 def _triton_ok() -> bool:
     if "triton" not in all_backends():
         return False
-    from autodeploy_mla.custom_ops.mla_dims import MLADims
+    from autodeploy_mla.custom_ops.attention.mla_dims import MLADims
 
     c = TINY_CONFIGS["deepseek_v3"]
     dims = MLADims(c["num_attention_heads"], c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"],
@@ -461,7 +461,7 @@ def test_gpu_capture_failure_falls_back_to_eager_and_generation_is_unchanged():
 
 def _fa3_calls(runner) -> int:
     """FA3 prefill calls of the runner's Triton sessions (its own, or a FlashInfer backend's fallback)."""
-    from autodeploy_mla.custom_ops.triton_mla.op import TritonMLASession
+    from autodeploy_mla.custom_ops.triton_mla import TritonMLASession
 
     sessions = list(runner.sessions.values())
     sessions += [f for s in runner.sessions.values() for f in getattr(s, "fallback_sessions", {}).values()]
@@ -511,10 +511,35 @@ def test_gpu_queued_prefill_steps_never_wait_for_the_device(backend, tokens):
     assert r.piecewise.stats["piecewise"] + r.piecewise.stats["eager"] >= 6  # never a whole-step graph
     from autodeploy_mla.custom_ops import MLADims
     from autodeploy_mla.custom_ops.triton_mla import tuning
-    from autodeploy_mla.custom_ops.triton_mla.fa3_prefill import fa3_unavailable
+    from autodeploy_mla.custom_ops.flashinfer.fa3_prefill import fa3_unavailable
 
     dims = MLADims(16, 128, 64, 128, 512)  # the model's heads, as set above
     handed = backend == "triton" or any(getattr(s, "fallback_steps", 0) for s in r.sessions.values())
     if handed and tokens >= tuning.FA3_PREFILL_MIN_TOKENS and \
             not fa3_unavailable(dims, torch.bfloat16, torch.device("cuda")):
         assert _fa3_calls(r) > 0, "the long steps should have taken FA3 (and been checked for syncs)"
+
+
+def test_bucket_steps_run_each_static_piece_with_the_descriptors_bucket(om4):
+    """The runner runs the mode the model runner's descriptor names; its static pieces get the step's
+    bucket from that bucket's graph module (no reference back to the runner). On CPU: graphs forced
+    on, every capture declined (the piece then runs eagerly), so the per-bucket plumbing runs."""
+    pw0 = om4.runner.piecewise
+    runner = PiecewiseRunner(pw0.split, om4.device, om4.seq_info.max_num_tokens, cuda_graphs=False,
+                             buckets=(8, 16))
+    runner.use_graphs, runner._bucket_set = True, frozenset(runner.buckets)
+    asked = []
+
+    def no_capture(piece, bucket, args):
+        asked.append((piece.index, bucket))
+        return None
+
+    for sp in runner.static_pieces:
+        sp.capture = no_capture
+    flat = run_steps(om4, None)
+    got = run_steps(om4, runner)
+    for a, b in zip(flat, got):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert runner.stats["piecewise"] == len(SCHEDULE) and not runner.stats["eager"]
+    assert {b for _, b in asked} <= {8, 16} and {i for i, _ in asked} == {sp.index for sp in runner.static_pieces}
+    assert set(runner._bucket_modules) == {b for _, b in asked}

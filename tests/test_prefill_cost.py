@@ -1,4 +1,4 @@
-"""The prefill cost model (custom_ops/prefill_cost.py) against the measurements it was fit to.
+"""The prefill cost model (custom_ops/attention/prefill_cost.py) against the measurements it was fit to.
 
 docs/benchmarks/flashinfer_plan.md (H200) timed steps with prefill tokens on FlashInfer's absorbed
 path and on Triton's expanded path; the SM90 facts must pick the measured winner of each, from the
@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autodeploy_mla.custom_ops.mla_dims import MLADims
-from autodeploy_mla.custom_ops.prefill_cost import SM90_FACTS, path_costs, step_flops
+from autodeploy_mla.custom_ops.attention.mla_dims import MLADims
+from autodeploy_mla.custom_ops.attention.prefill_cost import SM90_FACTS, path_costs, step_flops
 
 DS = lambda n: MLADims(n, 128, 64, 128, 512)  # noqa: E731  DeepSeek per-head dims at N heads
 

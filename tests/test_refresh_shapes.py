@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from autodeploy_mla.api import build_config
-from autodeploy_mla.custom_ops.backend_registry import Target
+from autodeploy_mla.custom_ops.attention.registry import Target
 from autodeploy_mla.models.factory import build_model
 from autodeploy_mla.transforms.context import BuildContext
 from autodeploy_mla.transforms.fx_utils import refresh_shapes

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from autodeploy_mla.config import load_config
-from autodeploy_mla.custom_ops.backend_registry import DeviceInfo, Target
-from autodeploy_mla.custom_ops.mla_dims import MLADims
+from autodeploy_mla.custom_ops.attention.registry import DeviceInfo, Target
+from autodeploy_mla.custom_ops.attention.mla_dims import MLADims
 from autodeploy_mla.transforms.backend_resolution import BackendResolutionError, resolve_backend
 
 PREF = load_config().transforms["insert_cached_mla_attention"]["preference"]

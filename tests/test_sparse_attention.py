@@ -14,8 +14,8 @@ import torch
 from autodeploy_mla.api import optimize
 from autodeploy_mla.models.sparse_attention import find_sparse_attention
 from autodeploy_mla.testing.tiny_configs import TINY_CONFIGS, build_tiny_model
-from autodeploy_mla.custom_ops.backend_registry import DeviceInfo, Target
-from autodeploy_mla.custom_ops.mla_dims import MLADims, MLAShapeError
+from autodeploy_mla.custom_ops.attention.registry import DeviceInfo, Target
+from autodeploy_mla.custom_ops.attention.mla_dims import MLADims, MLAShapeError
 from autodeploy_mla.transforms.backend_resolution import resolve_backend
 from autodeploy_mla.transforms.insert_cached_sparse import sparse_decision
 from autodeploy_mla.transforms.export import export_model
@@ -270,7 +270,7 @@ def test_triton_sparse_ops_equal_the_torch_reference(n, r, dr, dn, dv, k_top, st
     if splits:
         monkeypatch.setattr(tsparse, "sparse_splits", lambda *a: splits)
     from autodeploy_mla.runtime import PageAllocator, SequenceInfo, StepSequence
-    from autodeploy_mla.custom_ops.sparse_mla import INDEXER_METADATA
+    from autodeploy_mla.custom_ops.attention.sparse_mla import INDEXER_METADATA
 
     info = SequenceInfo(4, 16, 16, 4, "cpu")
     alloc = PageAllocator(12, 4, info.max_pages_per_seq)
@@ -334,7 +334,7 @@ def test_cached_sparse_ops_declare_their_cache_mutation_and_pass_opcheck(prefix)
     """Each cached sparse op mutates exactly its cache argument, says so in its schema, and passes
     torch.library.opcheck (schema, fake tensors, autograd registration, dynamic shapes) on a mixed step."""
     from autodeploy_mla.runtime import PageAllocator, SequenceInfo, StepSequence
-    from autodeploy_mla.custom_ops.sparse_mla import INDEXER_METADATA
+    from autodeploy_mla.custom_ops.attention.sparse_mla import INDEXER_METADATA
 
     indexer = getattr(torch.ops.autodeploy, f"{prefix}_dsa_indexer_with_cache").default
     attend = getattr(torch.ops.autodeploy, f"{prefix}_mla_sparse_with_cache").default
@@ -361,7 +361,7 @@ def test_flashinfer_sparse_host_metadata():
     """One request per token: positions from the host mirrors, min(top-k, position + 1) keys each,
     packed back to back; the valid selected positions map through the page table into that packing
     on the device (the -1 tail into the junk element)."""
-    from autodeploy_mla.custom_ops.flashinfer_sparse import pack_selected_slots, sparse_csr, token_positions
+    from autodeploy_mla.custom_ops.flashinfer.sparse import pack_selected_slots, sparse_csr, token_positions
     from autodeploy_mla.runtime import PageAllocator, SequenceInfo, StepSequence
 
     info = SequenceInfo(4, 16, 16, 4, "cpu")
@@ -390,9 +390,9 @@ def test_flashinfer_sparse_session_plans_once_per_step_and_reuses_equal_plans(mo
     plan per step with one request per token (page size 1, no causal mask, packed kv_indptr); a
     decode step whose lengths equal the last plan's (every token past top-k positions) reuses it;
     the prefill policy and the work-item capacity route steps to the fallback op with a reason."""
-    from autodeploy_mla.custom_ops import flashinfer_sparse as fs
-    from autodeploy_mla.custom_ops.backend_registry import SessionSpec
-    from autodeploy_mla.custom_ops.flashinfer_common import PlanKey
+    from autodeploy_mla.custom_ops.flashinfer import sparse as fs
+    from autodeploy_mla.custom_ops.attention.registry import SessionSpec
+    from autodeploy_mla.custom_ops.flashinfer.common import PlanKey
     from autodeploy_mla.runtime import PageAllocator, SequenceInfo, StepSequence
     from autodeploy_mla.runtime.model_runner import step_descriptor
 
@@ -464,8 +464,8 @@ def test_gpu_flashinfer_sparse_ops_equal_the_reference(graph):
     replayed as the sequences grow."""
     _gpu_flashinfer()
     from autodeploy_mla.custom_ops import using_sessions
-    from autodeploy_mla.custom_ops.backend_registry import SessionSpec, get_backend
-    from autodeploy_mla.custom_ops.sparse_mla import INDEXER_METADATA
+    from autodeploy_mla.custom_ops.attention.registry import SessionSpec, get_backend
+    from autodeploy_mla.custom_ops.attention.sparse_mla import INDEXER_METADATA
     from autodeploy_mla.runtime import PageAllocator, SequenceInfo, StepSequence
     from autodeploy_mla.runtime.model_runner import step_descriptor
 

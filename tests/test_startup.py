@@ -24,7 +24,7 @@ import torch
 
 from autodeploy_mla.api import optimize
 from autodeploy_mla.custom_ops import MLADims
-from autodeploy_mla.custom_ops.backend_registry import DeviceInfo
+from autodeploy_mla.custom_ops.attention.registry import DeviceInfo
 from autodeploy_mla.custom_ops.triton_mla.tuning import (STATIC_MAX_EXTRA_FLOPS, max_static_bounds_extra_flops,
                                                          static_bounds_extra_flops)
 from autodeploy_mla.runtime.compile_cache import (CACHE_DIR_ENV, VARS_SET_ENV, cache_key, cache_key_parts,
@@ -300,8 +300,8 @@ def test_static_bounds_bound_is_exact_and_covers_multi_sequence_steps():
 def test_triton_session_says_which_buckets_it_may_decline():
     pytest.importorskip("triton")
     from autodeploy_mla.custom_ops import Target, get_backend
-    from autodeploy_mla.custom_ops.backend_registry import SessionSpec
-    from autodeploy_mla.custom_ops.triton_mla.op import TritonPolicy
+    from autodeploy_mla.custom_ops.attention.registry import SessionSpec
+    from autodeploy_mla.custom_ops.triton_mla import TritonPolicy
 
     dims = MLADims(16, 128, 64, 128, 512)
     spec = SessionSpec((dims,), torch.bfloat16, torch.device("cpu"), Target.detect("cpu", 64), 8, 256, 64,
@@ -317,15 +317,15 @@ def test_triton_session_says_which_buckets_it_may_decline():
 def test_warmup_captures_pieces_of_mixed_buckets_only_where_a_step_can_run_them(monkeypatch):
     """A mixed-graph bucket's pieces are warmed (captured) only where some session may decline one
     of its steps; decode and prefill steps of every bucket are warmed as before."""
-    from autodeploy_mla.custom_ops.backend_registry import BackendSession
+    from autodeploy_mla.custom_ops.attention.registry import BackendSession
     from autodeploy_mla.runtime.model_runner import ModelRunner
 
     om = _build("deepseek_v3", 1)
     mr = om.runner
     seen = []
     monkeypatch.setattr(ModelRunner, "capture_buckets", property(lambda self: (1, 2, 4, 8)))
-    monkeypatch.setattr(ModelRunner, "_warm_step", lambda self, kind, n: seen.append(
-        ("piecewise" if self.piecewise.mixed_graph_max_tokens == 0 else kind, n)))
+    monkeypatch.setattr(ModelRunner, "_warm_step", lambda self, kind, n, mixed_graph=True: seen.append(
+        ("piecewise" if not mixed_graph else kind, n)))
     monkeypatch.setattr(mr.piecewise, "mixed_graph_max_tokens", 4)
 
     class Declines(BackendSession):  # declines steps of 4+ tokens (long-prefix chunks)
@@ -340,6 +340,7 @@ def test_warmup_captures_pieces_of_mixed_buckets_only_where_a_step_can_run_them(
     assert [k for k in rep["not_needed"]] == ["piecewise:2", "piecewise:1"]
     assert {("decode", 4), ("decode", 2), ("decode", 1), ("prefill", 8), ("prefill", 1)} <= set(seen)
     assert set(rep["step_seconds"]) == {f"{k}:{n}" for k, n in seen}
+    assert mr.piecewise.mixed_graph_max_tokens == 4  # the warm-up describes steps; it never flips the config
 
 
 # ----------------------------------------------------------------------------- the report

@@ -684,7 +684,7 @@ def test_gpu_two_ranks_nccl_bf16():
 
 def _one_shot_op_rank(rank: int) -> dict:
     """One rank of test_gpu_one_shot_all_reduce_op: the op with a symmetric workspace active."""
-    from autodeploy_mla.custom_ops.step_context import using_sessions
+    from autodeploy_mla.custom_ops.attention.step_context import using_sessions
     from autodeploy_mla.custom_ops.tp_all_reduce import WORKSPACE, SymmAllReduceWorkspace
     from autodeploy_mla.distributed.env import world_group_name
 

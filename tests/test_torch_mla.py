@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from autodeploy_mla.custom_ops.mla_dims import MLADims, MLAShapeError
+from autodeploy_mla.custom_ops.attention.mla_dims import MLADims, MLAShapeError
 
 # (N, Dn, Dr, Dv, R): real dims of the families, and NoPE.
 DIM_SETS = {

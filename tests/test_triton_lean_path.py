@@ -16,12 +16,12 @@ import copy
 import pytest
 import torch
 
+from autodeploy_mla.custom_ops.triton_mla import call as tcall, step_shape as tshape, session as tsession  # noqa: E402
 from autodeploy_mla.api import optimize
 from autodeploy_mla.custom_ops import get_backend
-from autodeploy_mla.custom_ops.backend_registry import StepDescriptor, Target, direct_calls, make_session_spec
-from autodeploy_mla.custom_ops.mla_dims import MLADims
-from autodeploy_mla.custom_ops.step_context import using_sessions
-from autodeploy_mla.custom_ops.triton_mla import op as top
+from autodeploy_mla.custom_ops.attention.registry import StepDescriptor, Target, direct_calls, make_session_spec
+from autodeploy_mla.custom_ops.attention.mla_dims import MLADims
+from autodeploy_mla.custom_ops.attention.step_context import using_sessions
 from autodeploy_mla.custom_ops.triton_mla.launch import BoundKernel, _spec
 from autodeploy_mla.runtime.page_allocator import PageAllocator
 from autodeploy_mla.runtime.sequence_info import SequenceInfo, StepSequence
@@ -32,7 +32,7 @@ DIMS = MLADims(4, 16, 8, 16, 32)
 PAGE = 4
 
 
-def _session(device: str = "cpu", dtype=torch.float32) -> top.TritonMLASession:
+def _session(device: str = "cpu", dtype=torch.float32) -> tsession.TritonMLASession:
     spec = make_session_spec([DIMS], dtype, device, Target.detect(device, PAGE), 4, 32, 16)
     return get_backend("triton").setup(spec)
 
@@ -120,7 +120,7 @@ def test_session_not_trusted_when_only_the_prefix_differs():
     sess.prepare(info, StepDescriptor(8, 8, 2, False))
     prepared = sess.step
     _step(info, alloc, [(0, 4, 14), (1, 4, 20)], gen)  # same counts and max lengths, prefix 34 (was 30)
-    assert sess.step.key == top.StepShape.from_host(info.get("batch_info_host"), info.get("max_seq_info_host"),
+    assert sess.step.key == tshape.StepShape.from_host(info.get("batch_info_host"), info.get("max_seq_info_host"),
                                                     info.get("cu_seqlen_host"), info.get("input_pos_host")).key
     x = _inputs(info.num_tokens, gen)
     with using_sessions({"triton": sess}):
@@ -132,9 +132,9 @@ def test_session_not_trusted_when_only_the_prefix_differs():
 def test_per_model_tables_are_bounded():
     table: dict = {}
     for i in range(10):
-        top._per_model(table, (i,), lambda: object(), 4)
+        tcall.per_model(table, (i,), lambda: object(), 4)
         assert len(table) <= 4
-    assert top._per_model(None, (0,), lambda: 7, 4) == 7
+    assert tcall.per_model(None, (0,), lambda: 7, 4) == 7
 
 
 def test_direct_launch_passes_pointers_scalars_then_constexprs(monkeypatch):

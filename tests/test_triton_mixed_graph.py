@@ -15,13 +15,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from autodeploy_mla.custom_ops.triton_mla import session as tsession  # noqa: E402
 from autodeploy_mla.custom_ops import get_backend
-from autodeploy_mla.custom_ops.backend_registry import Target, all_backends, make_session_spec
-from autodeploy_mla.custom_ops.mla_dims import MLADims
-from autodeploy_mla.custom_ops.step_context import using_sessions
+from autodeploy_mla.custom_ops.attention.registry import Target, all_backends, make_session_spec
+from autodeploy_mla.custom_ops.attention.mla_dims import MLADims
+from autodeploy_mla.custom_ops.attention.step_context import using_sessions
 from autodeploy_mla.custom_ops.triton_mla import op as top
 from autodeploy_mla.custom_ops.triton_mla.launch import BoundKernel
-from autodeploy_mla.custom_ops.triton_mla.op import TritonPolicy
+from autodeploy_mla.custom_ops.triton_mla import TritonPolicy
 from autodeploy_mla.runtime.model_runner import step_descriptor
 from autodeploy_mla.runtime.page_allocator import PageAllocator
 from autodeploy_mla.runtime.sequence_info import SequenceInfo, StepSequence
@@ -47,13 +48,13 @@ PAD = {0: 8, 1: 16, 2: 8, 3: 8, 4: 16, 5: 32}  # every step padded to a bucket: 
 ], ids=["auto", "split3", "heads_on_m"])
 def test_static_bounds_steps_match_reference(dims, policy, monkeypatch):
     launched = []
-    orig = top._launch_absorbed
+    orig = top.launch_absorbed
 
     def spy(*a, **k):
         launched.append(k.get("work_list", 0))
         return orig(*a, **k)
 
-    monkeypatch.setattr(top, "_launch_absorbed", spy)
+    monkeypatch.setattr(top, "launch_absorbed", spy)
     res = run_scenario("triton", dims, SCHEDULE, pad_to=PAD, graph_buckets={8, 16, 32}, mixed_graph_max_tokens=32,
                        policy=policy, max_batch_size=6)
     assert res.max_rel_error() < 1e-5
@@ -66,7 +67,7 @@ def test_static_bounds_steps_match_reference(dims, policy, monkeypatch):
 def test_static_bounds_with_an_fp8_cache(fp8_dot):
     """e4m3 cache with per-layer scales on static bounds: the oracle on the same e4m3 values (tiles
     converted to the query dtype: fp32 rounding; e4m3 products: within the format's error)."""
-    from autodeploy_mla.custom_ops.cache_format import FP8_DTYPE, CacheScales
+    from autodeploy_mla.custom_ops.attention.cache_format import FP8_DTYPE, CacheScales
 
     res = run_scenario("triton", MLADims(4, 16, 8, 16, 32), SCHEDULE, pad_to=PAD, graph_buckets={8, 16, 32},
                        mixed_graph_max_tokens=32, max_batch_size=6, cache_dtype=FP8_DTYPE,
@@ -150,7 +151,7 @@ def test_split_graph_reports_mixed_graph_safety():
     assert tri.mixed_graph_safe and "mixed_graph_safe" in tri.mixed_graph_reason
     ref = split_graph(graph_with(get_backend("torch").cached_op.default))
     assert not ref.mixed_graph_safe and "'torch'" in ref.mixed_graph_reason
-    sparse = get_backend("triton").dynamic_ops[0]  # sparse attention sizes launches from host counts
+    sparse = get_backend("triton").sparse_ops.attention  # sparse attention sizes launches from host counts
     sp = split_graph(graph_with(getattr(sparse, "default", sparse)))
     assert not sp.mixed_graph_safe and "triton" in sp.mixed_graph_reason
 
@@ -214,7 +215,7 @@ def test_model_steps_on_static_bounds_generate_hf_greedy_tokens(monkeypatch):
         assert g == hf_greedy_generate(om.eager_model, p, 5)
     assert steps  # the static path ran (prefill steps padded to buckets <= 16)
     sess = om.runner.sessions["triton"]
-    monkeypatch.setattr(top, "STATIC_MAX_EXTRA_FLOPS", -1.0)
+    monkeypatch.setattr(tsession, "STATIC_MAX_EXTRA_FLOPS", -1.0)
     n = len(steps)
     assert om.generate(prompts[:1], max_new_tokens=2) == [hf_greedy_generate(om.eager_model, prompts[0], 2)]
     assert len(steps) == n and sess.stats()["static_bounds_declined"] >= 1
@@ -246,7 +247,7 @@ def test_gpu_static_bounds_with_an_fp8_cache_on_real_dims(dims_name):
     values) as the eager path's expanded prefill / decode is on the same schedule."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    from autodeploy_mla.custom_ops.cache_format import FP8_DTYPE
+    from autodeploy_mla.custom_ops.attention.cache_format import FP8_DTYPE
 
     sch = [{0: 200, 1: 40, 2: 1}, {0: 1, 1: 1, 2: 120, 3: 60}, {0: 1, 1: 1, 2: 4, 3: 9, 4: 1}, {4: 100}]
     common = dict(max_batch_size=8, page_size=64, dtype=torch.bfloat16, device="cuda", seed=5,
@@ -258,3 +259,31 @@ def test_gpu_static_bounds_with_an_fp8_cache_on_real_dims(dims_name):
     assert static.max_rel_error() < 2 * eager.max_rel_error() + 2e-3, (static.max_rel_error(), eager.max_rel_error())
     for rows in static.extra["padded_rows"]:
         assert torch.equal(rows, torch.zeros_like(rows))
+
+
+def test_step_mode_is_decided_once_by_the_descriptor():
+    """The model runner's descriptor carries the mode and the bucket the piecewise runner runs (issue 43):
+    decode graph, mixed graph, pieces or eager, from the same facts the old runner re-checked per step."""
+    from autodeploy_mla.custom_ops.attention.registry import StepDescriptor
+    from autodeploy_mla.runtime.model_runner import without_static_bounds
+
+    info = SequenceInfo(8, 16, 64, 4, "cpu")
+    alloc = PageAllocator(64, 4, 16)
+
+    def describe(spec, buckets=(4, 8, 16), mixed_max=8, decode_graph=True):
+        alloc.ensure_many({i: c + n for i, (c, n) in enumerate(spec)})
+        info.prepare_step([StepSequence(i, [0] * n, c) for i, (c, n) in enumerate(spec)], alloc.pages_of,
+                          pad_to=next((b for b in buckets if b >= sum(n for _, n in spec)), None))
+        return step_descriptor(info, buckets, mixed_max, decode_graph=decode_graph)
+
+    dec = describe([(3, 1)] * 4)
+    assert (dec.mode, dec.bucket, dec.cuda_graph, dec.static_bounds) == ("decode_graph", 4, True, False)
+    assert describe([(3, 1)] * 4, decode_graph=False).mode == "piecewise"
+    mixed = describe([(0, 5)])
+    assert (mixed.mode, mixed.bucket, mixed.static_bounds) == ("mixed_graph", 8, True)
+    assert (without_static_bounds(mixed).mode, without_static_bounds(mixed).bucket) == ("piecewise", 8)
+    assert describe([(0, 12)]).mode == "piecewise"  # over mixed_graph_max_tokens
+    eager = describe([(0, 5)], buckets=())
+    assert (eager.mode, eager.bucket) == ("eager", None)
+    with pytest.raises(ValueError, match="a bucket is given exactly when"):
+        StepDescriptor(4, 4, 4, True, mode="piecewise")

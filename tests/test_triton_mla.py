@@ -19,8 +19,9 @@ import torch
 
 pytest.importorskip("triton")
 
+from autodeploy_mla.custom_ops.triton_mla import call as tcall, step_shape as tshape, launchers as tlaunch, session as tsession  # noqa: E402
 from autodeploy_mla.custom_ops import DeviceInfo, MLADims, MLAShapeError, SessionSpec, Target, get_backend  # noqa: E402
-from autodeploy_mla.custom_ops.step_context import using_sessions  # noqa: E402
+from autodeploy_mla.custom_ops.attention.step_context import using_sessions  # noqa: E402
 from autodeploy_mla.custom_ops.triton_mla import TritonPolicy  # noqa: E402
 from autodeploy_mla.custom_ops.triton_mla import op as top  # noqa: E402
 from autodeploy_mla.custom_ops.triton_mla import tuning  # noqa: E402
@@ -84,21 +85,21 @@ def test_both_prefill_paths(mode, schedule, dims_name):
 def small_blocks(monkeypatch):
     """16-token KV tiles, so the short CPU sequences span several split-K chunks; records the split
     count of every absorbed launch."""
-    monkeypatch.setattr(top, "decode_config", lambda d, dt, *a: tuning.AbsorbedConfig(16, 1, 16, 4, 2))
-    monkeypatch.setattr(top, "absorb_prefill_config", lambda d, dt, *a: tuning.AbsorbedConfig(16, 2, 16, 4, 2))
+    monkeypatch.setattr(tlaunch, "decode_config", lambda d, dt, *a: tuning.AbsorbedConfig(16, 1, 16, 4, 2))
+    monkeypatch.setattr(tlaunch, "absorb_prefill_config", lambda d, dt, *a: tuning.AbsorbedConfig(16, 2, 16, 4, 2))
     return _record_splits(monkeypatch)
 
 
 def _record_splits(monkeypatch) -> list[int]:
     """The split count of every absorbed launch, in order."""
     seen: list[int] = []
-    orig = top._launch_absorbed
+    orig = top.launch_absorbed
 
     def spy(*a, **k):
         seen.append(orig(*a, **k))
         return seen[-1]
 
-    monkeypatch.setattr(top, "_launch_absorbed", spy)
+    monkeypatch.setattr(top, "launch_absorbed", spy)
     return seen
 
 
@@ -121,7 +122,8 @@ def test_split_k_on_and_off(splits, mode, small_blocks):
 def test_static_split_plan_used_under_capture(monkeypatch, small_blocks):
     """Under CUDA-graph capture the decode split plan comes from the page-table width, not from the
     step's max kv length; it must give the same results (chunks past a sequence are skipped)."""
-    monkeypatch.setattr(top, "_capturing_on", lambda dev: True)
+    monkeypatch.setattr(top, "capturing_on", lambda dev: True)  # the op and its launchers
+    monkeypatch.setattr(tlaunch, "capturing_on", lambda dev: True)
     sch = [{0: 3, 1: 2}] + [{0: 1, 1: 1}] * 6 + [{0: 1, 1: 1, 2: 50}, {0: 1, 1: 1, 2: 1}]
     res = scenario(CPU_DIMS["r64_dr8"], sch, page_size=4)
     assert res.max_rel_error() < 1e-5
@@ -142,7 +144,7 @@ def test_expanded_prefill_grid_orders_and_nope_chunks(monkeypatch, heavy_first, 
     expanded prefill kernel (a head's query blocks from the last, or from the first) and K/V tiles by
     tensor descriptor or by pointer agree with the oracle, with several query blocks per sequence and
     several sequences per step (descriptor tiles then read past a sequence's rows)."""
-    monkeypatch.setattr(top, "expand_config", lambda *a, **k: tuning.ExpandConfig(
+    monkeypatch.setattr(tlaunch, "expand_config", lambda *a, **k: tuning.ExpandConfig(
         16, 16, 4, 1, heavy_first=heavy_first, split_nope=split_nope, tma=tma))
     assert tuning.nope_chunks(48) == (32, 16) and tuning.nope_chunks(48, split=False) == (64, 0)
     res = scenario(MLADims(3, 48, 8, 24, 32), {**STANDARD_SCHEDULES, **EXTRA_SCHEDULES}["long_chunks"], "expand",
@@ -153,8 +155,8 @@ def test_expanded_prefill_grid_orders_and_nope_chunks(monkeypatch, heavy_first, 
 def test_head_block_tails(monkeypatch):
     """N=20 over head blocks of 16 (and 2 tokens x 16 heads for absorbed prefill): the last block
     is partial and every head must still be computed."""
-    monkeypatch.setattr(top, "decode_config", lambda d, dt, *a: tuning.AbsorbedConfig(16, 1, 16, 4, 1))
-    monkeypatch.setattr(top, "absorb_prefill_config", lambda d, dt, *a: tuning.AbsorbedConfig(16, 2, 16, 4, 1))
+    monkeypatch.setattr(tlaunch, "decode_config", lambda d, dt, *a: tuning.AbsorbedConfig(16, 1, 16, 4, 1))
+    monkeypatch.setattr(tlaunch, "absorb_prefill_config", lambda d, dt, *a: tuning.AbsorbedConfig(16, 2, 16, 4, 1))
     d = MLADims(20, 16, 8, 24, 32)
     for mode in ("absorb", "expand"):
         res = scenario(d, STANDARD_SCHEDULES["mixed"], mode, page_size=4)
@@ -175,13 +177,13 @@ def test_multi_token_decode_matches_oracle(monkeypatch, dims_name, layout):
     the decode kernel's query columns (heads-on-N) or the absorbed-prefill rows (heads-on-M), equal to
     the float64 oracle; the heads-on-N steps really ran with BLOCK_Q > 1."""
     cfgs = []
-    orig = top._launch_absorbed
+    orig = top.launch_absorbed
 
     def spy(*a, **k):
         cfgs.append(k["cfg"])
         return orig(*a, **k)
 
-    monkeypatch.setattr(top, "_launch_absorbed", spy)
+    monkeypatch.setattr(top, "launch_absorbed", spy)
     d = CPU_DIMS[dims_name]
     res = scenario(d, SPEC_SCHEDULE, "absorb", layout=layout, page_size=4, seed=11)
     assert res.max_rel_error() < 1e-5
@@ -212,14 +214,14 @@ def test_multi_token_kernel_choice():
     d = CPU_DIMS["r64_dr16"]
     rows = tuning.absorb_prefill_config(d, torch.float32)
     f32, e4m3 = torch.float32, torch.float8_e4m3fn
-    auto = top._Call(TritonPolicy())
-    assert top._absorb_config(auto, d, f32, f32, 4).heads_on_n
-    assert top._absorb_config(auto, d, f32, f32, tuning.MULTI_TOKEN_MAX_Q + 1) == rows
-    assert top._absorb_config(auto, MLADims(48, 16, 8, 16, 64), f32, f32, 4) == \
+    auto = tcall.OpCall(TritonPolicy())
+    assert tlaunch.absorb_config(auto, d, f32, f32, 4).heads_on_n
+    assert tlaunch.absorb_config(auto, d, f32, f32, tuning.MULTI_TOKEN_MAX_Q + 1) == rows
+    assert tlaunch.absorb_config(auto, MLADims(48, 16, 8, 16, 64), f32, f32, 4) == \
         tuning.absorb_prefill_config(MLADims(48, 16, 8, 16, 64), f32)
-    assert top._absorb_config(auto, d, f32, e4m3, 4) == rows
-    assert top._absorb_config(top._Call(TritonPolicy(decode_layout="heads_on_n")), d, f32, e4m3, 4).heads_on_n
-    assert top._absorb_config(top._Call(TritonPolicy(decode_layout="heads_on_m")), d, f32, f32, 4) == rows
+    assert tlaunch.absorb_config(auto, d, f32, e4m3, 4) == rows
+    assert tlaunch.absorb_config(tcall.OpCall(TritonPolicy(decode_layout="heads_on_n")), d, f32, e4m3, 4).heads_on_n
+    assert tlaunch.absorb_config(tcall.OpCall(TritonPolicy(decode_layout="heads_on_m")), d, f32, f32, 4) == rows
 
 
 # ----------------------------------------------------------------------------- heads on N (decode)
@@ -238,7 +240,7 @@ def test_decode_layouts_match_oracle(dims_name, schedule, layout):
 @pytest.fixture
 def heads_on_n_blocks(monkeypatch):
     """Heads-on-N decode with 16-token tiles and 16-head column blocks; records split counts."""
-    monkeypatch.setattr(top, "decode_config",
+    monkeypatch.setattr(tlaunch, "decode_config",
                         lambda d, dt, *a: tuning.AbsorbedConfig(16, 1, 16, 4, 2, heads_on_n=True, tma=True))
     return _record_splits(monkeypatch)
 
@@ -301,7 +303,7 @@ def test_heads_on_n_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
 def test_heads_on_n_fp8_cache_fp16_products():
     """bf16 activations on an e4m3 cache: the kernel runs its products in fp16 (F16) and stays within
     bf16 rounding of the oracle that reads the same e4m3 values."""
-    from autodeploy_mla.custom_ops.cache_format import FP8_DTYPE, CacheScales
+    from autodeploy_mla.custom_ops.attention.cache_format import FP8_DTYPE, CacheScales
 
     for sc in (CacheScales(1.0, 1.0), CacheScales(0.37, 2.5)):
         res = run_scenario("triton", CPU_DIMS["r64_dr16"], STANDARD_SCHEDULES["long_decode"], dtype=torch.bfloat16,
@@ -421,16 +423,15 @@ def test_auto_decode_kernel_rule(monkeypatch):
     from types import SimpleNamespace
 
     from autodeploy_mla.custom_ops.triton_mla import gluon_decode
-    from autodeploy_mla.custom_ops.triton_mla import op as top
 
-    monkeypatch.setattr(top, "interpreting", lambda: False)
+    monkeypatch.setattr(tlaunch, "interpreting", lambda: False)
     monkeypatch.setattr(gluon_decode, "supports", lambda *a, **k: (True, "ok"))
     cache = torch.zeros(2, 64, 576, dtype=torch.bfloat16)
     dev = torch.device("cuda")
 
     def choice(n, heads_on_n, kernel="auto", scaled=False):
-        call = top._Call(TritonPolicy(decode_kernel=kernel), warmed=set())
-        return top._gluon_decode_choice(call, SimpleNamespace(heads_on_n=heads_on_n), MLADims(n, 128, 64, 128, 512),
+        call = tcall.OpCall(TritonPolicy(decode_kernel=kernel), warmed=set())
+        return tlaunch.gluon_decode_choice(call, SimpleNamespace(heads_on_n=heads_on_n), MLADims(n, 128, 64, 128, 512),
                                         torch.bfloat16, cache, dev, scaled)
 
     assert choice(128, False) and choice(64, False) and choice(128, True)
@@ -562,7 +563,7 @@ def test_gpu_fa3_prefill(dims_name, forced):
     runs: a 1100-token fresh prefill beside a short one, then a 1030-token chunk on that cached prefix
     beside a decode (kv longer than q), then decodes; against the fp64 oracle. Forced: both prefill
     steps take FA3; auto: the steps from tuning.FA3_PREFILL_MIN_TOKENS new tokens, where a workspace was set up."""
-    from autodeploy_mla.custom_ops.triton_mla.fa3_prefill import fa3_unavailable
+    from autodeploy_mla.custom_ops.flashinfer.fa3_prefill import fa3_unavailable
 
     why = fa3_unavailable(GPU_DIMS[dims_name], torch.bfloat16, torch.device("cuda"))
     if why:
@@ -728,7 +729,7 @@ def test_expanded_prefill_through_fa3_call_matches_oracle(monkeypatch, dims_name
     host indptrs of every prefill sequence (chunks on a cached prefix: kv longer than q); equals the
     oracle. The real wrapper is checked against the same oracle on the GPU."""
     fake = _TorchFa3()
-    monkeypatch.setattr(top, "_make_fa3", lambda spec, policy: (fake, ""))
+    monkeypatch.setattr(tsession, "make_fa3", lambda spec, policy: (fake, ""))
     policy = TritonPolicy(prefill_mode="expand", prefill_attention="flashinfer", poison_buffers=True)
     res = run_scenario("triton", CPU_DIMS[dims_name], STANDARD_SCHEDULES[schedule], policy=policy)
     assert res.max_rel_error() < 1e-5
@@ -741,7 +742,7 @@ def test_fa3_prefill_choice_and_refusals():
     """FA3 is a per-model session object: never on CPU (the reason is in the stats), refused when forced
     where it cannot run; head dims outside its kernels named; used under "auto" only from
     FA3_PREFILL_MIN_TOKENS new tokens and never while a graph is captured."""
-    from autodeploy_mla.custom_ops.triton_mla.fa3_prefill import fa3_unavailable
+    from autodeploy_mla.custom_ops.flashinfer.fa3_prefill import fa3_unavailable
 
     with pytest.raises(ValueError, match="prefill_attention='fa2'"):
         TritonPolicy(prefill_attention="fa2")
@@ -761,17 +762,17 @@ def test_fa3_prefill_choice_and_refusals():
     assert "CUDA device" in get_backend("triton").setup(long_spec).fa3_reason
 
     def step(max_q, indptr=(0, 1)):
-        return top.StepShape(1, max_q, 0, max_q, max_q, 0, 0, False, indptr, indptr)
+        return tshape.StepShape(1, max_q, 0, max_q, max_q, 0, 0, False, indptr, indptr)
 
-    call = top._Call(TritonPolicy(), fa3=_TorchFa3())
-    assert top._fa3_for_step(call, step(tuning.FA3_PREFILL_MIN_TOKENS), cpu)
-    assert not top._fa3_for_step(call, step(tuning.FA3_PREFILL_MIN_TOKENS - 1), cpu)
-    assert not top._fa3_for_step(call, step(4096, ()), cpu)
-    assert top._fa3_for_step(top._Call(TritonPolicy(prefill_attention="flashinfer"), fa3=_TorchFa3()), step(8), cpu)
-    assert not top._fa3_for_step(top._Call(TritonPolicy()), step(4096), cpu)
+    call = tcall.OpCall(TritonPolicy(), fa3=_TorchFa3())
+    assert tlaunch.fa3_for_step(call, step(tuning.FA3_PREFILL_MIN_TOKENS), cpu)
+    assert not tlaunch.fa3_for_step(call, step(tuning.FA3_PREFILL_MIN_TOKENS - 1), cpu)
+    assert not tlaunch.fa3_for_step(call, step(4096, ()), cpu)
+    assert tlaunch.fa3_for_step(tcall.OpCall(TritonPolicy(prefill_attention="flashinfer"), fa3=_TorchFa3()), step(8), cpu)
+    assert not tlaunch.fa3_for_step(tcall.OpCall(TritonPolicy()), step(4096), cpu)
     # "auto" never waits for FA3's compile: until its module is built, the Triton kernel attends
-    assert not top._fa3_for_step(top._Call(TritonPolicy(), fa3=_TorchFa3(ready=False)), step(4096), cpu)
-    assert top._fa3_for_step(top._Call(TritonPolicy(prefill_attention="flashinfer"), fa3=_TorchFa3(ready=False)),
+    assert not tlaunch.fa3_for_step(tcall.OpCall(TritonPolicy(), fa3=_TorchFa3(ready=False)), step(4096), cpu)
+    assert tlaunch.fa3_for_step(tcall.OpCall(TritonPolicy(prefill_attention="flashinfer"), fa3=_TorchFa3(ready=False)),
                              step(8), cpu)
 
 
@@ -797,6 +798,6 @@ def test_pack_heads_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
 
 def test_step_shape_prefill_indptrs():
     """The host indptrs FA3 plans with: new tokens and kv lengths (prefix + new) of the prefill sequences."""
-    shape = top.StepShape.from_host(torch.tensor([2, 7, 1]), torch.tensor([5, 9]), torch.tensor([0, 2, 7, 8]),
+    shape = tshape.StepShape.from_host(torch.tensor([2, 7, 1]), torch.tensor([5, 9]), torch.tensor([0, 2, 7, 8]),
                                     torch.tensor([3, 4, 20]))
     assert shape.qo_indptr == (0, 2, 7) and shape.kv_indptr == (0, 5, 14)

@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from autodeploy_mla import optimize
-from autodeploy_mla.custom_ops.flashinfer_mla import FlashInferPolicy
-from autodeploy_mla.custom_ops.flashinfer_trtllm_mla import TrtllmPolicy
+from autodeploy_mla.custom_ops.flashinfer.mla import FlashInferPolicy
+from autodeploy_mla.custom_ops.flashinfer.trtllm_mla import TrtllmPolicy
 from autodeploy_mla.runtime.sampling import SamplingParams
 from autodeploy_mla.testing import hf_greedy_generate
 from autodeploy_mla.testing.fake_flashinfer import install_fake_flashinfer
@@ -134,7 +134,7 @@ GPU_CASES = {
 @pytest.mark.parametrize("backend", list(GPU_CASES))
 def test_gpu_two_models_interleaved(backend):
     from autodeploy_mla.custom_ops import Target, get_backend
-    from autodeploy_mla.custom_ops.mla_dims import MLADims
+    from autodeploy_mla.custom_ops.attention.mla_dims import MLADims
 
     dtype, case_a, case_b = GPU_CASES[backend]
     for hf, ps in (case_a, case_b):

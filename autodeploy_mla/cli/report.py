@@ -9,8 +9,8 @@ from rich.console import Console
 from rich.table import Table
 
 from ..config.families import available_model_configs, model_config_path, published_dims
-from ..custom_ops.backend_registry import Target, all_backends
-from ..custom_ops.mla_dims import MLADims
+from ..custom_ops.attention.registry import Target, all_backends
+from ..custom_ops.attention.mla_dims import MLADims
 
 
 def list_models(console: Console) -> int:
@@ -52,6 +52,15 @@ def print_report(console: Console, report: dict[str, Any], prompts: list[list[in
         rej = "; ".join(f"{r['backend']}: {r['reason']}" for r in lay["rejected"]) or "-"
         t.add_row(lay["layer"], dims, lay["backend"], lay["reason"], rej)
     console.print(t)
+    paths = report.get("attention_paths") or []
+    if paths:
+        t = Table(title="MLA layers: decode and prefill paths (routed per step by the attention router)")
+        for col in ("layer", "decode path", "prefill path"):
+            t.add_column(col, overflow="fold")
+        for row in paths:
+            dec, pre = row["decode"], row["prefill"]
+            t.add_row(row["layer"], f"{dec['backend']}: {dec['reason']}", f"{pre['backend']}: {pre['reason']}")
+        console.print(t)
     c = report["cache"]
     console.print(
         f"cache: {c['layers']} layers x {c['num_pages']} pages x {c['page_size']} tokens "

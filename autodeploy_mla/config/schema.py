@@ -100,7 +100,81 @@ class RuntimeConfig(_Strict):
     )
 
 
+#: FlashInfer MLAPlan's fixed work-item capacity (custom_ops/flashinfer/capabilities.FA_MAX_WORK_ITEMS)
+_FA_MAX_WORK_ITEMS = 16384
+#: steps a session's route trace keeps (custom_ops/attention/router.DEFAULT_TRACE_STEPS)
+_TRACE_STEPS = 64
+
+
+class FlashInferMLAAttention(_Strict):
+    """`attention.flashinfer_mla`: how the FlashInfer MLA backend routes its steps (FlashInferPolicy)."""
+
+    prefill: Literal["auto", "flashinfer", "fallback"] = Field(
+        "auto", description="steps with prefill tokens: auto (by estimated cost), flashinfer, or fallback (handoff)")
+    fast_prefill_fallbacks: list[str] = Field(["triton"], description="handoff backends auto may send prefills to")
+    fallback_order: list[str] = Field(["triton", "torch"], description="handoff backend: first registered that "
+                                                                        "accepts the node")
+    strided_io: bool = True
+    cuda_graph: bool = Field(False, description="every decode-only step on a fixed-buffer wrapper")
+    max_work_items: int = Field(_FA_MAX_WORK_ITEMS, ge=1, le=_FA_MAX_WORK_ITEMS)
+    decode_fallback_max_seqs: int = Field(1, ge=0, description="decode steps of at most this many sequences go to "
+                                                               "the handoff backend (0: never)")
+    fast_decode_fallbacks: list[str] = Field(["triton"], description="handoff backends small decodes may go to")
+    trace_steps: int = Field(_TRACE_STEPS, ge=0, description="steps the route trace keeps")
+
+
+class TritonAttention(_Strict):
+    """`attention.triton`: the Triton backend's knobs (TritonPolicy)."""
+
+    prefill_mode: Literal["auto", "expand", "absorb"] = "auto"
+    decode_splits: int = Field(0, ge=0, description="0: split-K by the tuning rules; k: force k chunks")
+    poison_buffers: bool = False
+    fp8_dot: bool = False
+    decode_layout: Literal["auto", "heads_on_m", "heads_on_n"] = "auto"
+    prefill_attention: Literal["auto", "triton", "flashinfer"] = "auto"
+    decode_kernel: Literal["auto", "triton", "gluon"] = "auto"
+    trace_steps: int = Field(_TRACE_STEPS, ge=0, description="steps the route trace keeps")
+
+
+class FlashInferSparseAttention(_Strict):
+    """`attention.flashinfer_mla_sparse`: the FlashInfer sparse backend's knobs (SparsePolicy)."""
+
+    prefill: Literal["flashinfer", "fallback"] = "flashinfer"
+    fallback_order: list[str] = ["triton", "torch"]
+    cuda_graph: bool = False
+    max_work_items: int = Field(_FA_MAX_WORK_ITEMS, ge=1, le=_FA_MAX_WORK_ITEMS)
+
+
+class TrtllmAttention(_Strict):
+    """`attention.flashinfer_trtllm_mla`: the TRT-LLM-gen backend's knobs (TrtllmPolicy)."""
+
+    fallback_order: list[str] = ["triton", "torch"]
+
+
+class AttentionConfig(_Strict):
+    """Per-backend attention policies: what the router and each backend decide per step. Only the keys
+    a config sets reach the backend (the rest keep the backend's own defaults); `optimize(...,
+    backend_policies=)` overrides a backend's whole policy from Python."""
+
+    flashinfer_mla: FlashInferMLAAttention = FlashInferMLAAttention()
+    triton: TritonAttention = TritonAttention()
+    flashinfer_mla_sparse: FlashInferSparseAttention = FlashInferSparseAttention()
+    flashinfer_trtllm_mla: TrtllmAttention = TrtllmAttention()
+
+    def set_fields(self) -> dict[str, dict[str, Any]]:
+        """backend -> the keys this config set explicitly (backends with none left out)."""
+        out = {}
+        for name in type(self).model_fields:
+            section = getattr(self, name)
+            fields = section.model_dump(exclude_unset=True)
+            if fields:
+                out[name] = fields
+        return out
+
+
 class AppConfig(_Strict):
     model: ModelConfig = ModelConfig()
     runtime: RuntimeConfig = RuntimeConfig()
     transforms: dict[str, Optional[dict[str, Any]]] = Field(default_factory=dict)
+    #: per-backend attention policies (the router's and each backend's knobs)
+    attention: AttentionConfig = AttentionConfig()

@@ -5,10 +5,10 @@ descriptor in the registry. Optional backends (Triton, FlashInfer) import withou
 their `check()` then refuses every node and says why.
 """
 
-from . import torch_mla  # noqa: F401
-from . import sparse_mla  # noqa: F401
-from .mla_dims import MLADims, MLAShapeError  # noqa: F401
-from .backend_registry import (  # noqa: F401,E402
+from .attention import torch_mla  # noqa: F401
+from .attention import sparse_mla  # noqa: F401
+from .attention.mla_dims import MLADims, MLAShapeError  # noqa: F401
+from .attention.registry import (  # noqa: F401,E402
     BackendDecision,
     BackendSession,
     CheckResult,
@@ -23,9 +23,9 @@ from .backend_registry import (  # noqa: F401,E402
     library_versions,
     register_backend,
 )
-from .step_context import active_session, using_sessions  # noqa: F401,E402
+from .attention.step_context import active_session, using_sessions  # noqa: F401,E402
 from . import torch_backend  # noqa: F401,E402
 from . import triton_mla  # noqa: F401,E402
-from . import flashinfer_mla, flashinfer_trtllm_mla, flashinfer_sparse  # noqa: F401,E402
+from .flashinfer import mla, sparse, trtllm_mla  # noqa: F401,E402
 from . import moe  # noqa: F401,E402
 from . import tp_all_reduce  # noqa: F401,E402

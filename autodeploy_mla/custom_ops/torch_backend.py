@@ -15,11 +15,11 @@ from typing import Optional
 
 import torch
 
-from .backend_registry import CheckResult, MLABackend, Target, register_backend
-from .cache_format import CacheScales, cache_dtype_name, dequantize_rows, is_fp8
-from .mla_dims import MLADims, resolve_scale
-from .op_contract import MLAInputs, append_to_paged_cache, check_cached_inputs, define_cached_op, define_cached_op_and_kernel
-from .sparse_mla import DSA_INDEXER_WITH_CACHE, allowed_by_topk
+from .attention.registry import CheckResult, MLABackend, SparseOps, Target, register_backend
+from .attention.cache_format import CacheScales, cache_dtype_name, dequantize_rows, is_fp8
+from .attention.mla_dims import MLADims, resolve_scale
+from .attention.contract import MLAInputs, append_to_paged_cache, check_cached_inputs, define_cached_op, define_cached_op_and_kernel
+from .attention.sparse_mla import DSA_INDEXER_WITH_CACHE, allowed_by_topk
 
 OP = "torch_mla_with_cache"
 METADATA: tuple[str, ...] = (
@@ -103,8 +103,7 @@ class TorchMLABackend(MLABackend):
     metadata = METADATA
     source = "autodeploy_mla reference implementation (vectorised torch)"
     decode_graph_safe = False  # sizes are read from host metadata at call time
-    #: the sparse (DSA) cached ops: split points too
-    dynamic_ops = (torch_mla_sparse_with_cache, DSA_INDEXER_WITH_CACHE)
+    sparse_ops = SparseOps(indexer=DSA_INDEXER_WITH_CACHE, attention=torch_mla_sparse_with_cache)
 
     def check(self, dims: MLADims, dtype: torch.dtype, target: Target) -> CheckResult:
         if not dtype.is_floating_point:

@@ -23,8 +23,8 @@ from typing import Any, Optional
 
 import torch
 
-from .backend_registry import BackendSession
-from .step_context import active_session
+from .attention.registry import BackendSession
+from .attention.step_context import active_session
 
 #: the session key the runner registers the workspace under
 WORKSPACE = "tp_all_reduce"

@@ -12,8 +12,8 @@ from typing import Literal, Optional
 
 import torch
 
-from ..custom_ops.backend_registry import CacheSpec
-from ..custom_ops.mla_dims import MLADims
+from ..custom_ops.attention.registry import CacheSpec
+from ..custom_ops.attention.mla_dims import MLADims
 from .piecewise import SplitGraph
 
 TOKEN_INPUTS: tuple[str, ...] = ("input_ids", "position_ids")

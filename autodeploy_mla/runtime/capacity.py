@@ -29,7 +29,7 @@ from typing import Any, Optional
 import torch
 
 from ..config.schema import RuntimeConfig
-from ..custom_ops.cache_format import cache_dtype_name, resolve_cache_dtype
+from ..custom_ops.attention.cache_format import cache_dtype_name, resolve_cache_dtype
 from ..models.factory import text_config
 from .errors import CapacityError
 from .kv_cache import plan_num_pages

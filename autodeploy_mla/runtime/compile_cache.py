@@ -48,7 +48,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..custom_ops.backend_registry import DeviceInfo
+from ..custom_ops.attention.registry import DeviceInfo
 
 #: The cache root; `off` (or 0 / false / none / no) disables the whole set-up.
 CACHE_DIR_ENV = "AUTODEPLOY_CACHE_DIR"

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..custom_ops.backend_registry import CacheSpec
+from ..custom_ops.attention.registry import CacheSpec
 from .errors import CapacityError
 
 

@@ -29,9 +29,9 @@ import torch
 import torch.distributed as dist
 
 from ..config.schema import RuntimeConfig
-from ..custom_ops.backend_registry import BackendSession, SessionSpec, StepDescriptor, Target, get_backend
-from ..custom_ops.cache_format import cache_dtype_name
-from ..custom_ops.step_context import using_sessions
+from ..custom_ops.attention.registry import BackendSession, SessionSpec, StepDescriptor, Target, get_backend
+from ..custom_ops.attention.cache_format import cache_dtype_name
+from ..custom_ops.attention.step_context import using_sessions
 from ..custom_ops.tp_all_reduce import WORKSPACE, SymmAllReduceWorkspace
 from .artifacts import CompiledModel, TensorParallel
 from .errors import CapacityError, OutOfPagesError
@@ -45,18 +45,32 @@ from .sequence_info import SequenceInfo, StepSequence
 PagesOf = Callable[[int], Sequence[int]]
 
 
-def step_descriptor(info: SequenceInfo, graph_buckets: Sequence[int] = (), mixed_graph_max_tokens: int = 0
-                    ) -> StepDescriptor:
-    """Describe the step `info` holds. A CUDA-graph step is a decode-only step padded (with dummy
-    sequences) to one of `graph_buckets`: it may be replayed from a whole-graph decode graph; or,
-    with mixed graphs on, any other step padded to a bucket <= mixed_graph_max_tokens: it may be
-    replayed from that bucket's mixed graph (`static_bounds`)."""
+def step_descriptor(info: SequenceInfo, graph_buckets: Sequence[int] = (), mixed_graph_max_tokens: int = 0,
+                    decode_graph: bool = True) -> StepDescriptor:
+    """Describe the step `info` holds, and decide once how it runs. A CUDA-graph step is a decode-only
+    step padded (with dummy sequences) to one of `graph_buckets`: it may be replayed from a whole-graph
+    decode graph (mode "decode_graph" where `decode_graph` is on, else its bucket's pieces); or, with
+    mixed graphs on, any other step padded to a bucket <= mixed_graph_max_tokens: it may be replayed
+    from that bucket's mixed graph (`static_bounds`, mode "mixed_graph"). Any other step of a bucket
+    replays its bucket's pieces ("piecewise"); a token count that is no bucket runs eagerly."""
     num_seqs = info.num_prefill_seqs + info.num_decode_seqs
     decode_only = info.num_prefill_seqs == 0 and info.num_decode_seqs > 0
     t = info.num_padded_tokens
     graph = decode_only and num_seqs == t and t in graph_buckets
     static = not graph and t in graph_buckets and t <= mixed_graph_max_tokens and num_seqs > 0
-    return StepDescriptor(info.num_tokens, t, num_seqs, decode_only, graph or static, static)
+    if t not in graph_buckets:
+        mode = "eager"
+    elif graph and decode_graph:
+        mode = "decode_graph"
+    else:
+        mode = "mixed_graph" if static else "piecewise"
+    return StepDescriptor(info.num_tokens, t, num_seqs, decode_only, graph or static, static, mode,
+                          None if mode == "eager" else t)
+
+
+def without_static_bounds(step: StepDescriptor) -> StepDescriptor:
+    """`step` run on its bucket's pieces instead of the mixed graph (a session declined static bounds)."""
+    return replace(step, cuda_graph=False, static_bounds=False, mode="piecewise" if step.bucket else "eager")
 
 
 def rows_from_rank0(rows: torch.Tensor) -> torch.Tensor:
@@ -259,20 +273,28 @@ class ModelRunner:
         return bucket_for(buckets, n, all(s.is_decode for s in seqs), self.seq_info.max_batch_size,
                           self.seq_info.max_num_tokens)
 
+    def describe_step(self, mixed_graph: bool = True) -> StepDescriptor:
+        """The descriptor of the step the metadata holds: its mode and bucket are decided here, once
+        (`mixed_graph=False`: a step of a mixed-graph bucket replays its pieces instead, as the warm-up
+        asks to capture them)."""
+        pw = self.piecewise
+        mixed_max = pw.mixed_graph_max_tokens if pw is not None and mixed_graph else 0
+        return step_descriptor(self.seq_info, self.capture_buckets, mixed_max,
+                               decode_graph=pw is not None and pw.decode_graph)
+
     def prepare(self, seqs: Sequence[StepSequence], pages_of: PagesOf, logits_for: str = "last",
-                pad_to: Optional[int] = None) -> tuple[list[int], StepDescriptor]:
+                pad_to: Optional[int] = None, mixed_graph: bool = True) -> tuple[list[int], StepDescriptor]:
         """The host half of a step: pad to a CUDA-graph bucket (unless `pad_to` is given), build the
-        metadata (one H2D copy), describe the step, and let every backend session prepare (FlashInfer
-        plans). Returns (sequence ids in flat-batch order, the step's descriptor). Pages must already
-        be allocated."""
+        metadata (one H2D copy), describe the step (`describe_step`), and let every backend session
+        prepare (FlashInfer plans). Returns (sequence ids in flat-batch order, the step's descriptor).
+        Pages must already be allocated."""
         order = self.seq_info.prepare_step(seqs, pages_of, self.padded_size(seqs) if pad_to is None else pad_to,
                                            logits_for)
         if self.seq_info.num_device_tokens:
             self._fill_device_tokens()
-        step = step_descriptor(self.seq_info, self.capture_buckets,
-                               self.piecewise.mixed_graph_max_tokens if self.piecewise is not None else 0)
+        step = self.describe_step(mixed_graph)
         if step.static_bounds and not all(s.static_bounds_ok(self.seq_info) for s in self.sessions.values()):
-            step = replace(step, cuda_graph=False, static_bounds=False)
+            step = without_static_bounds(step)
         for sess in self.sessions.values():
             sess.prepare(self.seq_info, step)
         return order, step
@@ -297,10 +319,10 @@ class ModelRunner:
             out = self.piecewise(step, *args) if self.piecewise is not None else self.gm(*args)
         return out[0] if isinstance(out, (tuple, list)) else out
 
-    def forward(self, seqs: Sequence[StepSequence], pages_of: PagesOf, logits_for: str = "last"
-                ) -> tuple[list[int], torch.Tensor]:
+    def forward(self, seqs: Sequence[StepSequence], pages_of: PagesOf, logits_for: str = "last",
+                mixed_graph: bool = True) -> tuple[list[int], torch.Tensor]:
         """`prepare` then `execute`: (sequence ids in flat-batch order, the graph's logits output)."""
-        order, step = self.prepare(seqs, pages_of, logits_for)
+        order, step = self.prepare(seqs, pages_of, logits_for, mixed_graph=mixed_graph)
         return order, self.execute(step)
 
     def _logits_rows(self, logits: torch.Tensor) -> torch.Tensor:
@@ -498,12 +520,8 @@ class ModelRunner:
         for kind, n in shapes:
             ts = time.perf_counter()
             try:
-                if kind == "piecewise":
-                    self.piecewise.mixed_graph_max_tokens = 0
-                    try:
-                        self._warm_step("prefill", n)
-                    finally:
-                        self.piecewise.mixed_graph_max_tokens = mixed_max
+                if kind == "piecewise":  # a prefill of a mixed-graph bucket, described to run on its pieces
+                    self._warm_step("prefill", n, mixed_graph=False)
                 else:
                     self._warm_step(kind, n)
                 done.append(f"{kind}:{n}")
@@ -525,7 +543,7 @@ class ModelRunner:
         return [name for name, s in self.sessions.items()
                 if s.may_decline_static_bounds(num_tokens, self.seq_info.max_seq_len)]
 
-    def _warm_step(self, kind: str, n: int) -> None:
+    def _warm_step(self, kind: str, n: int, mixed_graph: bool = True) -> None:
         info = self.seq_info
         ids: list[int] = []
         try:
@@ -549,12 +567,24 @@ class ModelRunner:
                 ids = [-2 - i for i in range(count)]
                 self.allocator.ensure_many(dict(zip(ids, lens)))
                 seqs = [StepSequence(i, [0] * ln, 0) for i, ln in zip(ids, lens)]
-            self.forward(seqs, self.allocator.pages_of)
+            self.forward(seqs, self.allocator.pages_of, mixed_graph=mixed_graph)
         finally:
             for i in ids:
                 self.allocator.free(i)
 
     # ------------------------------------------------------------------ report
+    def attention_paths(self) -> list[dict[str, Any]]:
+        """Per MLA node (layer): its backend's decode path and prefill path, with reasons, as the
+        backend's session for this model routes them (attention/router.py)."""
+        out, seen = [], set()
+        for c in self.compiled.signature.caches:  # a sparse layer's latent cache comes before its index keys
+            sess = self.sessions.get(c.backend)
+            if sess is None or c.layer in seen:
+                continue
+            seen.add(c.layer)
+            out.append({"layer": c.layer, "backend": c.backend, **sess.paths(c.dims).to_dict()})
+        return out
+
     def report(self) -> dict[str, Any]:
         caches = self.caches
         return {
@@ -570,6 +600,7 @@ class ModelRunner:
             },
             "graph_inputs": self.input_names,
             "sessions": {name: s.stats() for name, s in self.sessions.items()},
+            "attention_paths": self.attention_paths(),
             "tp_all_reduce": self.tp_all_reduce,
             "pieces": self.piecewise.report if self.piecewise is not None else None,
             "piecewise_runner": self.piecewise.summary() if self.piecewise is not None else None,

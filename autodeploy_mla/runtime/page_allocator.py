@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-from ..custom_ops.backend_registry import SCRATCH_PAGE
+from ..custom_ops.attention.registry import SCRATCH_PAGE
 from .errors import CapacityError, OutOfPagesError
 
 

@@ -5,18 +5,20 @@ The split itself (which nodes go in which piece) is the `piecewise` pass (transf
 it hands over a `SplitGraph` (defined here, the runtime's side of the contract) and `RunnerOptions`.
 
 Per step (`runner(step, input_ids, position_ids, *metadata, *caches)` with T = input_ids.shape[1]
-and `step` the model runner's StepDescriptor):
-1. a decode-only step padded to a bucket with dummy decode sequences (T == step.num_seqs), CUDA
-   graphs on, and every dynamic op decode_graph_safe: replay one whole-graph CUDA graph for T;
-2. else a step the model runner marked `static_bounds` (T a bucket <= mixed_graph_max_tokens, every
+and `step` the model runner's StepDescriptor, whose `mode` and `bucket` the model runner decided
+once, `model_runner.step_descriptor`):
+1. "decode_graph" (a decode-only step padded to a bucket with dummy decode sequences, CUDA graphs
+   on, every dynamic op decode_graph_safe): replay one whole-graph CUDA graph for T;
+2. "mixed_graph" (a step marked `static_bounds`: T a bucket <= mixed_graph_max_tokens, every
    dynamic op mixed_graph_safe): replay the whole-graph *mixed* CUDA graph of T, captured on one
    batch of T tokens and valid for any other (its ops size launches from static bounds only), so
    prefill and mixed steps pay no per-layer host work;
-3. else T is a bucket: each static piece replays its CUDA graph for T; dynamic pieces run eagerly,
-   reading the static output buffers of the piece before them; their fresh outputs are copied into
-   the static input buffers of the piece after them;
-4. else (unseen size, or no CUDA): every piece runs eagerly (compiled if configured). Correct for
-   any size; only slower.
+3. "piecewise" (any other step of a bucket, or a whole graph whose capture failed): each static
+   piece replays its CUDA graph for T (the graph module of bucket T binds its pieces to T:
+   `_PieceAt`); dynamic pieces run eagerly, reading the static output buffers of the piece before
+   them; their fresh outputs are copied into the static input buffers of the piece after them;
+4. "eager" (unseen size, or no CUDA): every piece runs eagerly (compiled if configured). Correct
+   for any size; only slower.
 Static pieces that compute the same function of (inputs, weights) share one compiled graph: the
 runner compiles one callable per *compile group* (runtime/piece_groups.py: canonical forms and their
 structural key; runtime/compiled_groups.py: the compiled callable, dynamic in the token count from
@@ -42,12 +44,12 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 
-from ..custom_ops.backend_registry import StepDescriptor, direct_calls
+from ..custom_ops.attention.registry import StepDescriptor, direct_calls
 from .compiled_groups import CompiledGroup, GroupMember
 from .cuda_graphs import BORROW, OWNED, CaptureError, GraphCapturer, cuda_graphs_available, tensor_key
 from .piece_groups import CanonicalPiece, CompileGroup, canonicalize, group_pieces
@@ -163,35 +165,52 @@ def bucket_for(buckets: Sequence[int], num_tokens: int, decode_only: bool, max_b
 
 
 class _StaticPiece(nn.Module):
-    """A static piece: eager/compiled callable, plus one CUDA graph per bucket once captured."""
+    """A static piece: eager/compiled callable, plus one CUDA graph per bucket once captured.
 
-    def __init__(self, runner: "PiecewiseRunner", index: int, name: str, fn: nn.Module, sources: list[str],
-                 capturable: Optional[str]) -> None:
+    Its collaborators are explicit constructor arguments: `capture` (the runner's capture of one
+    piece at one bucket) and `stats` (the runner's counters). The bucket comes with each call
+    (`run`), from the step's descriptor through `_PieceAt`: a piece never asks the runner which
+    step it is in."""
+
+    def __init__(self, index: int, name: str, fn: nn.Module, sources: list[str], capturable: Optional[str],
+                 capture: Callable[["_StaticPiece", int, tuple], Optional[Any]], stats: Counter) -> None:
         super().__init__()
         self.fn = fn
         self.index, self.piece_name = index, name
-        self._runner = [runner]  # a list: keep the runner out of nn.Module child registration
+        self.capture, self.stats = capture, stats
         self.modes = [BORROW if s == "input" else OWNED for s in sources]
         self.graphs: dict[int, Any] = {}
         self.not_capturable = capturable  # reason, or None
 
     def forward(self, *args: Any) -> Any:
-        r = self._runner[0]
-        key = r._bucket
-        if key is None:
-            return self.fn(*args)
-        cap = self.graphs.get(key)
+        """Eagerly (the eager module's call)."""
+        return self.fn(*args)
+
+    def run(self, bucket: int, *args: Any) -> Any:
+        """Replay this piece's CUDA graph of `bucket` (capturing it the first time), else eagerly."""
+        cap = self.graphs.get(bucket)
         if cap is None:
-            if key in self.graphs or self.not_capturable:
+            if bucket in self.graphs or self.not_capturable:
                 return self.fn(*args)
-            cap = r._capture_piece(self, key, args)
-            self.graphs[key] = cap
+            cap = self.capture(self, bucket, args)
+            self.graphs[bucket] = cap
             if cap is None:
                 return self.fn(*args)
         if not cap.bind(args):
-            r.stats["piece_eager_fallback"] += 1
+            self.stats["piece_eager_fallback"] += 1
             return self.fn(*args)
         return cap.replay()
+
+
+class _PieceAt(nn.Module):
+    """A static piece bound to one token bucket: what the graph module of that bucket calls."""
+
+    def __init__(self, piece: _StaticPiece, bucket: int) -> None:
+        super().__init__()
+        self.piece, self.bucket = piece, bucket
+
+    def forward(self, *args: Any) -> Any:
+        return self.piece.run(self.bucket, *args)
 
 
 def _copy_graph(gm: torch.fx.GraphModule) -> torch.fx.Graph:
@@ -233,7 +252,6 @@ class PiecewiseRunner:
             if (split.mixed_graph_safe and self.use_graphs and mixed_graph_max_tokens > 0) else 0
         self.stats: Counter[str] = Counter()
         self.failures: dict[str, str] = {}
-        self._bucket: Optional[int] = None
         self._static_outputs: dict[int, set[tuple]] = {}
         self._decode_graphs: dict[int, Any] = {}
         self._mixed_graphs: dict[int, Any] = {}
@@ -244,7 +262,9 @@ class PiecewiseRunner:
         #: dynamic pieces whose cached ops run without the dispatcher (their backend's direct_call)
         self.direct_pieces: list[str] = []
         eager_attrs: dict[str, Any] = {}
-        graph_attrs: dict[str, Any] = {}
+        #: piece name -> its dynamic piece, or the static piece a bucket's module binds (`_module_for`)
+        self._piece_attrs: dict[str, Any] = {}
+        graph_attrs = self._piece_attrs
         self.static_pieces: list[_StaticPiece] = []
         groups = assign_compile_groups(split)
         group_of = {i: g for g in groups for i in g.pieces}
@@ -272,7 +292,7 @@ class PiecewiseRunner:
             eager_attrs[piece.name] = fn
             if piece.kind == STATIC:
                 why = _mutation_reason(sub)
-                sp = _StaticPiece(self, piece.index, piece.name, fn, piece.arg_sources, why)
+                sp = _StaticPiece(piece.index, piece.name, fn, piece.arg_sources, why, self._capture_piece, self.stats)
                 if why and piece.index < len(self.report):
                     self.report[piece.index]["not_capturable"] = why
                 self.static_pieces.append(sp)
@@ -286,7 +306,8 @@ class PiecewiseRunner:
             if node.op == "get_attr":
                 eager_attrs[node.target] = graph_attrs[node.target] = _fetch(top, node.target)
         self.eager_module = torch.fx.GraphModule(eager_attrs, _copy_graph(top), "PiecewiseEager")
-        self.graph_module = torch.fx.GraphModule(graph_attrs, _copy_graph(top), "PiecewiseGraphs")
+        #: per bucket: the graph module whose static pieces replay that bucket's CUDA graphs
+        self._bucket_modules: dict[int, torch.fx.GraphModule] = {}
 
     @property
     def capture_buckets(self) -> tuple[int, ...]:
@@ -295,34 +316,43 @@ class PiecewiseRunner:
 
     # ------------------------------------------------------------------ stepping
     def __call__(self, step: StepDescriptor, *args: Any) -> Any:
-        """Run one step: (input_ids [1,T], position_ids [1,T], *metadata, *caches) -> outputs."""
+        """Run one step as its descriptor says (`step.mode`, `step.bucket`: decided by the model runner):
+        (input_ids [1,T], position_ids [1,T], *metadata, *caches) -> outputs. Without CUDA graphs every
+        step runs eagerly; a whole graph whose capture failed runs the step on its bucket's pieces."""
         if self._token_dims_pending and int(args[0].shape[-1]) >= 2:
             self._derive_token_dims(args)
-        if not self.use_graphs:
+        if not self.use_graphs or step.mode == "eager":
             self.stats["eager"] += 1
             return self.eager_module(*args)
-        t = int(args[0].shape[-1])
-        if t not in self._bucket_set:
-            self.stats["eager"] += 1
-            return self.eager_module(*args)
-        if self.decode_graph and step.decode_only and step.num_seqs == t and step.num_padded_tokens == t \
-                and not step.static_bounds:
+        t = step.bucket
+        if t != int(args[0].shape[-1]) or t not in self._bucket_set:
+            raise ValueError(f"PiecewiseRunner: the step is described for bucket {t} ({step.mode}) but its graph "
+                             f"inputs hold {int(args[0].shape[-1])} tokens (buckets: {self.buckets}); describe "
+                             "steps with ModelRunner.describe_step after building their metadata")
+        # (what this runner can run: a descriptor made for decode or mixed graphs it has off runs on pieces)
+        if step.mode == "decode_graph" and self.decode_graph:
             out = self._run_whole_graph(self._decode_graphs, "decode_graph", f"decode graph (batch {t})", t, args)
             if out is not None:
                 self.stats["decode_graph"] += 1
                 return out
-        if step.static_bounds and t <= self.mixed_graph_max_tokens:
+        elif step.mode == "mixed_graph" and t <= self.mixed_graph_max_tokens:
             out = self._run_whole_graph(self._mixed_graphs, "mixed_graph", f"mixed graph ({t} tokens)", t, args)
             if out is not None:
                 self.stats["mixed_graph"] += 1
                 return out
-        self._bucket = t
-        try:
-            out = self.graph_module(*args)
-        finally:
-            self._bucket = None
+        out = self._module_for(t)(*args)
         self.stats["piecewise"] += 1
         return out
+
+    def _module_for(self, bucket: int) -> torch.fx.GraphModule:
+        """The graph module of `bucket`: its static pieces bound to the bucket (made at first use)."""
+        gm = self._bucket_modules.get(bucket)
+        if gm is None:
+            attrs = {name: _PieceAt(v, bucket) if isinstance(v, _StaticPiece) else v
+                     for name, v in self._piece_attrs.items()}
+            gm = self._bucket_modules[bucket] = torch.fx.GraphModule(attrs, _copy_graph(self.split.module),
+                                                                     f"PiecewiseGraphs{bucket}")
+        return gm
 
     def _derive_token_dims(self, args: tuple) -> None:
         """Tell every compile group which of its inputs vary with the token count (piece_shapes), from

@@ -49,7 +49,7 @@ import numpy as np
 import torch
 
 from .errors import CapacityError
-from ..custom_ops.backend_registry import SCRATCH_PAGE
+from ..custom_ops.attention.registry import SCRATCH_PAGE
 
 
 @dataclass(frozen=True)

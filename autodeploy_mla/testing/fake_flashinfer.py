@@ -16,7 +16,7 @@ import types
 
 import torch
 
-from ..custom_ops.backend_registry import DeviceInfo, Target
+from ..custom_ops.attention.registry import DeviceInfo, Target
 
 
 class FakeMLAWrapper:

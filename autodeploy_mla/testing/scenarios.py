@@ -16,10 +16,10 @@ from typing import Any, Optional
 
 import torch
 
-from ..custom_ops.backend_registry import BackendSession, MLABackend, SessionSpec, Target, get_backend
-from ..custom_ops.cache_format import UNIT_SCALES, CacheScales, dequantize_rows, quantize_rows
-from ..custom_ops.mla_dims import MLADims
-from ..custom_ops.step_context import using_sessions
+from ..custom_ops.attention.registry import BackendSession, MLABackend, SessionSpec, Target, get_backend
+from ..custom_ops.attention.cache_format import UNIT_SCALES, CacheScales, dequantize_rows, quantize_rows
+from ..custom_ops.attention.mla_dims import MLADims
+from ..custom_ops.attention.step_context import using_sessions
 from ..runtime.model_runner import step_descriptor
 from ..runtime.page_allocator import PageAllocator
 from ..runtime.sequence_info import SequenceInfo, StepSequence

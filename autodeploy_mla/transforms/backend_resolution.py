@@ -9,13 +9,14 @@ kernels read FP8 for those dims).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Optional
 
 import torch
 
-from ..custom_ops.backend_registry import BackendDecision, CheckResult, DeviceInfo, Target, all_backends, get_backend
-from ..custom_ops.cache_format import cache_dtype_name
-from ..custom_ops.mla_dims import MLADims
+from ..custom_ops.attention.registry import BackendDecision, CheckResult, DeviceInfo, Target, all_backends, get_backend
+from ..custom_ops.attention.cache_format import cache_dtype_name
+from ..custom_ops.attention.mla_dims import MLADims
 
 #: Keys of the `preference:` table: one auto order per device class.
 DEVICE_CLASSES: tuple[str, ...] = ("sm100", "sm90", "sm80", "cuda", "cpu")
@@ -52,6 +53,21 @@ def accepts(name: str, dims: MLADims, dtype: torch.dtype, cache_dtype: torch.dty
     if cache_dtype != dtype:
         return CheckResult(True, f"{res.reason}; {cache.reason}")
     return res
+
+
+def first_accepted(order: Sequence[str], skip: str, verdict: Callable[[str], CheckResult],
+                   rejected: list[tuple[str, str]]) -> tuple[Optional[str], str]:
+    """The one resolution loop, for dense and sparse layers alike: the first backend of `order` (other
+    than `skip`, already tried) whose `verdict` accepts the node, with the verdict's reason; every one
+    refused before it is appended to `rejected` with its reason. (None, "") when none accepts."""
+    for name in order:
+        if name == skip:
+            continue
+        res = verdict(name)
+        if res.ok:
+            return name, res.reason
+        rejected.append((name, res.reason))
+    return None, ""
 
 
 def resolve_backend(
@@ -91,14 +107,10 @@ def resolve_backend(
             f"{layer}: no backend preference for device class {key!r}; add "
             f"insert_cached_mla_attention.preference.{key} (known backends: {', '.join(all_backends())})."
         )
-    for name in order:
-        if name == requested:
-            continue
-        res = accepts(name, dims, dtype, cache_dtype, target)
-        if res.ok:
-            how = "fallback" if requested != "auto" else "auto"
-            return BackendDecision(layer, dims, requested, name, f"{how}: first accepted in {key} order; {res.reason}",
-                                   tuple(rejected))
-        rejected.append((name, res.reason))
+    name, why = first_accepted(order, requested, lambda b: accepts(b, dims, dtype, cache_dtype, target), rejected)
+    if name is not None:
+        how = "fallback" if requested != "auto" else "auto"
+        return BackendDecision(layer, dims, requested, name, f"{how}: first accepted in {key} order; {why}",
+                               tuple(rejected))
     lines = "; ".join(f"{b}: {r}" for b, r in rejected)
     raise BackendResolutionError(f"{layer}: no backend can serve {what} on {target.short()}: {lines}")

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 from torch import nn
 
-from ..custom_ops.backend_registry import BackendDecision, Target
+from ..custom_ops.attention.registry import BackendDecision, Target
 from ..models.checkpoint import ShardSpec
 from ..runtime.artifacts import CompiledModel, GraphSignature, LogitsRows, RunnerOptions, TensorParallel
 from ..runtime.piecewise import SplitGraph

@@ -45,8 +45,7 @@ import torch
 from pydantic import Field
 from torch.fx import GraphModule, Node
 
-from ..custom_ops.moe import HAS_TRITON, TRITON_IMPORT_ERROR
-from ..custom_ops.triton_mla.tuning import interpreting
+from ..custom_ops.moe.backends import resolve_moe_backend
 from .context import BuildContext
 from .fx_utils import (ASSERT_METADATA, CASTS, RESHAPES, aten, erase_dead_region, grouped_mm_ops, is_op,
                        module_path, module_tensor, shape, skip, val)
@@ -470,39 +469,6 @@ def fuse_shared(gm: GraphModule, m: ExpertsMatch, fused: Node, sh: SharedMatch) 
     return ", ".join(names)
 
 
-def triton_unavailable(dev: Any) -> Optional[str]:
-    """Why Triton kernels cannot run on the build's device (`Target.device`), or None when they can.
-    Shared by the fusion passes that have Triton kernels (fuse_moe, fuse_routing)."""
-    if not HAS_TRITON:
-        return f"triton not installed ({TRITON_IMPORT_ERROR})"
-    if dev.type == "cpu" and not interpreting():
-        return "Triton kernels need a CUDA GPU (on CPU only through TRITON_INTERPRET=1)"
-    if dev.type not in ("cpu", "cuda"):
-        return f"device type {dev.type!r} unsupported"
-    return None
-
-
-def _backend_for(ctx: BuildContext, dtype: Optional[torch.dtype], requested: str) -> tuple[Optional[str], str]:
-    """(backend or None to keep the model's subgraph, reason)."""
-    if requested == "torch":
-        return "torch", "configured: torch reference (dense over experts; for tests)"
-    dev = ctx.target.device
-    why = triton_unavailable(dev)
-    if why is None and dev.sm is not None and dev.sm < 80 and dtype in (torch.bfloat16,):
-        why = f"bf16 tl.dot needs SM80+, device is {dev.short()}"
-    if why is None and dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        why = f"dtype {dtype} unsupported"
-    if requested == "auto" and dev.type == "cpu":
-        return None, ("kept the model's experts: auto fuses on CUDA only (on CPU, backend: triton runs the "
-                      "kernels in Triton's interpreter, for tests)")
-    if why is None:
-        return "triton", f"triton on {dev.short()}: fused layout + gate-fused up GEMM + weighted down GEMM"
-    if requested == "triton":
-        raise ValueError(f"transforms.fuse_moe.backend=triton cannot run here: {why}; use backend: auto "
-                         "(keeps the model's experts) or torch")
-    return None, f"kept the model's experts: {why}"
-
-
 def _fuse_shared_entry(gm: GraphModule, m: ExpertsMatch, fused: Node, mode: SharedMode) -> str:
     """Report text of the shared-expert fusion of one layer (done or why not)."""
     if mode == "never":
@@ -536,7 +502,8 @@ def fuse_moe(ctx: BuildContext, opts: FuseMoEOptions) -> PassResult:
             layers.append({"layer": layer, "backend": None, "reason": f"not an experts region: {exc}"})
             continue
         wv = val(m.w_up)
-        backend, reason = _backend_for(ctx, wv.dtype if wv is not None else None, opts.backend)
+        backend, reason = resolve_moe_backend("experts", opts.backend, ctx.target.device,
+                                              dtype=wv.dtype if wv is not None else None)
         entry = {"layer": layer, "experts": m.num_experts, "top_k": m.top_k, "hidden": m.hidden,
                  "intermediate": m.inter, "backend": backend, "reason": reason}
         if backend is not None:
@@ -556,4 +523,4 @@ def fuse_moe(ctx: BuildContext, opts: FuseMoEOptions) -> PassResult:
 
 
 __all__ = ["SHARED_AUTO_MAX_BYTES", "ExpertsMatch", "FuseMoEOptions", "SharedMatch", "fuse_moe", "fuse_shared",
-           "match_experts", "match_shared", "rewrite", "triton_unavailable"]
+           "match_experts", "match_shared", "rewrite"]

@@ -40,10 +40,9 @@ import torch
 from pydantic import Field
 from torch.fx import GraphModule, Node
 
-from ..custom_ops.moe.routing import HALF_DTYPES, MAX_EXPERTS, RoutingSpec, route_reference
-from ..custom_ops.triton_mla.tuning import interpreting
+from ..custom_ops.moe.backends import resolve_moe_backend
+from ..custom_ops.moe.routing import HALF_DTYPES, RoutingSpec, route_reference
 from .context import BuildContext
-from .fuse_moe import triton_unavailable
 from .fx_utils import ASSERT_METADATA, CASTS, aten, erase_dead_region, is_op, module_stack, shape, val
 from .registry import PassOptions, PassResult, Stage, register_pass
 
@@ -322,25 +321,6 @@ class FuseRoutingOptions(PassOptions):
                                               "on tensor cores from bf16/fp16 operands with fp32 sums")
 
 
-def _backend_for(ctx: BuildContext, requested: str, num_experts: int) -> tuple[Optional[str], str]:
-    if requested == "torch":
-        return "torch", "configured: torch reference (HF's calls)"
-    dev = ctx.target.device
-    why = triton_unavailable(dev)
-    if why is None and num_experts > MAX_EXPERTS:
-        why = f"{num_experts} experts exceed the kernel's {MAX_EXPERTS}"
-    if requested == "auto" and (dev.type != "cuda" or interpreting()):
-        where = "under TRITON_INTERPRET=1" if interpreting() else f"on {dev.short()}"
-        return "torch", (f"torch reference {where}: the model's own calls in one op (auto runs the Triton kernel "
-                         "compiled on CUDA only; backend: triton forces the interpreter)")
-    if why is None:
-        return "triton", f"triton on {dev.short()}: one kernel per router"
-    if requested == "triton":
-        raise ValueError(f"transforms.fuse_routing.backend=triton cannot run here: {why}; use backend: auto "
-                         "or torch (the reference)")
-    return None, f"kept the model's routing: {why}"
-
-
 @register_pass("fuse_routing", FuseRoutingOptions, stage=Stage.FUSE, requires=("export",))
 def fuse_routing(ctx: BuildContext, opts: FuseRoutingOptions) -> PassResult:
     gm = ctx.gm
@@ -370,7 +350,8 @@ def fuse_routing(ctx: BuildContext, opts: FuseRoutingOptions) -> PassResult:
         except _NoMatch as exc:
             layers.append({"layer": path, "backend": None, "reason": f"not replaced: {exc}"})
             continue
-        backend, reason = _backend_for(ctx, opts.backend, m.num_experts)
+        backend, reason = resolve_moe_backend("routing", opts.backend, ctx.target.device,
+                                              num_experts=m.num_experts)
         s = m.spec
         entry = {"layer": path, "experts": m.num_experts, "top_k": s.top_k, "score": s.score,
                  "groups": f"{s.topk_group}/{s.n_group} by {s.group_score}" if s.grouped else "none",

@@ -20,12 +20,12 @@ from typing import TypeVar
 import torch
 from pydantic import Field, field_validator
 
-from ..custom_ops.backend_registry import all_backends, get_backend
-from ..custom_ops.cache_format import UNIT_SCALES, CacheScales, cache_dtype_name, is_fp8, resolve_cache_dtype
-from ..custom_ops.mla_dims import MLADims
-from ..custom_ops.torch_mla import source_arg
+from ..custom_ops.attention.registry import all_backends, get_backend
+from ..custom_ops.attention.cache_format import UNIT_SCALES, CacheScales, cache_dtype_name, is_fp8, resolve_cache_dtype
+from ..custom_ops.attention.mla_dims import MLADims
+from ..custom_ops.attention.torch_mla import source_arg
 from .fx_utils import module_path
-from ..custom_ops.sparse_mla import INDEXER_METADATA
+from ..custom_ops.attention.sparse_mla import INDEXER_METADATA
 from .insert_cached_sparse import INDEX_CACHE_PREFIX, LATENT_CACHE_PREFIX, rewrite_sparse, sparse_decision
 from .sparse_export import sparse_mla_nodes, sparse_node_dims
 from ..runtime.artifacts import CacheInput, GraphSignature

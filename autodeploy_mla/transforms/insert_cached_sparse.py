@@ -6,8 +6,9 @@ cache (the dense MLA layout, [pages, page_size, R + Dr]); each `torch_dsa_indexe
 ([pages, page_size, D], `dsa_index_cache_<i>`), paged by the same page table so one allocation
 covers both. Layers that reuse an earlier layer's selection (GLM-5 "shared") keep only the latent.
 Backends, in `auto` order on CUDA: FlashInfer's MLA wrapper over one-token pages
-(flashinfer_sparse.py), Triton (gather kernels, triton_mla/sparse.py), else the torch reference; the
-decision says which and why, and why each faster one was passed over.
+(flashinfer/sparse.py), Triton (gather kernels, triton_mla/sparse.py), else the torch reference; the
+decision says which and why, and why each faster one was passed over. The ops come from each
+backend's descriptor (`sparse_ops`, resolved by `sparse_ops_of`): this pass imports no backend.
 """
 
 from __future__ import annotations
@@ -17,28 +18,25 @@ from typing import Any
 
 import torch
 
-from ..custom_ops.backend_registry import BackendDecision, CacheSpec, Target, get_backend
-from ..custom_ops.cache_format import CacheScales, is_fp8
-from ..custom_ops.flashinfer_sparse import flashinfer_mla_sparse_with_cache
-from ..custom_ops.mla_dims import MLADims
-from ..custom_ops.sparse_mla import DSA_INDEXER, DSA_INDEXER_WITH_CACHE, INDEXER_METADATA
-from ..custom_ops.torch_backend import torch_mla_sparse_with_cache
-from ..custom_ops.triton_mla.sparse import DSA_INDEXER_WITH_CACHE as TRITON_INDEXER_WITH_CACHE
-from ..custom_ops.triton_mla.sparse import triton_mla_sparse_with_cache
+from ..custom_ops.attention.cache_format import CacheScales, is_fp8
+from ..custom_ops.attention.mla_dims import MLADims
+from ..custom_ops.attention.registry import BackendDecision, CacheSpec, Target, all_backends, get_backend, sparse_ops_of
+from ..custom_ops.attention.sparse_mla import DSA_INDEXER, INDEXER_METADATA
 from ..runtime.artifacts import CacheInput
+from .backend_resolution import first_accepted
 
 
 #: backends that serve sparse layers, in `auto` order (fastest first on the H200:
 #: docs/benchmarks/sparse_mla.md)
 SPARSE_BACKENDS = ("flashinfer_mla_sparse", "triton", "torch")
-#: a dense backend requested for every layer serves a model's sparse layers through its sparse sibling
-SPARSE_SIBLING = {"flashinfer_mla": "flashinfer_mla_sparse"}
-#: backend -> (cached indexer op, cached sparse MLA op)
-SPARSE_OPS = {
-    "torch": (DSA_INDEXER_WITH_CACHE, torch_mla_sparse_with_cache),
-    "triton": (TRITON_INDEXER_WITH_CACHE, triton_mla_sparse_with_cache),
-    "flashinfer_mla_sparse": (TRITON_INDEXER_WITH_CACHE, flashinfer_mla_sparse_with_cache),
-}
+
+
+def sparse_sibling(requested: str) -> str:
+    """A dense backend requested for every layer serves a model's sparse layers through the sparse
+    sibling its descriptor declares (`MLABackend.sparse_sibling`); any other name stays as it is."""
+    be = all_backends().get(requested)
+    return be.sparse_sibling if be is not None and be.sparse_sibling else requested
+
 LATENT_CACHE_PREFIX = "mla_cache_"
 INDEX_CACHE_PREFIX = "dsa_index_cache_"
 INDEXER = DSA_INDEXER.default
@@ -50,7 +48,7 @@ def sparse_decision(layer: str, dims: MLADims, dtype: torch.dtype, requested: st
     maps to it) must be accepted by that backend's check, or with `allow_fallback` resolution goes on
     as for `auto`, which takes the first of SPARSE_BACKENDS whose check accepts the layer on a CUDA
     device, else the torch reference."""
-    wanted = SPARSE_SIBLING.get(requested, requested)
+    wanted = sparse_sibling(requested)
     if wanted not in ("auto", *SPARSE_BACKENDS):
         raise ValueError(f"{layer}: backend {requested!r} was requested, but {layer} is sparse MLA (DeepSeek Sparse "
                          f"Attention), which only {', '.join(map(repr, SPARSE_BACKENDS))} serve so far; request 'auto' "
@@ -66,16 +64,13 @@ def sparse_decision(layer: str, dims: MLADims, dtype: torch.dtype, requested: st
                              "Choose another backend, use `auto`, or set insert_cached_mla_attention.allow_fallback: true.")
         rejected.append((wanted, res.reason))
     if target.device.type == "cuda":
-        for name in SPARSE_BACKENDS[:-1]:
-            if name == wanted:
-                continue
-            res = get_backend(name).check(dims, dtype, target)
-            if res.ok:
-                how = "fallback" if wanted != "auto" else "auto"
-                return BackendDecision(layer, dims, requested, name,
-                                       f"sparse MLA (DSA): {how}: first accepted in the sparse auto order; {res.reason}",
-                                       tuple(rejected))
-            rejected.append((name, res.reason))
+        name, why = first_accepted(SPARSE_BACKENDS[:-1], wanted, lambda b: get_backend(b).check(dims, dtype, target),
+                                   rejected)
+        if name is not None:
+            how = "fallback" if wanted != "auto" else "auto"
+            return BackendDecision(layer, dims, requested, name,
+                                   f"sparse MLA (DSA): {how}: first accepted in the sparse auto order; {why}",
+                                   tuple(rejected))
     why = "not on CUDA" if target.device.type != "cuda" else "no faster sparse backend accepts the layer"
     return BackendDecision(layer, dims, requested, "torch", f"sparse MLA (DSA): torch reference ({why})",
                            tuple(rejected))
@@ -112,7 +107,8 @@ def rewrite_sparse(
         k = first_index + i
         with gm.graph.inserting_after(last):
             latent = last = gm.graph.placeholder(f"{LATENT_CACHE_PREFIX}{k}")
-        indexer_op, sparse_op = SPARSE_OPS[d.backend]
+        ops = sparse_ops_of(d.backend)  # declared by the backend's descriptor
+        indexer_op, sparse_op = ops.indexer, ops.attention
         topk_width = int(node.args[5].meta["val"].shape[-1])
         caches.append(CacheInput(latent.name, d.layer, d.backend, d.dims, get_backend(d.backend).cache_spec(d.dims, dtype),
                                  index_topk=topk_width))

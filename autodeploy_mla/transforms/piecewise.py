@@ -1,9 +1,9 @@
 """`piecewise`: split the cached graph around its dynamic (attention) ops (DESIGN §9).
 
-Split points are found by op identity, from the backend registry: every registered cached op
-(`cached_ops()`, i.e. every descriptor with `is_dynamic`) plus any extra op a descriptor lists in
-an optional `dynamic_ops` attribute (e.g. a metadata-preparation op). No op-name matching: a new
-backend is a split point as soon as it is registered.
+Split points are found by op identity, from the backend registry: every op a descriptor declares
+(`MLABackend.split_ops()`: its cached op when `is_dynamic`, and its declared `sparse_ops`). No
+op-name matching and no undeclared attributes: a new backend is a split point as soon as it is
+registered.
 
 The graph is partitioned in node order: a static piece collects nodes until the next dynamic op,
 which gets a piece of its own. The partition DAG is built with networkx and must be acyclic;
@@ -30,7 +30,7 @@ import torch
 from pydantic import Field, field_validator
 from torch.fx.passes.split_module import split_module
 
-from ..custom_ops.backend_registry import MLABackend, all_backends, cached_ops
+from ..custom_ops.attention.registry import MLABackend, all_backends
 from ..runtime.artifacts import RunnerOptions
 from ..runtime.piecewise import (AUTO_BUCKET_LIMIT, DYNAMIC, MIXED_GRAPH_MAX_TOKENS, STATIC, Piece, SplitGraph,
                                  assign_compile_groups, resolve_buckets)
@@ -93,12 +93,9 @@ class PiecewiseOptions(PassOptions):
 # ----------------------------------------------------------------------------- split points
 def split_point_ops() -> dict[Any, MLABackend]:
     """op (packet and overload) -> the descriptor it belongs to, for every split-point op."""
-    registered = cached_ops()
     out: dict[Any, MLABackend] = {}
     for be in all_backends().values():
-        ops = [be.cached_op] if be.cached_op in registered else []
-        ops += list(getattr(be, "dynamic_ops", ()) or ())
-        for op in ops:
+        for op in be.split_ops():
             out[op] = be
             default = getattr(op, "default", None)
             if default is not None:

@@ -50,9 +50,9 @@ import torch
 from pydantic import Field, model_validator
 from torch.fx import GraphModule, Node
 
-from ..custom_ops.mla_dims import MLADims
+from ..custom_ops.attention.mla_dims import MLADims
 from ..custom_ops.tp_all_reduce import ALL_REDUCE, DEFAULT_ONE_SHOT_MAX_BYTES, TP_ALL_REDUCE, WAIT_TENSOR
-from ..custom_ops.torch_mla import source_arg
+from ..custom_ops.attention.torch_mla import source_arg
 from .sparse_export import TORCH_MLA_SPARSE
 from ..models.checkpoint import ShardSpec
 from ..runtime.artifacts import TensorParallel

@@ -5,7 +5,7 @@ Exporting the HF code as written fails (`topk(min(index_topk, T))` leaves torch.
 mask that no MLA matcher may rewrite. So while the model is exported, each sparse attention module
 runs `sparse_forward` instead: the module's own projections and norms, the RoPE and index details in
 its `LayerFacts`, the indexer's score + top-k as `torch_dsa_indexer` and the attention as
-`torch_mla_sparse` (custom_ops/sparse_mla.py).
+`torch_mla_sparse` (custom_ops/attention/sparse_mla.py).
 
 The facts are proven, not looked up (transforms/sparse_facts.py has the candidates). Once per kind of
 layer (its class, and whether it runs an indexer) the module's own forward runs on a random sequence
@@ -35,9 +35,9 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from ..custom_ops import sparse_mla
-from ..custom_ops.mla_dims import MLADims, infer_dims
-from ..custom_ops.sparse_mla import SPARSE_OP
+from ..custom_ops.attention import sparse_mla
+from ..custom_ops.attention.mla_dims import MLADims, infer_dims
+from ..custom_ops.attention.sparse_mla import SPARSE_OP
 from ..models.skeleton import is_placeholder, is_skeleton
 from ..models.sparse_attention import SparseAttentionInfo, indexer_topk
 from .fx_utils import module_path

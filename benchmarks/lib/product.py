@@ -42,7 +42,7 @@ PUBLIC: dict[str, str] = {
     "step_descriptor": "autodeploy_mla.runtime.model_runner:step_descriptor",
     "track_graph": "autodeploy_mla.runtime.cuda_graphs:track_graph",
     # the backend contract and registry
-    "backend_registry": f"{_OPS}.backend_registry",
+    "backend_registry": f"{_OPS}.attention.registry",
     "BackendSession": f"{_OPS}:BackendSession",
     "MLADims": f"{_OPS}:MLADims",
     "SessionSpec": f"{_OPS}:SessionSpec",
@@ -50,26 +50,32 @@ PUBLIC: dict[str, str] = {
     "all_backends": f"{_OPS}:all_backends",
     "get_backend": f"{_OPS}:get_backend",
     "library_versions": f"{_OPS}:library_versions",
-    "using_sessions": f"{_OPS}.step_context:using_sessions",
-    "active_session": f"{_OPS}.step_context:active_session",
-    "resolve_scale": f"{_OPS}.mla_dims:resolve_scale",
-    "FP8_DTYPE": f"{_OPS}.cache_format:FP8_DTYPE",
+    "using_sessions": f"{_OPS}.attention.step_context:using_sessions",
+    "active_session": f"{_OPS}.attention.step_context:active_session",
+    "resolve_scale": f"{_OPS}.attention.mla_dims:resolve_scale",
+    "FP8_DTYPE": f"{_OPS}.attention.cache_format:FP8_DTYPE",
     # FlashInfer backend
-    "FlashInferPolicy": f"{_OPS}.flashinfer_mla:FlashInferPolicy",
-    "mla_csr": f"{_OPS}.flashinfer_metadata:mla_csr",
+    "FlashInferPolicy": f"{_OPS}.flashinfer.mla:FlashInferPolicy",
+    "mla_csr": f"{_OPS}.flashinfer.metadata:mla_csr",
     # Triton MLA backend
     "TritonPolicy": f"{_TRITON}:TritonPolicy",
     "triton_op": f"{_TRITON}.op",
+    "triton_launchers": f"{_TRITON}.launchers",
     "triton_tuning": f"{_TRITON}.tuning",
     "triton_kernels": f"{_TRITON}.kernels",
     "gluon_decode": f"{_TRITON}.gluon_decode",
     "gluon_common": f"{_TRITON}.gluon_common",
     "BoundKernel": f"{_TRITON}.launch:BoundKernel",
+    "TritonCall": f"{_TRITON}.call:OpCall",
+    "launch_append": f"{_TRITON}.launchers:launch_append",
+    "launch_absorbed": f"{_TRITON}.launchers:launch_absorbed",
+    "gluon_decode_choice": f"{_TRITON}.launchers:gluon_decode_choice",
+    "launch_gluon_decode": f"{_TRITON}.launchers:launch_gluon_decode",
     "num_sms": f"{_TRITON}.tuning:num_sms",
-    "LOG2E": f"{_TRITON}.op:LOG2E",
-    "quantize_queries": f"{_TRITON}.op:quantize_queries",
+    "LOG2E": f"{_TRITON}.launchers:LOG2E",
+    "quantize_queries": f"{_TRITON}.launchers:quantize_queries",
     # sparse MLA
-    "INDEXER_METADATA": f"{_OPS}.sparse_mla:INDEXER_METADATA",
+    "INDEXER_METADATA": f"{_OPS}.attention.sparse_mla:INDEXER_METADATA",
     # MoE
     "MoEConfig": f"{_OPS}.moe:MoEConfig",
     "fused_moe": f"{_OPS}.moe:fused_moe",
@@ -87,12 +93,7 @@ PUBLIC: dict[str, str] = {
 
 #: public name here -> a private name of the package (see the module docstring)
 REACH_INS: dict[str, str] = {
-    "TritonCall": f"{_TRITON}.op:_Call",
-    "launch_append": f"{_TRITON}.op:_launch_append",
-    "launch_absorbed": f"{_TRITON}.op:_launch_absorbed",
-    "gluon_decode_choice": f"{_TRITON}.op:_gluon_decode_choice",
-    "launch_gluon_decode": f"{_TRITON}.op:_launch_gluon_decode",
-    "reduce_meta": f"{_TRITON}.op:_reduce_meta",
+    "reduce_meta": f"{_TRITON}.launchers:_reduce_meta",
     "GLUON_ERROR": f"{_TRITON}.gluon_common:_GLUON_ERROR",
     "gluon_alloc_ring": f"{_TRITON}.gluon_common:_alloc_ring",
     "gluon_loader": f"{_TRITON}.gluon_common:_loader",
@@ -135,7 +136,7 @@ def triton_launch_config(name: str, cfg: Any):
     module looks it up. TritonPolicy has no launch-config knob yet, so the `--tune` sweep of the
     kernel benchmark needs this one patch; it lives here because it depends on which module does
     the lookup."""
-    op = resolve("triton_op")
+    op = resolve("triton_launchers")
     orig = getattr(op, name)
     setattr(op, name, lambda *a, **k: cfg)
     try:

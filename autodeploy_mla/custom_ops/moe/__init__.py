@@ -7,3 +7,4 @@ the `fuse_moe` pass keeps the model's own experts subgraph (saying why).
 from .ops import ACTIVATIONS, HAS_TRITON, TRITON_IMPORT_ERROR, check_moe_inputs, fused_moe  # noqa: F401
 from .ops import torch_moe_experts, triton_moe_experts  # noqa: F401
 from .tuning import MoEConfig, moe_config  # noqa: F401
+from .backends import MOE_BACKENDS, resolve_moe_backend  # noqa: F401

@@ -28,7 +28,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..triton_mla.kernels import _dot
+from ..triton_helpers import dot
 
 
 @triton.jit(do_not_specialize=["n_pairs"])
@@ -150,8 +150,8 @@ def up_kernel(
         a = tl.load(a_ptr, mask=rmask[:, None] & kmask[None, :], other=0.0)
         wg = tl.load(g_ptr, mask=kmask[:, None] & nmask[None, :], other=0.0)
         wu = tl.load(u_ptr, mask=kmask[:, None] & nmask[None, :], other=0.0)
-        acc_g += _dot(a, wg, DOT_PREC)
-        acc_u += _dot(a, wu, DOT_PREC)
+        acc_g += dot(a, wg, DOT_PREC)
+        acc_u += dot(a, wu, DOT_PREC)
         a_ptr += BLOCK_K * stride_xk
         g_ptr += BLOCK_K * stride_wk
         u_ptr += BLOCK_K * stride_wk
@@ -185,7 +185,7 @@ def down_kernel(
         kmask = offs_k < K - k0
         a = tl.load(a_ptr, mask=rmask[:, None] & kmask[None, :], other=0.0)
         w = tl.load(w_ptr, mask=kmask[:, None] & nmask[None, :], other=0.0)
-        acc += _dot(a, w, DOT_PREC)
+        acc += dot(a, w, DOT_PREC)
         a_ptr += BLOCK_K
         w_ptr += BLOCK_K * stride_wk
     _store_weighted(acc, TOPK_W, OUT, pairs, rmask, offs_n, nmask, stride_ot)
@@ -251,7 +251,7 @@ def up_sorted_kernel(
         for ki in range(k_tiles):
             a = XS_DESC.load([m0, ki * BLOCK_K])
             w = W_DESC.load([e * 2, pid_n * BLOCK_N, ki * BLOCK_K]).reshape([2 * BLOCK_N, BLOCK_K])
-            acc += _dot(a, tl.trans(w), DOT_PREC)
+            acc += dot(a, tl.trans(w), DOT_PREC)
         gate, up = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, BLOCK_N]), [0, 2, 1]))
         h = gate / (1.0 + tl.exp(-gate)) * up  # silu(gate) * up
         O_DESC.store([m0, pid_n * BLOCK_N], h.to(O_DESC.dtype))
@@ -275,7 +275,7 @@ def down_sorted_kernel(
         for ki in range(k_tiles):
             a = A_DESC.load([m0, ki * BLOCK_K])
             w = W_DESC.load([row_w, ki * BLOCK_K])
-            acc += _dot(a, tl.trans(w), DOT_PREC)
+            acc += dot(a, tl.trans(w), DOT_PREC)
         _, pairs, rmask = _block_pairs(SORTED, pid_m, n_pairs, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         _store_weighted(acc, TOPK_W, OUT, pairs, rmask, offs_n, offs_n < N, stride_ot)

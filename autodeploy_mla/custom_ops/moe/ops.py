@@ -26,7 +26,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from ..triton_mla.tuning import dot_precision, interpreting, pow2
+from ..triton_helpers import dot_precision, interpreting, pow2
 from .tuning import MoEConfig, moe_config
 
 try:  # Triton is optional: without it `triton_moe_experts` raises and the pass never picks it.

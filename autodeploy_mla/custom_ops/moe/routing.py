@@ -34,7 +34,7 @@ from typing import Literal, Optional
 
 import torch
 
-from ..triton_mla.tuning import pow2
+from ..triton_helpers import pow2
 
 try:
     from . import route_kernel as RK

@@ -29,46 +29,13 @@ score multipliers (latent, rope) and one output multiplier, never as a dequantis
 
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
 
+from ..triton_helpers import dot
+
 FP8_MAX = tl.constexpr(448.0)  # largest finite e4m3 magnitude (cache_format.FP8_MAX)
 P_SCALE = tl.constexpr(256.0)  # softmax probabilities (<= 1) times this before their e4m3 cast
-
-
-def _fix_interpreter_scalar_index() -> None:
-    """TRITON_INTERPRET=1 with NumPy >= 2.4: the interpreter turns a scalar tensor into a Python int
-    with int(array) on a 1-element 1-d array, which NumPy now refuses, so `range(lo, hi)` with
-    run-time bounds fails. Patch that one conversion (restored with the interpreter's own patches)."""
-    import numpy as np
-    from triton.runtime import interpreter as interp
-
-    orig = getattr(interp, "_patch_lang_tensor", None)
-    if orig is None or getattr(orig, "_autodeploy_mla", False):
-        return
-
-    def patched(tensor, scope):
-        orig(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
-
-    patched._autodeploy_mla = True
-    interp._patch_lang_tensor = patched
-
-
-if os.environ.get("TRITON_INTERPRET", "0") == "1":
-    _fix_interpreter_scalar_index()
-
-
-@triton.jit
-def _dot(a, b, DOT_PREC: tl.constexpr):
-    # DOT_PREC "upcast": the interpreter (TRITON_INTERPRET=1, triton 3.6) computes bf16/fp16 tl.dot
-    # wrongly, so CPU runs multiply in fp32 (same rounding of the inputs, fp32 accumulate as on GPU).
-    if DOT_PREC == "upcast":
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    else:
-        return tl.dot(a, b, input_precision=DOT_PREC)
 
 
 # Run-time counts and offsets are not specialised on (==1, %16): one compiled kernel serves every
@@ -246,12 +213,12 @@ def absorbed_attn_kernel(
         # Masked loads (other=0): slots past the history may hold anything, NaN included.
         kv = tl.load(row_ptr[:, None] + offs_r[None, :], mask=pmask[:, None] & rmask[None, :], other=0.0)
         kv = kv.to(q.dtype)
-        s = _dot(q, tl.trans(kv), DOT_PREC)
+        s = dot(q, tl.trans(kv), DOT_PREC)
         if SCALED:
             s = s * s_lat
         if DR > 0:
             kpe = tl.load(row_ptr[:, None] + R + offs_d[None, :], mask=pmask[:, None] & dmask[None, :], other=0.0)
-            s_pe = _dot(qpe, tl.trans(kpe.to(qpe.dtype)), DOT_PREC)
+            s_pe = dot(qpe, tl.trans(kpe.to(qpe.dtype)), DOT_PREC)
             if SCALED:
                 s_pe = s_pe * s_rope
             s += s_pe
@@ -267,9 +234,9 @@ def absorbed_attn_kernel(
             p8 = p * P_SCALE
             if EXACT_CAST:
                 p8 = _round_e4m3(p8)
-            acc = acc * alpha[:, None] + _dot(p8.to(kv.dtype), kv, DOT_PREC)
+            acc = acc * alpha[:, None] + dot(p8.to(kv.dtype), kv, DOT_PREC)
         else:
-            acc = acc * alpha[:, None] + _dot(p.to(kv.dtype), kv, DOT_PREC)
+            acc = acc * alpha[:, None] + dot(p.to(kv.dtype), kv, DOT_PREC)
         m_i = m_new
 
     has = l_i > 0.0
@@ -296,11 +263,11 @@ def _heads_on_n_tile(accT, accT2, m_i, l_i, qT, qT2, qpeT, kv, kv2, kpe, pos, co
     """One KV tile of absorbed_attn_heads_on_n_kernel: scores [BLOCK_N, COLS], softmax down the kv axis."""
     kv = kv.to(qT.dtype)
     kv2 = kv2.to(qT.dtype)
-    s = _dot(kv, qT, DOT_PREC) + _dot(kv2, qT2, DOT_PREC)
+    s = dot(kv, qT, DOT_PREC) + dot(kv2, qT2, DOT_PREC)
     if SCALED:
         s = s * latent_scale
     if DR > 0:
-        s_pe = _dot(kpe.to(qpeT.dtype), qpeT, DOT_PREC)
+        s_pe = dot(kpe.to(qpeT.dtype), qpeT, DOT_PREC)
         if SCALED:
             s_pe = s_pe * rope_scale
         s += s_pe
@@ -313,8 +280,8 @@ def _heads_on_n_tile(accT, accT2, m_i, l_i, qT, qT2, qpeT, kv, kv2, kpe, pos, co
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 0)
     p = p.to(kv.dtype)
-    accT = accT * alpha[None, :] + _dot(tl.trans(kv), p, DOT_PREC)
-    accT2 = accT2 * alpha[None, :] + _dot(tl.trans(kv2), p, DOT_PREC)
+    accT = accT * alpha[None, :] + dot(tl.trans(kv), p, DOT_PREC)
+    accT2 = accT2 * alpha[None, :] + dot(tl.trans(kv2), p, DOT_PREC)
     return accT, accT2, m_new, l_i
 
 
@@ -583,7 +550,7 @@ def _expanded_tiles(
         else:
             kn = tl.load(KV + rows[:, None] * stride_kv_row + k_col + offs_dn[None, :],
                          mask=pmask[:, None] & (offs_dn[None, :] < DN), other=0.0)
-        s = _dot(qn, tl.trans(kn), DOT_PREC)
+        s = dot(qn, tl.trans(kn), DOT_PREC)
         if BLOCK_DN2 > 0:
             if USE_TMA:
                 kn2 = KN2_DESC.load([row0, k_col + BLOCK_DN])
@@ -591,7 +558,7 @@ def _expanded_tiles(
                 offs_dn2 = BLOCK_DN + tl.arange(0, BLOCK_DN2)
                 kn2 = tl.load(KV + rows[:, None] * stride_kv_row + k_col + offs_dn2[None, :],
                               mask=pmask[:, None] & (offs_dn2[None, :] < DN), other=0.0)
-            s += _dot(qn2, tl.trans(kn2), DOT_PREC)
+            s += dot(qn2, tl.trans(kn2), DOT_PREC)
         if DR > 0:
             if USE_TMA:
                 kp = KP_DESC.load([row0, R])
@@ -599,7 +566,7 @@ def _expanded_tiles(
                 offs_dr = tl.arange(0, BLOCK_DR)
                 kp = tl.load(LAT + rows[:, None] * stride_lat_row + R + offs_dr[None, :],
                              mask=pmask[:, None] & (offs_dr[None, :] < DR), other=0.0)
-            s += _dot(qp, tl.trans(kp), DOT_PREC)
+            s += dot(qp, tl.trans(kp), DOT_PREC)
         s = s * qk_scale
         if CAUSAL:
             s = tl.where((pos[None, :] <= row_limit[:, None]) & pmask[None, :], s, float("-inf"))
@@ -615,7 +582,7 @@ def _expanded_tiles(
         else:
             v = tl.load(KV + rows[:, None] * stride_kv_row + k_col + DN + offs_dv[None, :],
                         mask=pmask[:, None] & (offs_dv[None, :] < DV), other=0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PREC)
+        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_PREC)
         m_i = m_new
     return acc, m_i, l_i
 

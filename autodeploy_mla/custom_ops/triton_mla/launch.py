@@ -32,7 +32,7 @@ try:  # the op module imports without triton (its check() then refuses every nod
 except ImportError:  # pragma: no cover
     triton = None
 
-from .tuning import interpreting
+from ..triton_helpers import interpreting
 
 _ALIGN = 16
 

@@ -1,6 +1,6 @@
 """Sparse MLA (DSA) cached ops of the Triton backend: `triton_dsa_indexer_with_cache` and
 `triton_mla_sparse_with_cache`, the same contracts as the torch reference ops
-(custom_ops/sparse_mla.py, custom_ops/torch_backend.py) with the scoring and the attention in Triton
+(custom_ops/attention/sparse_mla.py, custom_ops/torch_backend.py) with the scoring and the attention in Triton
 (sparse_kernels.py). Appends, the W_UK / W_V products and the top-k selection stay in torch.
 
 Both are CUDA-graph safe: eagerly they size their launches from the host metadata; under capture
@@ -15,10 +15,10 @@ from typing import Optional
 
 import torch
 
-from ..cache_format import CacheScales, is_fp8
-from ..mla_dims import MLAShapeError, resolve_scale
-from ..op_contract import MLAInputs, append_to_paged_cache, check_cached_inputs, define_cached_op
-from ..sparse_mla import INDEXER_METADATA, _check_indexer, append_index_keys, select_topk
+from ..attention.cache_format import CacheScales, is_fp8
+from ..attention.mla_dims import MLAShapeError, resolve_scale
+from ..attention.contract import MLAInputs, append_to_paged_cache, check_cached_inputs, define_cached_op
+from ..attention.sparse_mla import INDEXER_METADATA, check_indexer, append_index_keys, select_topk
 
 try:
     import triton
@@ -104,7 +104,7 @@ def triton_dsa_indexer_with_cache(
 def _triton_dsa_indexer_with_cache_fake(q, k, weights, batch_info_host, max_seq_info_host, cu_seqlen, input_pos,
                                         seq_len_with_cache, page_table, batch_idx, cache_loc, index_cache,
                                         index_topk, softmax_scale):
-    _check_indexer(q, k, weights, index_topk)
+    check_indexer(q, k, weights, index_topk)
     return q.new_empty((1, q.shape[1], index_topk), dtype=torch.int32)
 
 

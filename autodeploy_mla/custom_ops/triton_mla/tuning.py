@@ -8,25 +8,14 @@ nothing here launches a kernel.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from ..backend_registry import EMULATED_SM_COUNT
-from ..mla_dims import MLADims
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def dot_precision(dtype: torch.dtype) -> str:
-    """DOT_PREC of the kernels' `_dot` for operands of `dtype`."""
-    if dtype == torch.float32:
-        return "ieee"  # exact fp32 products (no tf32), as the reference computes
-    return "upcast" if interpreting() else "tf32"  # "tf32" is ignored for 16-bit operands
+from ..attention.registry import EMULATED_SM_COUNT
+from ..attention.mla_dims import MLADims
+from ..triton_helpers import pow2
 
 
 # ----------------------------------------------------------------------------- limits (check())
@@ -141,11 +130,6 @@ class AbsorbedConfig:
     heads_on_n: bool = False  # absorbed_attn_heads_on_n_kernel (decode) instead of absorbed_attn_kernel
     tma: bool = False  # whole one-page KV tiles by tensor descriptor (heads_on_n; the launcher checks SM90+)
     warp_spec: bool = False  # heads_on_n: the whole-tile loop warp-specialised (Triton's SM90 autoWS)
-
-
-def pow2(x: int, lo: int = 16) -> int:
-    """Next power of two >= x, at least `lo` (tl.dot needs dims >= 16 when compiled)."""
-    return max(lo, 1 << (max(1, x) - 1).bit_length())
 
 
 @functools.lru_cache(maxsize=None)

@@ -27,7 +27,7 @@ from typing import Any, Optional
 
 import torch
 
-from .backend_registry import (
+from ..attention.registry import (
     CheckResult,
     MLABackend,
     SessionSpec,
@@ -36,10 +36,10 @@ from .backend_registry import (
     Target,
     register_backend,
 )
-from .cache_format import FP8_DTYPE, FP8_MAX, CacheScales, is_fp8
+from ..attention.cache_format import FP8_DTYPE, FP8_MAX, CacheScales, is_fp8
 from .capabilities import check_against_facts, check_cache_against_facts
-from .fallback import Fallback, call_fallback
-from .flashinfer_common import (
+from ..attention.handoff import Fallback, call_fallback
+from .common import (
     DEFAULT_FALLBACK_ORDER,
     FI_METADATA,
     FlashInferSession,
@@ -48,10 +48,11 @@ from .flashinfer_common import (
     import_flashinfer_module,
     plan_configs,
 )
-from .flashinfer_metadata import StepCounts, fill_trtllm_block_table, trtllm_block_table_width
-from .mla_dims import MLADims, resolve_scale
-from .op_contract import MLAInputs, append_to_paged_cache, check_cached_inputs, define_cached_op_and_kernel
-from .step_context import require_session
+from .metadata import StepCounts, fill_trtllm_block_table, trtllm_block_table_width
+from ..attention.mla_dims import MLADims, resolve_scale
+from ..attention.router import NodePaths, Path
+from ..attention.contract import MLAInputs, append_to_paged_cache, check_cached_inputs, define_cached_op_and_kernel
+from ..attention.step_context import require_session
 
 OP = "flashinfer_trtllm_mla_with_cache"
 METADATA = FI_METADATA
@@ -125,6 +126,12 @@ class TrtllmMLASession(FlashInferSession):
         if self.counts != counts:
             raise self.unprepared(counts, self.counts)
         return counts
+
+    def paths(self, dims: MLADims) -> NodePaths:
+        """Decode on TRT-LLM-gen; every step with prefill tokens on the handoff backend (decode only)."""
+        handoff = next((fb.name for k, fb in self.configs.items() if k.num_heads == dims.num_heads), "the handoff")
+        return NodePaths(Path(self.backend, "trtllm_batch_decode_with_kv_cache_mla (decode only)"),
+                         Path(handoff, "TRT-LLM-gen MLA decodes only: every step with prefill tokens is handed off"))
 
     def stats(self) -> dict[str, Any]:
         return {"decode_steps": self.decode_steps, "fallback_steps": self.fallback_steps,
@@ -203,11 +210,12 @@ flashinfer_trtllm_mla_with_cache, _direct = define_cached_op_and_kernel(OP, META
 @register_backend
 class FlashInferTrtllmMLABackend(MLABackend):
     name = "flashinfer_trtllm_mla"
+    policy_type = TrtllmPolicy
     cached_op = flashinfer_trtllm_mla_with_cache
     direct_call = staticmethod(_direct)
     metadata = METADATA
     source = ("FlashInfer trtllm_batch_decode_with_kv_cache_mla (SM100/103, decode only; prefill via fallback op); "
-              "UNTESTED on hardware; facts: custom_ops/capabilities.py")
+              "UNTESTED on hardware; facts: custom_ops/flashinfer/capabilities.py")
     is_dynamic = True
     decode_graph_safe = False  # max_seq_len is a host int; not validated under capture on SM100
 

@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .mla_dims import MLADims
+from ..attention.mla_dims import MLADims
 
 #: (Dqk, Dv) pairs FlashInfer 0.7's FA3 prefill kernels are built for (192 / 128: DeepSeek's expanded heads)
 FA3_HEAD_DIMS = frozenset({(64, 64), (128, 128), (256, 256), (192, 128)})

@@ -14,10 +14,10 @@ from typing import Any, Optional
 
 import torch
 
-from .backend_registry import BackendSession, SessionSpec, Target, all_backends
+from .registry import BackendSession, SessionSpec, Target, all_backends
 from .cache_format import CacheScales
 from .mla_dims import MLADims
-from .op_contract import MLAInputs
+from .contract import MLAInputs
 from .step_context import active_sessions, using_sessions
 
 

@@ -11,7 +11,7 @@ strides). With that packing the whole op beats our kernel from 1024 new tokens (
 0.87x at 2048; GLM 0.92x, 0.84x), so "auto" takes FA3 from tuning.FA3_PREFILL_MIN_TOKENS = 1024.
 
 `Fa3Prefill` is per-model state (the Triton session owns one): a FlashInfer workspace and wrapper,
-and the background compile of its module (`flashinfer_jit`: ~96 s of nvcc on a fresh H200 host,
+and the background compile of its module (`flashinfer.jit`: ~96 s of nvcc on a fresh H200 host,
 started when the session is made unless `optimize()` started it earlier): until that compile has
 finished, `ready` is False and the op attends with `expanded_prefill_kernel`, so no step and no
 start-up waits for nvcc. The wrapper is planned once per step (the plan depends on the step's sequence lengths only, so every layer of a
@@ -26,8 +26,9 @@ from typing import Any, Optional
 
 import torch
 
-from ..flashinfer_jit import FA3_HEAD_DIMS, JitBuild, fa3_prefill_module
-from ..mla_dims import MLADims
+from .jit import FA3_HEAD_DIMS, JitBuild, fa3_prefill_module
+from ..attention.mla_dims import MLADims
+from ..attention.prefill_kernels import register_prefill_kernel
 
 #: FlashInfer's float workspace for the prefill plan (split-KV partials of long sequences)
 FA3_WORKSPACE_BYTES = 128 << 20
@@ -105,3 +106,22 @@ class Fa3Prefill:
     def stats(self) -> dict[str, Any]:
         return {"fa3_prefill_plans": self.plans, "fa3_prefill_calls": self.calls,
                 "fa3_prefill_builds": [b.to_dict() for b in self.builds]}
+
+
+#: the name the Triton session asks the prefill-kernel registry for
+FA3_PREFILL = "flashinfer_fa3"
+
+
+class Fa3PrefillKernel:
+    """The registered descriptor of FlashInfer's FA3 ragged prefill (stateless; `make` gives a model its own)."""
+
+    name = FA3_PREFILL
+
+    def unavailable(self, dims: MLADims, dtype: torch.dtype, device: torch.device) -> str:
+        return fa3_unavailable(dims, dtype, device)
+
+    def make(self, device: torch.device, head_dims: frozenset[tuple[int, int]]) -> Fa3Prefill:
+        return Fa3Prefill(device, head_dims)
+
+
+register_prefill_kernel(Fa3PrefillKernel())

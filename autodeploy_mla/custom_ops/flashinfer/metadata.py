@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .backend_registry import SCRATCH_PAGE
+from ..attention.registry import SCRATCH_PAGE
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ import torch
 
 from .cache_format import UNIT_SCALES, CacheScales, cache_dtype_name
 from .mla_dims import MLADims
+from .router import NodePaths, Path
 from .torch_mla import source_arg
 
 if TYPE_CHECKING:
@@ -153,6 +154,14 @@ class SessionSpec:
         return self.index_topk or (0,) * len(self.dims)
 
 
+#: How a step runs, decided once by the model runner (`StepDescriptor.mode`):
+#: "eager" (every piece eagerly: no CUDA graphs, or a token count that is no bucket), "piecewise"
+#: (static pieces replayed from their bucket's CUDA graphs, attention eagerly between them),
+#: "decode_graph" (one whole-graph decode CUDA graph of the bucket), "mixed_graph" (the bucket's
+#: whole-graph mixed CUDA graph, on static bounds).
+STEP_MODES: tuple[str, ...] = ("eager", "piecewise", "decode_graph", "mixed_graph")
+
+
 @dataclass(frozen=True)
 class StepDescriptor:
     """What the model runner decided about one step before running it (vLLM's batch descriptor).
@@ -162,7 +171,10 @@ class StepDescriptor:
     `static_bounds`: that graph is the mixed-step graph of its token count, captured on one batch
     and replayed for any other batch of as many tokens (prefill, decode, or both): every launch must
     be sized from static bounds (token count, buffer capacities), never from the step's host counts.
-    Only runs graphs whose dynamic ops are all `mixed_graph_safe`."""
+    Only runs graphs whose dynamic ops are all `mixed_graph_safe`.
+    `mode` and `bucket`: how the piecewise runner runs it (STEP_MODES) and the token bucket whose
+    graphs it replays (None when eager). Decided here, once: the runner and its static pieces read
+    them and never decide again (a capture that fails still runs the step piecewise)."""
 
     num_tokens: int  # real tokens
     num_padded_tokens: int  # tokens the graph runs
@@ -170,6 +182,15 @@ class StepDescriptor:
     decode_only: bool
     cuda_graph: bool = False
     static_bounds: bool = False
+    mode: str = "eager"
+    bucket: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in STEP_MODES:
+            raise ValueError(f"StepDescriptor.mode={self.mode!r}; valid: {', '.join(STEP_MODES)}")
+        if (self.bucket is None) != (self.mode == "eager"):
+            raise ValueError(f"StepDescriptor: mode {self.mode!r} with bucket {self.bucket}: a bucket is given "
+                             "exactly when the step replays graphs (every mode but 'eager')")
 
 
 class StepMetadata(Protocol):
@@ -207,8 +228,25 @@ class BackendSession:
         return False
 
     def stats(self) -> dict[str, Any]:
-        """Counters for reports and tests (plans, fallback steps, ...)."""
+        """Counters for reports and tests (plans, fallback steps, routes, ...)."""
         return {}
+
+    def paths(self, dims: MLADims) -> NodePaths:
+        """The node's decode path and prefill path under this session (the build report shows them):
+        by default both on this backend's own op."""
+        own = Path(self.backend or "own", "every step on this backend's cached op")
+        return NodePaths(own, own)
+
+
+@dataclass(frozen=True)
+class SparseOps:
+    """The cached ops a backend serves sparse MLA (DSA) layers with: the indexer (selection over the
+    layer's index-key cache) and the attention restricted to the selected positions. Both take the
+    shared sparse signature (attention/sparse_mla.py), so a step can be handed from one backend's
+    sparse op to another's unchanged."""
+
+    indexer: Any
+    attention: Any
 
 
 @dataclass(frozen=True)
@@ -246,9 +284,17 @@ class MLABackend:
     is_dynamic: ClassVar[bool] = True  # piecewise split point
     #: serves sparse MLA (DSA) layers only: dense resolution never picks it
     sparse_only: ClassVar[bool] = False
+    #: the sparse (DSA) ops this backend owns (None: it serves no sparse layer with ops of its own);
+    #: split points like `cached_op`
+    sparse_ops: ClassVar[Optional[SparseOps]] = None
+    #: a backend whose sparse *indexer* op this one runs for its selection (its attention op is
+    #: `cached_op`); resolved through the registry (`sparse_ops_of`), so no backend imports another
+    sparse_indexer_from: ClassVar[Optional[str]] = None
+    #: the backend that serves this dense backend's sparse layers when it is requested for every layer
+    sparse_sibling: ClassVar[Optional[str]] = None
     decode_graph_safe: ClassVar[bool] = False  # may run inside a whole-graph decode CUDA graph
     #: `cached_op` may run inside a whole-graph CUDA graph of any step (StepDescriptor.static_bounds);
-    #: covers the dense cached op only, never `dynamic_ops`
+    #: covers the dense cached op only, never the sparse ops
     mixed_graph_safe: ClassVar[bool] = False
     #: the cached op's implementation with the op's signature, for runtimes that call an eager op
     #: without the dispatcher (the lean path; None: always through the dispatcher)
@@ -256,6 +302,13 @@ class MLABackend:
 
     def check(self, dims: MLADims, dtype: torch.dtype, target: Target) -> CheckResult:
         raise NotImplementedError
+
+    def split_ops(self) -> tuple[Any, ...]:
+        """Every op of this backend the piecewise split cuts the graph at: its cached op (when
+        `is_dynamic`) and its own sparse ops."""
+        own = (self.cached_op,) if self.is_dynamic else ()
+        sparse = (self.sparse_ops.attention, self.sparse_ops.indexer) if self.sparse_ops is not None else ()
+        return own + sparse
 
     def check_cache(self, dims: MLADims, dtype: torch.dtype, cache_dtype: torch.dtype, target: Target) -> CheckResult:
         """Whether this backend reads and writes a paged cache of `cache_dtype` for the node (checked
@@ -275,10 +328,25 @@ class MLABackend:
         scale = source_arg(node, "scale")
         return (None if scale is None else float(scale),)
 
+    #: the policy dataclass `setup` takes (None: the backend has no knobs): the config's `attention:`
+    #: section of this backend is turned into one (`policy_from_config`)
+    policy_type: ClassVar[Optional[type]] = None
+
+    def policy_from_config(self, fields: Mapping[str, Any]) -> Any:
+        """This backend's policy from its `attention:` config section (None when it has no knobs).
+        Sequences become tuples (the policies are frozen values)."""
+        if self.policy_type is None:
+            if fields:
+                raise ValueError(f"attention.{self.name}: this backend has no policy knobs (got {sorted(fields)})")
+            return None
+        return self.policy_type(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
+
     def setup(self, spec: SessionSpec, policy: Any = None) -> BackendSession:
         """This backend's session for one model: validates every node it will serve first."""
         self.check_all(spec)
-        return BackendSession(spec)
+        sess = BackendSession(spec)
+        sess.backend = self.name
+        return sess
 
     def check_all(self, spec: SessionSpec) -> None:
         """Raise ValueError naming the first node of `spec` this backend cannot serve."""
@@ -325,12 +393,45 @@ def cached_ops() -> set[Any]:
     return ops
 
 
+def sparse_ops_of(name: str) -> SparseOps:
+    """The (indexer, attention) cached ops that serve a sparse layer resolved to backend `name`: its own
+    sparse ops, or its cached op with the indexer of the backend it declares (`sparse_indexer_from`)."""
+    be = get_backend(name)
+    if be.sparse_ops is not None:
+        return be.sparse_ops
+    if be.sparse_only and be.sparse_indexer_from is not None:
+        return SparseOps(indexer=sparse_ops_of(be.sparse_indexer_from).indexer, attention=be.cached_op)
+    serving = sorted(n for n, b in _REGISTRY.items() if b.sparse_ops is not None or b.sparse_only)
+    raise KeyError(f"MLA backend {name!r} serves no sparse (DSA) layer; those that do: {', '.join(serving)}")
+
+
+def sparse_backends() -> tuple[str, ...]:
+    """Backends with sparse attention ops of their own (a sparse step can be handed to any of them)."""
+    return tuple(n for n, b in _REGISTRY.items() if b.sparse_ops is not None)
+
+
 def direct_calls() -> dict[Any, Any]:
     """Cached op overload -> its backend's `direct_call`, for every backend that offers one."""
     out: dict[Any, Any] = {}
     for b in _REGISTRY.values():
         if b.direct_call is not None:
             out[getattr(b.cached_op, "default", b.cached_op)] = b.direct_call
+    return out
+
+
+def policies_for(config_sections: Mapping[str, Mapping[str, Any]],
+                 overrides: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:
+    """backend -> policy for one model: each backend's policy from the keys its `attention:` config
+    section sets (`MLABackend.policy_from_config`), then `overrides` (backend -> policy object, the
+    Python `backend_policies=`) replacing whole policies. Backends with neither are left out (their
+    `setup` takes its defaults)."""
+    out: dict[str, Any] = {}
+    for name, fields in config_sections.items():
+        try:
+            out[name] = get_backend(name).policy_from_config(fields)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"attention.{name}: {exc}") from None
+    out.update(overrides or {})
     return out
 
 

@@ -13,11 +13,11 @@ from typing import Any, Optional
 
 import torch
 
-from .backend_registry import BackendSession, MLABackend, SessionSpec, StepDescriptor, StepMetadata
-from .cache_format import cache_dtype_name
-from .fallback import Fallback, fallback_sessions, resolve_fallback
-from .flashinfer_metadata import StepCounts
-from .mla_dims import MLADims
+from ..attention.registry import BackendSession, MLABackend, SessionSpec, StepDescriptor, StepMetadata
+from ..attention.cache_format import cache_dtype_name
+from ..attention.handoff import Fallback, fallback_sessions, resolve_fallback
+from .metadata import StepCounts
+from ..attention.mla_dims import MLADims
 
 #: SequenceInfo fields both FlashInfer ops take: what FlashInfer needs (batch_info_host and the CSR
 #: sources) plus everything the fallback ops take (torch reference and Triton), so a step can be

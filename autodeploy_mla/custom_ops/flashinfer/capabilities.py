@@ -39,9 +39,9 @@ from typing import Optional
 
 import torch
 
-from .backend_registry import CheckResult, DeviceInfo, Target, parse_version
-from .cache_format import cache_dtype_name
-from .mla_dims import MLADims
+from ..attention.registry import CheckResult, DeviceInfo, Target, parse_version
+from ..attention.cache_format import cache_dtype_name
+from ..attention.mla_dims import MLADims
 
 Version = tuple[int, int, int]
 
@@ -294,7 +294,7 @@ def check_against_facts(backend: str, kernel: Optional[str], dims: MLADims, dtyp
         return CheckResult(
             False,
             f"flashinfer {raw}: no {kernel} capability facts for this version (known: {known_versions(backend)}); "
-            "add a record to custom_ops/capabilities.py once it is measured",
+            "add a record to custom_ops/flashinfer/capabilities.py once it is measured",
         )
     for kf in KNOWN_FAILURES:
         if kf.kernel == kernel and kf.min_version <= ver < kf.max_version and kf.kv_lora_rank == dims.kv_lora_rank:

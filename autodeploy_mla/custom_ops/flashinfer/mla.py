@@ -55,7 +55,7 @@ from typing import Any, Literal, Optional
 
 import torch
 
-from .backend_registry import (
+from ..attention.registry import (
     SCRATCH_PAGE,
     CheckResult,
     MLABackend,
@@ -65,10 +65,10 @@ from .backend_registry import (
     Target,
     register_backend,
 )
-from .cache_format import CacheScales, is_fp8
+from ..attention.cache_format import CacheScales, is_fp8
 from .capabilities import FA_MAX_WORK_ITEMS, check_against_facts, check_cache_against_facts, fa_kernel_for, fa_prefill_safe
-from .fallback import Fallback, call_fallback
-from .flashinfer_common import (
+from ..attention.handoff import Fallback, call_fallback
+from .common import (
     DEFAULT_FALLBACK_ORDER,
     FI_METADATA,
     FlashInferSession,
@@ -77,11 +77,13 @@ from .flashinfer_common import (
     import_flashinfer_module,
     plan_configs,
 )
-from .flashinfer_metadata import MLACsr, StepCounts, fa_plan_work_bound, fa_plan_work_count, mla_csr
-from .mla_dims import MLADims, resolve_scale
-from .op_contract import MLAInputs, append_to_paged_cache, check_cached_inputs, define_cached_op_and_kernel
-from .prefill_cost import SM90_FACTS, PrefillCostFacts, path_costs
-from .step_context import require_session
+from .metadata import MLACsr, StepCounts, fa_plan_work_bound, fa_plan_work_count, mla_csr
+from ..attention.mla_dims import MLADims, resolve_scale
+from ..attention.contract import MLAInputs, append_to_paged_cache, check_cached_inputs, define_cached_op_and_kernel
+from ..attention.prefill_cost import SM90_FACTS, PrefillCostFacts
+from ..attention.router import (DEFAULT_TRACE_STEPS, NodePaths, Path, Route, RouteLog, route_decode,
+                                route_handoff_for_safety, route_prefill)
+from ..attention.step_context import require_session
 
 OP = "flashinfer_mla_with_cache"
 METADATA = FI_METADATA
@@ -119,7 +121,10 @@ class FlashInferPolicy:
     (docs/benchmarks/e2e_roofline.md, 2026-11-26 fifth session): at batch 1 the Triton backend's step
     is 5-11% faster (V2-Lite 3.21 -> 3.04 ms, GLM-4.7-Flash 5.36 -> 4.79 ms at 1k context, 5.40 ->
     5.00 ms at 4k); at batch 64 it is 1.6-2.5% faster at 1k but FlashInfer is 3% faster at 4k. The
-    decision depends on the batch only, so a captured decode graph (one per batch size) keeps it."""
+    decision depends on the batch only, so a captured decode graph (one per batch size) keeps it.
+
+    trace_steps: how many steps the session's route trace keeps (`stats()["routes"]`; the counters
+    per route keep every step). Set from the config's `attention.flashinfer_mla` section, or here."""
 
     prefill: Literal["auto", "flashinfer", "fallback"] = "auto"
     prefill_cost: PrefillCostFacts = SM90_FACTS
@@ -130,6 +135,8 @@ class FlashInferPolicy:
     max_work_items: int = FA_MAX_WORK_ITEMS
     decode_fallback_max_seqs: int = 1
     fast_decode_fallbacks: tuple[str, ...] = ("triton",)
+    #: steps the route trace keeps (the router's counters keep every step)
+    trace_steps: int = DEFAULT_TRACE_STEPS
 
     def __post_init__(self) -> None:
         if self.decode_fallback_max_seqs < 0:
@@ -196,6 +203,8 @@ class FlashInferMLASession(FlashInferSession):
         self.plans = 0  # plan() calls since setup
         self.fallback_steps = 0  # steps with at least one config on the fallback op (safety or routing)
         self.routed_steps = 0  # of those, steps routed by the prefill policy
+        #: the attention router's record of this model's steps (counters per route, bounded trace)
+        self.routes = RouteLog(policy.trace_steps)
         if configs:
             self.float_workspace = torch.empty(FLOAT_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
             # Build (JIT) and plan each config once now, so the first step does not pay for it.
@@ -251,30 +260,38 @@ class FlashInferMLASession(FlashInferSession):
             self.plan_events[id(wrapper)] = ev
         self.plans += 1
 
-    def _route_prefill(self, key: PlanKey, csr: MLACsr) -> Optional[str]:
-        """Why a step with prefill tokens goes to the fallback op by policy (not for safety), or None."""
+    def _route(self, key: PlanKey, counts: StepCounts, csr: MLACsr) -> Route:
+        """This step's route for one config by policy (the attention router; safety comes after)."""
         p = self.policy
-        name = self.configs[key].name
-        if p.prefill == "flashinfer":
-            return None
-        if p.prefill == "fallback":
-            return f"step with prefill tokens routed to {name} (prefill=fallback)"
-        if name not in p.fast_prefill_fallbacks:  # auto
-            return None
-        absorbed, expanded = path_costs(self.key_dims[key], csr.qo_lens, csr.kv_len, p.prefill_cost)
-        if expanded >= absorbed:
-            return None
-        return (f"step with prefill tokens routed to {name}: estimated {expanded:.0f} us expanded vs "
-                f"{absorbed:.0f} us absorbed per layer")
+        handoff = self.configs[key].name
+        if counts.decode_only:
+            return route_decode(self.backend, handoff, counts.num_seqs, p.decode_fallback_max_seqs,
+                                p.fast_decode_fallbacks)
+        return route_prefill(self.backend, handoff, p.prefill, p.fast_prefill_fallbacks, self.key_dims[key],
+                             csr.qo_lens, csr.kv_len, p.prefill_cost)
 
-    def _route_decode(self, key: PlanKey, counts: StepCounts) -> Optional[str]:
-        """Why a decode-only step goes to the fallback op by policy, or None."""
+    def paths(self, dims: MLADims) -> NodePaths:
+        """The node's decode and prefill paths under this session's policy and handoff backend."""
         p = self.policy
-        name = self.configs[key].name
-        if name not in p.fast_decode_fallbacks or counts.num_seqs > p.decode_fallback_max_seqs:
-            return None
-        return (f"decode step of {counts.num_seqs} sequence(s) routed to {name} "
-                f"(decode_fallback_max_seqs={p.decode_fallback_max_seqs})")
+        fb = next((f for k, f in self.configs.items()
+                   if (k.num_heads, k.kv_lora_rank, k.qk_rope_head_dim) ==
+                   (dims.num_heads, dims.kv_lora_rank, dims.qk_rope_head_dim)), None)
+        handoff = fb.name if fb is not None else "the handoff backend"
+        dec = (f"{self.backend} (FlashInfer MLA wrapper; fixed-buffer wrappers in decode graphs)"
+               + (f"; decode steps of <= {p.decode_fallback_max_seqs} sequence(s) -> {handoff} "
+                  "(decode_fallback_max_seqs)" if handoff in p.fast_decode_fallbacks and p.decode_fallback_max_seqs
+                  else ""))
+        if not fa_prefill_safe(dims.num_heads):
+            pre = Path(handoff, f"N={dims.num_heads} does not divide FlashInfer's query tile: every step with "
+                                "prefill tokens runs on the handoff backend")
+        elif p.prefill == "fallback":
+            pre = Path(handoff, "prefill=fallback: every step with prefill tokens")
+        elif p.prefill == "auto" and handoff in p.fast_prefill_fallbacks:
+            pre = Path(self.backend, f"per step by estimated cost: {self.backend} absorbed vs {handoff} expanded "
+                                     f"({p.prefill_cost.source})")
+        else:
+            pre = Path(self.backend, f"prefill={p.prefill}: absorbed on FlashInfer")
+        return NodePaths(Path(self.backend, dec), pre)
 
     def prepare(self, meta: StepMetadata, step: StepDescriptor) -> None:
         """Plan every config once for the step described by the metadata's host mirrors."""
@@ -290,26 +307,34 @@ class FlashInferMLASession(FlashInferSession):
         graph_bs = counts.num_seqs if graphable else None
         qo_lens = csr.qo_lens
         routed = False
+        self.routes.next_step()
+        kind = "decode" if counts.decode_only else "prefill"
         for key in self.configs:
-            why = self._route_decode(key, counts) if counts.decode_only else self._route_prefill(key, csr)
-            if why is not None:
-                plan.fallback[key] = why
+            route = self._route(key, counts, csr)
+            if route.backend != self.backend:
+                plan.fallback[key] = route.reason
+                self.routes.record(key.short(), route)
                 routed = True
                 continue
             if not counts.decode_only and not fa_prefill_safe(key.num_heads):
-                plan.fallback[key] = (f"multi-token step with N={key.num_heads}: FlashInfer's causal tile bound "
-                                      "can drop a visible key unless N divides the 64/128-row query tile")
+                why = (f"multi-token step with N={key.num_heads}: FlashInfer's causal tile bound "
+                       "can drop a visible key unless N divides the 64/128-row query tile")
+                plan.fallback[key] = why
+                self.routes.record(key.short(), route_handoff_for_safety(kind, self.configs[key].name, why))
                 continue
             limit = self.policy.max_work_items
             works = fa_plan_work_bound(qo_lens, key.num_heads, self.num_sm)
             if works > limit:  # the bound is loose: count exactly before giving up
                 works = fa_plan_work_count(qo_lens, csr.kv_len, key.num_heads, self.num_sm)
             if works > limit:
-                plan.fallback[key] = f"plan needs {works} work items, over the capacity of {limit}"
+                why = f"plan needs {works} work items, over the capacity of {limit}"
+                plan.fallback[key] = why
+                self.routes.record(key.short(), route_handoff_for_safety(kind, self.configs[key].name, why))
                 continue
             w = self._wrapper_for(key, graph_bs)
             self._plan(w, csr, key)
             plan.wrappers[key] = w
+            self.routes.record(key.short(), route)
         if plan.fallback:
             self.fallback_steps += 1
             self.routed_steps += routed
@@ -326,7 +351,8 @@ class FlashInferMLASession(FlashInferSession):
     def stats(self) -> dict[str, Any]:
         return {"plans": self.plans, "fallback_steps": self.fallback_steps, "routed_steps": self.routed_steps,
                 "configs": {k.short(): fb.name for k, fb in self.configs.items()},
-                "graph_wrappers": sorted(bs for _, bs in self.graph), **self.fallback_stats()}
+                "graph_wrappers": sorted(bs for _, bs in self.graph), "routes": self.routes.to_dict(),
+                **self.fallback_stats()}
 
 
 # ------------------------------------------------------------------ the math around FlashInfer
@@ -394,13 +420,16 @@ flashinfer_mla_with_cache, _direct = define_cached_op_and_kernel(OP, METADATA, _
 @register_backend
 class FlashInferMLABackend(MLABackend):
     name = "flashinfer_mla"
+    policy_type = FlashInferPolicy
     cached_op = flashinfer_mla_with_cache
     direct_call = staticmethod(_direct)
     metadata = METADATA
-    source = "FlashInfer BatchMLAPagedAttentionWrapper (fa3 on SM90, fa2 on SM80+); facts: custom_ops/capabilities.py"
+    source = "FlashInfer BatchMLAPagedAttentionWrapper (fa3 on SM90, fa2 on SM80+); facts: custom_ops/flashinfer/capabilities.py"
     is_dynamic = True
     #: Decode-only steps marked for CUDA graphs plan fixed-buffer wrappers (see module doc).
     decode_graph_safe = True
+    #: sparse (DSA) layers of a model requested on this backend run on FlashInfer's sparse backend
+    sparse_sibling = "flashinfer_mla_sparse"
 
     def check(self, dims: MLADims, dtype: torch.dtype, target: Target) -> CheckResult:
         res = check_against_facts(self.name, fa_kernel_for(target.device), dims, dtype, target)

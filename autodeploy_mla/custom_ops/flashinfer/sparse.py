@@ -29,13 +29,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from types import MappingProxyType
 from typing import Any, Literal, Optional
 
 import numpy as np
 import torch
 
-from .backend_registry import (
+from ..attention.registry import (
     BackendSession,
     CheckResult,
     MLABackend,
@@ -45,25 +44,24 @@ from .backend_registry import (
     Target,
     get_backend,
     register_backend,
+    sparse_backends,
+    sparse_ops_of,
 )
-from .cache_format import CacheScales, is_fp8
+from ..attention.cache_format import CacheScales, is_fp8
 from .capabilities import FA_MAX_WORK_ITEMS, check_against_facts, fa_kernel_for
-from .flashinfer_common import FlashInferUnavailable, PlanKey, import_flashinfer_module
-from .flashinfer_metadata import StepCounts, fa_plan_work_bound, fa_plan_work_count
-from .flashinfer_mla import FLOAT_WORKSPACE_BYTES, absorbed_attention
-from .mla_dims import MLADims, MLAShapeError
-from .op_contract import MLAInputs, append_to_paged_cache, check_cached_inputs, define_cached_op_and_kernel
-from .sparse_mla import INDEXER_METADATA
-from .step_context import require_session
-from .torch_backend import torch_mla_sparse_with_cache
-from .triton_mla.sparse import triton_mla_sparse_with_cache
+from .common import FlashInferUnavailable, PlanKey, import_flashinfer_module
+from .metadata import StepCounts, fa_plan_work_bound, fa_plan_work_count
+from .mla import FLOAT_WORKSPACE_BYTES, absorbed_attention
+from ..attention.mla_dims import MLADims, MLAShapeError
+from ..attention.contract import MLAInputs, append_to_paged_cache, check_cached_inputs, define_cached_op_and_kernel
+from ..attention.sparse_mla import INDEXER_METADATA
+from ..attention.step_context import require_session
 
 BACKEND = "flashinfer_mla_sparse"
 OP = "flashinfer_mla_sparse_with_cache"
 SPARSE_METADATA = (*INDEXER_METADATA, "topk_indices")
-#: sparse cached ops a step can be handed to, by backend name (same signature as this backend's op)
-FALLBACK_OPS: Mapping[str, Any] = MappingProxyType({"triton": triton_mla_sparse_with_cache,
-                                                   "torch": torch_mla_sparse_with_cache})
+#: the backend whose indexer op selects this backend's positions (resolved through the registry)
+INDEXER_FROM = "triton"
 
 
 @dataclass(frozen=True)
@@ -91,10 +89,11 @@ class SparsePolicy:
     def __post_init__(self) -> None:
         if self.prefill not in ("flashinfer", "fallback"):
             raise ValueError(f"SparsePolicy.prefill={self.prefill!r}; valid: 'flashinfer', 'fallback'.")
-        unknown = [b for b in self.fallback_order if b not in FALLBACK_OPS]
+        valid = sparse_backends()  # the registered backends with sparse ops of their own
+        unknown = [b for b in self.fallback_order if b not in valid]
         if unknown or not self.fallback_order:
             raise ValueError(f"SparsePolicy.fallback_order={self.fallback_order!r}: each entry must be one of "
-                             f"{', '.join(FALLBACK_OPS)}.")
+                             f"{', '.join(valid)}.")
         if not 1 <= self.max_work_items <= FA_MAX_WORK_ITEMS:
             raise ValueError(f"SparsePolicy.max_work_items={self.max_work_items}: must be in [1, {FA_MAX_WORK_ITEMS}].")
 
@@ -167,6 +166,8 @@ class FlashInferSparseSession(BackendSession):
         super().__init__(spec)
         self.policy = policy
         self.configs = configs  # key -> fallback backend name
+        #: key -> the fallback backend's sparse attention op (same signature), found in the registry
+        self.fallback_ops = {k: sparse_ops_of(name).attention for k, name in configs.items()}
         self.device = spec.device
         self.kernel = fa_kernel_for(spec.target.device) or "fa2"
         self.num_sm = spec.target.device.num_sms
@@ -292,7 +293,7 @@ def _flashinfer_mla_sparse(x: MLAInputs, meta: Mapping[str, torch.Tensor], mla_c
     sess: FlashInferSparseSession = require_session(OP, BACKEND)  # type: ignore[assignment]
     plan = sess.step_for(key, meta["batch_info_host"])
     if key in plan.fallback:
-        fb = FALLBACK_OPS[sess.configs[key]]
+        fb = sess.fallback_ops[key]
         return fb(*x, *(meta[m] for m in SPARSE_METADATA), mla_cache, scale, scales.latent, scales.rope)
     append_to_paged_cache(mla_cache, x, meta["cache_loc"], scales)
     t_all, n = x.q_nope.shape[1], plan.counts.num_tokens
@@ -321,12 +322,14 @@ flashinfer_mla_sparse_with_cache, _direct = define_cached_op_and_kernel(OP, SPAR
 @register_backend
 class FlashInferSparseMLABackend(MLABackend):
     name = BACKEND
+    policy_type = SparsePolicy
     cached_op = flashinfer_mla_sparse_with_cache
     direct_call = staticmethod(_direct)
     metadata = INDEXER_METADATA
     source = ("FlashInfer BatchMLAPagedAttentionWrapper over one-token pages (FlashInfer 0.7.x); selection: the "
-              "Triton indexer op; facts: custom_ops/capabilities.py")
+              "Triton indexer op; facts: custom_ops/flashinfer/capabilities.py")
     sparse_only = True
+    sparse_indexer_from = INDEXER_FROM
     decode_graph_safe = True  # graph-marked decode steps plan fixed-buffer wrappers; the op writes their slots
 
     def check(self, dims: MLADims, dtype: torch.dtype, target: Target) -> CheckResult:
@@ -334,7 +337,7 @@ class FlashInferSparseMLABackend(MLABackend):
         res = check_against_facts(BACKEND, fa_kernel_for(target.device), dims, dtype, replace(target, page_size=1))
         if not res.ok:
             return res
-        tri = get_backend("triton").check(dims, dtype, target)
+        tri = get_backend(self.sparse_indexer_from).check(dims, dtype, target)
         if not tri.ok:
             return CheckResult(False, f"the selection runs on the Triton indexer op, which refuses: {tri.reason}")
         return CheckResult(True, f"{res.reason}; one-token pages, selection by the Triton indexer op")

@@ -24,7 +24,7 @@ from .torch_mla import _to_bnsd
 INDEXER_OP, SPARSE_OP = "torch_dsa_indexer", "torch_mla_sparse"
 
 
-def _check_indexer(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, index_topk: int) -> None:
+def check_indexer(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, index_topk: int) -> None:
     if q.dim() != 4 or k.dim() != 3 or weights.dim() != 3:
         raise MLAShapeError(f"{INDEXER_OP}: expected q [B,S,H,D], k [B,T,D], weights [B,S,H]; got q "
                             f"{tuple(q.shape)}, k {tuple(k.shape)}, weights {tuple(weights.shape)}")
@@ -70,7 +70,7 @@ def torch_dsa_indexer(
 ) -> torch.Tensor:
     """Top-`index_topk` keys per query (int32 [B,S,index_topk], -1 = none). q [B,S,H,D] and k [B,T,D]
     after the indexer's RoPE and key norm; weights [B,S,H] = weights_proj(x) * H^-1/2."""
-    _check_indexer(q, k, weights, index_topk)
+    check_indexer(q, k, weights, index_topk)
     s, t = q.shape[1], k.shape[1]
     visible = (causal_visible(s, t, q.device) if is_causal
                else torch.ones(s, t, dtype=torch.bool, device=q.device))
@@ -79,7 +79,7 @@ def torch_dsa_indexer(
 
 @torch_dsa_indexer.register_fake
 def _torch_dsa_indexer_fake(q, k, weights, index_topk, softmax_scale, is_causal=True):
-    _check_indexer(q, k, weights, index_topk)
+    check_indexer(q, k, weights, index_topk)
     return q.new_empty((q.shape[0], q.shape[1], index_topk), dtype=torch.int32)
 
 
@@ -148,7 +148,7 @@ def append_index_keys(op: str, q: torch.Tensor, k: torch.Tensor, weights: torch.
                       cache_loc: torch.Tensor, index_topk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The cached indexers' common start: check the inputs, write the step's index keys into their
     slots; returns (the cache viewed [slots, D], the output [1, T, index_topk] filled with -1)."""
-    _check_indexer(q, k, weights, index_topk)
+    check_indexer(q, k, weights, index_topk)
     t_all, d = q.shape[1], q.shape[3]
     if index_cache.dim() != 3 or index_cache.shape[-1] != d:
         raise MLAShapeError(f"{op}: index_cache must be [num_pages, page_size, D={d}]; got {tuple(index_cache.shape)}")
@@ -213,7 +213,7 @@ def torch_dsa_indexer_with_cache(
 def _torch_dsa_indexer_with_cache_fake(q, k, weights, batch_info_host, max_seq_info_host, cu_seqlen, input_pos,
                                        seq_len_with_cache, page_table, batch_idx, cache_loc, index_cache, index_topk,
                                        softmax_scale):
-    _check_indexer(q, k, weights, index_topk)
+    check_indexer(q, k, weights, index_topk)
     return q.new_empty((1, q.shape[1], index_topk), dtype=torch.int32)
 
 

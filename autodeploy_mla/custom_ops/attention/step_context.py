@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from contextvars import ContextVar, Token
 from typing import Any, Optional
 
-from .backend_registry import BackendSession
+from .registry import BackendSession
 
 _SESSIONS: ContextVar[Optional[Mapping[str, BackendSession]]] = ContextVar("autodeploy_mla_sessions", default=None)
 
