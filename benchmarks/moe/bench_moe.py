@@ -30,9 +30,11 @@ import sys
 import time
 import types
 from pathlib import Path
-from typing import Any, Callable, Sequence, Union
+from typing import Any, Callable
 
 import torch
+
+from benchmarks.lib import graph_time_ms
 
 
 #: shared experts' worth of each shape (the shared MLP's intermediate size / the experts')
@@ -56,37 +58,6 @@ SWEEP = [  # (block_m, up_n, up_k, down_n, down_k, warps, stages[, sorted_tma])
     # stages, or 64-wide up / 128-wide down tiles x 6 stages
     (128, 128, 32, 256, 32, 8, 8, True), (128, 128, 32, 256, 32, 8, 7, True), (128, 64, 64, 128, 64, 8, 6, True),
 ]
-
-
-def graph_time_ms(fn: Union[Callable[[], Any], Sequence[Callable[[], Any]]], reps: int = 20, calls: int = 1) -> float:
-    """Median device time of one call of `fn`: `calls` calls captured as one CUDA graph (several for
-    calls of a few µs, where one replay's own cost would dominate), `reps` replays. `fn` may be a list
-    of callables instead (say, each on its own copy of a weight, so that none finds its operands in
-    L2): each is captured once, one after another, and the time is per callable."""
-    warm = list(fn) if isinstance(fn, (list, tuple)) else [fn, fn]
-    seq = list(fn) if isinstance(fn, (list, tuple)) else [fn] * calls
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for c in warm:
-            c()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in seq:
-            c()
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) / len(seq))
-    ts.sort()
-    return ts[len(ts) // 2]
 
 
 def measure_peaks() -> dict[str, float]:
