@@ -51,7 +51,10 @@ at least its last token (its logits) and never writes a page it shares; prefill 
 (`Request.cached_tokens`). Its own full prompt pages are registered when the step that wrote their
 last token COMPLETES (`_complete`, before that step's tokens can finish the request), never when
 it is merely queued: a request that takes a cached page reads it in its next launched step, which
-is then ordered after every write of that page. Pages whose holders all ended stay cached and count
+is then ordered after every write of that page. A waiting request whose next uncached page is being
+written by a running request (`_writing`) waits for it (FIFO, as a choice waits for choice 0):
+requests that arrive together with one system prompt prefill it once, not once each. Pages whose
+holders all ended stay cached and count
 as free; the allocator evicts them least-recently-released when pages are needed. A request that
 asks for prompt logprobs takes nothing from the cache (it needs every prompt row's logits) but
 caches its pages for others. Every decision is a function of the request stream and of the order
@@ -167,6 +170,8 @@ class GenerationEngine:
         #: prompt tokens of the requests admitted with prefix caching on, and how many came from the cache
         self.prefix_queries = 0
         self.prefix_hits = 0
+        #: key of a full prompt page -> the running request that writes it, until it is cached
+        self._writing: dict[bytes, Request] = {}
         self.seq_info = runner.seq_info
         self.allocator = allocator
         self.vocab_size = vocab_size
@@ -301,14 +306,20 @@ class GenerationEngine:
                 elif lead.num_scheduled < req.shared_tokens:
                     return  # choice 0's writes of the shared pages are not all queued yet (FIFO: wait)
             ps = self.allocator.page_size
+            takes = lead is None and self.prefix_caching and req.params.prompt_logprobs is None
+            if takes:
+                # full pages before the last prompt token: it prefills >= 1 token, writes none of them
+                keys = req.page_keys[: (len(req.prompt) - 1) // ps]
+                hit = self.allocator.match_prefix(keys)
+                if hit < len(keys) and keys[hit] in self._writing:
+                    return  # a running request is writing its next page: take it once cached (FIFO: wait)
             cached = 0
             try:
                 if lead is not None:
                     self.allocator.fork(req.id, lead.id, req.shared_tokens // ps)
                     cached = req.shared_tokens
-                elif self.prefix_caching and req.params.prompt_logprobs is None:
-                    # full pages before the last prompt token: it prefills >= 1 token, writes none of them
-                    cached = self.allocator.take_prefix(req.id, req.page_keys[: (len(req.prompt) - 1) // ps]) * ps
+                elif takes:
+                    cached = self.allocator.take_prefix(req.id, keys) * ps
                 self.allocator.ensure(req.id, req.total_len)
             except OutOfPagesError as exc:
                 self.allocator.free(req.id)  # a fork's / the cache's references go back
@@ -318,9 +329,12 @@ class GenerationEngine:
                 self._finish(req, "error", error=str(exc))
                 continue
             req.num_scheduled = req.cached_tokens = cached  # the shared / cached pages hold these tokens
-            if self.prefix_caching and lead is None:
-                self.prefix_queries += len(req.prompt)
-                self.prefix_hits += cached
+            if self.prefix_caching:
+                if lead is None:
+                    self.prefix_queries += len(req.prompt)
+                    self.prefix_hits += cached
+                for k in req.page_keys[cached // ps :]:
+                    self._writing.setdefault(k, req)
             self.waiting.popleft()
             self.running.append(req)
 
@@ -403,7 +417,14 @@ class GenerationEngine:
             if r.finished or full <= r.num_registered:
                 continue
             self.allocator.register(r.id, r.page_keys[r.num_registered : full], r.num_registered)
+            self._done_writing(r, full)
             r.num_registered = full
+
+    def _done_writing(self, r: Request, upto: Optional[int] = None) -> None:
+        """`r` writes none of its prompt pages before `upto` (default: any) any more."""
+        for k in r.page_keys[r.num_registered : upto]:
+            if self._writing.get(k) is r:
+                del self._writing[k]
 
     def _complete(self, step: _InFlight) -> list[tuple[int, int]]:
         try:
@@ -460,6 +481,8 @@ class GenerationEngine:
 
     def _finish(self, r: Request, reason: str, error: Optional[str] = None) -> None:
         r.finish_reason, r.error = reason, error
+        if r.page_keys:
+            self._done_writing(r)
         self.allocator.free(r.id)
         self.runner.release(r.id)
         if r in self.running:
