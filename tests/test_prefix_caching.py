@@ -27,6 +27,7 @@ from autodeploy_mla.runtime.engine import GenerationEngine
 from autodeploy_mla.runtime.prefix_cache import cache_identity, page_keys
 from autodeploy_mla.runtime.sampling import SamplingParams, StepOutput
 from autodeploy_mla.runtime.sequence_info import SequenceInfo
+from autodeploy_mla.serving import bench
 from autodeploy_mla.testing import hf_greedy_generate
 
 BASE = ("model.device=cpu", "model.dtype=float32", "runtime.page_size=4", "runtime.max_seq_len=40",
@@ -176,6 +177,24 @@ def test_cached_tokens_and_report(om):
     pc = gen["prefix_cache"]
     assert pc["enabled"] and pc["hit_tokens"] == 8 and pc["query_tokens"] == sum(len(r.prompt) for r in reqs)
     assert om.report()["cache"]["prefix_cache"]["pages_cached"] == om.allocator.num_cached >= 2
+
+
+def test_bench_prefix_workloads_in_process(om):
+    """`autodeploy bench --shared-prefix` / `--multi-turn`: the workloads run, later turns carry the
+    earlier turns' prompts and answers, and the report gives TTFT per turn and the cached tokens."""
+    shared = bench.Workload.shared_prefix(4, 12, (2, 4), (3, 3), om.vocab_size, seed=1)
+    assert len({tuple(r.prompt[:12]) for r in shared.requests}) == 1
+    res = bench.run_in_process(om, shared)
+    assert res["failed"] == 0 and res["prefix_hit_tokens"] >= 3 * 12 and res["cached_tokens"] >= 3 * 12
+    chat = bench.Workload.multi_turn(2, 3, (6, 6), (2, 2), (3, 3), om.vocab_size, seed=2)
+    assert [r.turn for r in chat.requests] == [0, 1, 2] * 2 and chat.prompt_len(2) == 6 + 3 + 2 + 3 + 2
+    res = bench.run_in_process(om, chat)
+    assert res["failed"] == 0 and sorted(res["per_turn"]) == ["0", "1", "2"]
+    # turn t takes the full pages of turn t-1's prompt: 4 of turn 0's 6 tokens, 8 of turn 1's 11
+    assert res["cached_tokens"] == 2 * (4 + 8)
+    assert any("turn 2 TTFT" in line for line in bench.result_table([res]))
+    with pytest.raises(ValueError, match="turn 2"):
+        chat.check_fits(16, "this config")
 
 
 # ----------------------------------------------------------------------------- the allocator alone

@@ -492,6 +492,11 @@ def test_bench_in_process_and_against_the_server(server, om, tmp_path):
     paths = bench.write_results([local, remote], tmp_path, {"command": "test"})
     saved = json.loads(paths[0].read_text())
     assert [r["mode"] for r in saved["runs"]] == ["in-process", "server"]
+    # multi-turn: each turn's prompt is the previous prompt + its answer + a question; TTFT per turn
+    chat = bench.Workload.multi_turn(2, 3, (9, 9), (3, 3), (4, 4), om.vocab_size, seed=5)
+    remote = bench.run_against_server(server, chat, max_concurrency=2, model=MODEL)
+    assert remote["failed"] == 0 and sorted(remote["per_turn"]) == ["0", "1", "2"]
+    assert remote["cached_tokens"] >= 2 * (8 + 16)  # turn t takes turn t-1's full prompt pages (9, 16 tokens)
 
 
 def test_cli_bench_against_url(server, tmp_path, capsys):
