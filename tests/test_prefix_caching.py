@@ -14,7 +14,10 @@ cancellations and failing steps.
 
 from __future__ import annotations
 
+import json
 import random
+import subprocess
+import sys
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -195,6 +198,23 @@ def test_bench_prefix_workloads_in_process(om):
     assert any("turn 2 TTFT" in line for line in bench.result_table([res]))
     with pytest.raises(ValueError, match="turn 2"):
         chat.check_fits(16, "this config")
+
+
+def test_prefix_caching_benchmark_quick(tmp_path):
+    """benchmarks/prefix_caching.py --quick: both workloads, caching on and off in two processes,
+    table + JSON (+ plot when matplotlib is there); the tokens per run are what was asked for."""
+    root = __import__("pathlib").Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "prefix_caching.py"), "--quick", "--out",
+                           str(tmp_path)], capture_output=True, text=True, cwd=root, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads((tmp_path / "prefix_caching.json").read_text())
+    for side in ("on", "off"):
+        for name, r in doc[side]["runs"].items():
+            assert r["failed"] == 0, (side, name, r["errors"])
+    assert doc["on"]["runs"]["shared prefix"]["prefix_hit_tokens"] >= 7 * 48
+    assert doc["off"]["runs"]["shared prefix"].get("cached_tokens", 0) == 0
+    assert sorted(doc["on"]["runs"]["multi-turn"]["per_turn"]) == ["0", "1", "2"]
+    assert "TTFT p50 ms per turn" in (tmp_path / "prefix_caching.md").read_text()
 
 
 # ----------------------------------------------------------------------------- the allocator alone
