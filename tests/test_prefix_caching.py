@@ -173,6 +173,34 @@ def test_cancel_mid_prefill_of_a_request_whose_prefix_others_share(om, overlap):
     om.allocator.check()
 
 
+BACKENDS = {  # backend -> (family, its tiny-config overrides); FlashInfer: see docs/prefix_caching.md
+    "triton": ("default", ("transforms.insert_cached_mla_attention.backend=triton",)),
+    "torch sparse (DSA)": ("deepseek_v32", ()),
+    "triton sparse (DSA)": ("deepseek_v32", ("transforms.insert_cached_mla_attention.backend=triton",)),
+}
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_other_backends_read_a_cached_prefix_through_the_page_table(backend):
+    """Prefill that starts after pages another request wrote (and, for DSA, their index keys in the
+    same page ids): the Triton ops (interpreted) and the sparse ops give caching-off's tokens and HF's."""
+    from autodeploy_mla import optimize
+    from autodeploy_mla.testing.tiny_configs import TINY_CONFIGS, build_tiny_model
+
+    family, extra = BACKENDS[backend]
+    model = build_tiny_model(TINY_CONFIGS[family]) if family != "default" else None
+    om = optimize(model if model is not None else family, overrides=[*BASE, *extra])
+    model = model if model is not None else om.eager_model
+    prompts = [SYSTEM + s for s in SUFFIXES[:3]]
+    params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    off = om.engine(prefix_caching=False).run(prompts, params)
+    on = om.engine(prefix_caching=True).run(prompts, params)
+    assert [r.generated for r in on] == [r.generated for r in off] == [
+        hf_greedy_generate(model, p, 3, ignore_eos=True) for p in prompts]
+    assert [r.cached_tokens for r in on] == [0, 8, 8]
+    om.allocator.check()
+
+
 def test_cached_tokens_and_report(om):
     reqs = om.generate_requests([SYSTEM + SUFFIXES[0], SYSTEM + SUFFIXES[1]], GREEDY)
     gen = om.last_generation
