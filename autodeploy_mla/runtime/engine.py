@@ -54,10 +54,9 @@ it is merely queued: a request that takes a cached page reads it in its next lau
 is then ordered after every write of that page. A waiting request whose next uncached page is being
 written by a running request (`_writing`) waits for it (FIFO, as a choice waits for choice 0):
 requests that arrive together with one system prompt prefill it once, not once each. Pages whose
-holders all ended stay cached and count
-as free; the allocator evicts them least-recently-released when pages are needed. A request that
-asks for prompt logprobs takes nothing from the cache (it needs every prompt row's logits) but
-caches its pages for others. Every decision is a function of the request stream and of the order
+holders all ended stay cached and count as free; the allocator evicts them least-recently-released
+when pages are needed. A request that asks for prompt logprobs takes nothing from the cache (it
+needs every prompt row's logits) but caches its pages for others. Every decision is a function of the request stream and of the order
 in which steps complete (the same on every tensor-parallel rank), never of timing or of a
 per-process hash salt.
 """
