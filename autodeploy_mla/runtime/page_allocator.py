@@ -97,6 +97,10 @@ class PageAllocator:
         """How many sequences hold `page` (0: it is free or evictable)."""
         return self._refs.get(page, 0)
 
+    def cached_pages(self) -> dict[bytes, int]:
+        """Every prefix key and the page it names (a copy; tests compare it across ranks)."""
+        return dict(self._page_of)
+
     def key_of(self, page: int) -> bytes | None:
         """The prefix key `page` is cached under (None: not cached)."""
         return self._key_of.get(page)
