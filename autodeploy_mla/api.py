@@ -36,6 +36,7 @@ from .runtime.engine import GenerationEngine, Request
 from .runtime.errors import RequestError
 from .runtime.model_runner import ModelRunner
 from .runtime.page_allocator import PageAllocator
+from .runtime.prefix_cache import cache_identity
 from .runtime.sampling import SamplingParams
 from .runtime.sequence_info import SequenceInfo
 from .runtime.startup import CAPTURE_KINDS, CaptureSummary, CompileSummary, StartupReport
@@ -168,11 +169,22 @@ class OptimizedModel:
         return self.ctx.history
 
     # ------------------------------------------------------------------ generation
-    def engine(self, overlap: Optional[bool] = None) -> GenerationEngine:
-        """A generation engine over this model's runner and cache (`overlap`: default runtime.overlap)."""
+    def engine(self, overlap: Optional[bool] = None, prefix_caching: Optional[bool] = None) -> GenerationEngine:
+        """A generation engine over this model's runner and cache (`overlap`, `prefix_caching`:
+        default runtime.overlap, runtime.prefix_caching)."""
+        rt = self.config.runtime
         return GenerationEngine(self.runner, self.runner.allocator, vocab_size=self.vocab_size,
-                                eos_token_ids=self.eos_token_ids,
-                                overlap=self.config.runtime.overlap if overlap is None else overlap)
+                                eos_token_ids=self.eos_token_ids, overlap=rt.overlap if overlap is None else overlap,
+                                prefix_caching=rt.prefix_caching if prefix_caching is None else prefix_caching,
+                                cache_identity=self.cache_identity)
+
+    @property
+    def cache_identity(self) -> bytes:
+        """The digest that roots this model's prefix-cache keys: the model (config.model), the
+        activation dtype, every cache layer's name, width, dtype and FP8 scales, and the page size
+        (`runtime.prefix_cache.cache_identity`). Pages cached under another identity never match."""
+        return cache_identity([self.config.model, str(self.dtype), self.runner.caches.page_size,
+                               *self.runner.caches.layouts])
 
     def warmup(self) -> dict[str, Any]:
         """Compile the static pieces and capture every CUDA graph a step can replay
@@ -229,6 +241,8 @@ class OptimizedModel:
             "seconds": dt,
             "tokens_per_s": new / dt if dt > 0 else float("nan"),
             "warmup_seconds": warm["seconds"],
+            "cached_tokens": sum(r.cached_tokens for r in reqs),
+            "prefix_cache": self.prefix_cache_report(eng),
         }
         return reqs
 
@@ -285,6 +299,17 @@ class OptimizedModel:
                              comp, cap, None if warm is None else float(warm["seconds"]),
                              dict(warm.get("step_seconds", {})) if warm is not None else {})
 
+    def prefix_cache_report(self, engine: Optional[GenerationEngine] = None) -> dict[str, Any]:
+        """The prefix cache now: whether it is on, pages cached (held or evictable), evictable, evicted
+        so far; with `engine`: the prompt tokens it looked up and found cached (hits/queries)."""
+        a = self.allocator
+        out: dict[str, Any] = {"enabled": self.config.runtime.prefix_caching if engine is None else engine.prefix_caching,
+                               "pages_cached": a.num_cached, "pages_evictable": a.num_evictable,
+                               "pages_evicted": a.num_evicted}
+        if engine is not None:
+            out.update(query_tokens=engine.prefix_queries, hit_tokens=engine.prefix_hits)
+        return out
+
     def report(self) -> dict[str, Any]:
         run = self.runner.report()
         tp = self.runner.compiled.tp
@@ -297,7 +322,7 @@ class OptimizedModel:
             ],
             "layers": [d.to_dict() for d in self.ctx.artifacts.decisions],
             "attention_paths": run["attention_paths"],
-            "cache": run["cache"],
+            "cache": {**run["cache"], "prefix_cache": self.prefix_cache_report()},
             "runtime": self.config.runtime.model_dump(),
             "graph_inputs": run["graph_inputs"],
             "backend_sessions": run["sessions"],

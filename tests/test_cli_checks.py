@@ -248,3 +248,20 @@ def test_bench_with_no_flags_runs_the_default_model(capsys, tmp_path):
             "workload fitted to max_seq_len=128)") in out
     run = json.loads((tmp_path / "bench.json").read_text())["runs"][0]
     assert run["failed"] == 0 and run["generated_tokens"] == 8 * 7 and run["mode"] == "in-process"
+
+
+def test_bench_prefix_workload_flags(no_build, capsys):
+    line = refused(["bench", "--shared-prefix", "8", "--multi-turn", "2"], capsys)
+    assert "--shared-prefix and --multi-turn are two workloads" in line
+    line = refused(["bench", "--multi-turn", "3", "--prompt-len", "40", "--question-len", "40", "--output-len", "9"],
+                   capsys)
+    assert "(turn 2 of a conversation)" in line and "over max_seq_len=128 of this config" in line
+
+
+def test_bench_multi_turn_runs_and_reports_ttft_per_turn(capsys, tmp_path):
+    args = ["--multi-turn", "3", "--num-requests", "2", "--prompt-len", "10", "--question-len", "4", "--output-len", "3"]
+    assert main(["bench", *args, "--out", str(tmp_path)]) == 0
+    assert "turn 2 TTFT p50 ms" in capsys.readouterr().out
+    run = json.loads((tmp_path / "bench.json").read_text())["runs"][0]
+    assert run["failed"] == 0 and run["requests"] == 6 and sorted(run["per_turn"]) == ["0", "1", "2"]
+    assert run["prefix_caching"] and run["prefix_hit_tokens"] > 0

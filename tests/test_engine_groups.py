@@ -29,6 +29,13 @@ def om(optimized_family):
     return optimized_family("default", BASE)
 
 
+@pytest.fixture(autouse=True)
+def _no_cached_prefixes(om):
+    """These tests are about the fork path: choice 0 prefills the prompt, nothing cached by an earlier
+    test gives it a head start (tests/test_prefix_caching.py covers how the two compose)."""
+    om.allocator.clear_cache()
+
+
 def _pages(om, prompt_len, new):
     return om.allocator.pages_needed(prompt_len + new)
 
@@ -207,6 +214,7 @@ def test_a_failing_step_leaves_the_counts_right(om, monkeypatch, fail_at):
     prompt = LONG[:15]  # choice 0 prefills in steps 1-2; the others share from step 3
     params = replace(GREEDY, repetition_penalty=1.2)
     want = om.engine().run([prompt], params)[0].generated
+    om.allocator.clear_cache()  # choice 0 prefills again: the steps below count on it
     monkeypatch.setattr(om.runner, "launch", flaky)
     eng = om.engine()
     ids = eng.add_group(prompt, params, 3)

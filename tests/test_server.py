@@ -106,6 +106,30 @@ def client(url: str) -> OpenAI:
     return OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
+def test_usage_reports_prefix_cached_tokens(server, om):
+    """A prompt sent again takes its full pages before its last token from the prefix cache:
+    usage.prompt_tokens_details.cached_tokens (OpenAI's field, through the openai client, plain and
+    streamed, n > 1 counted once) and the /metrics counters say so; the tokens do not change."""
+    c = client(server)
+    p = [2 + (11 * k + 5) % 250 for k in range(30)]  # 7 full pages before the last token (page_size 4)
+    want = om.generate([p], max_new_tokens=4, ignore_eos=True)[0]
+    q0, h0 = (metric(server, f"autodeploy_prefix_cache_{m}_tokens_total") for m in ("query", "hit"))
+    first = c.completions.create(model=MODEL, prompt=p, max_tokens=4, temperature=0, extra_body=GREEDY)
+    again = c.completions.create(model=MODEL, prompt=p, max_tokens=4, temperature=0, extra_body=GREEDY)
+    assert first.choices[0].token_ids == again.choices[0].token_ids == want
+    assert first.usage.prompt_tokens_details.cached_tokens == 0  # (no earlier test sends this prompt)
+    assert again.usage.prompt_tokens_details.cached_tokens == 28 and again.usage.prompt_tokens == 30
+    usage = None
+    for ch in c.completions.create(model=MODEL, prompt=p, max_tokens=4, temperature=0, stream=True, n=2,
+                                   stream_options={"include_usage": True}, extra_body=GREEDY):
+        usage = ch.usage or usage
+    assert usage.prompt_tokens == 30 and usage.prompt_tokens_details.cached_tokens == 28
+    wait_pages_free(server)
+    assert metric(server, "autodeploy_prefix_cache_query_tokens_total") - q0 == 90
+    assert metric(server, "autodeploy_prefix_cache_hit_tokens_total") - h0 == 56
+    assert metric(server, "autodeploy_cache_pages_cached") >= 7
+
+
 def ref_logprobs(om, ids: list[int], temperature: float = 1.0) -> torch.Tensor:
     """[S-1, V] float64: row i is the distribution of token i+1 given ids[:i+1] (prefill logits)."""
     return torch.log_softmax(om.prefill_logits(ids).double() / temperature, dim=-1)[:-1]
@@ -468,6 +492,11 @@ def test_bench_in_process_and_against_the_server(server, om, tmp_path):
     paths = bench.write_results([local, remote], tmp_path, {"command": "test"})
     saved = json.loads(paths[0].read_text())
     assert [r["mode"] for r in saved["runs"]] == ["in-process", "server"]
+    # multi-turn: each turn's prompt is the previous prompt + its answer + a question; TTFT per turn
+    chat = bench.Workload.multi_turn(2, 3, (9, 9), (3, 3), (4, 4), om.vocab_size, seed=5)
+    remote = bench.run_against_server(server, chat, max_concurrency=2, model=MODEL)
+    assert remote["failed"] == 0 and sorted(remote["per_turn"]) == ["0", "1", "2"]
+    assert remote["cached_tokens"] >= 2 * (8 + 16)  # turn t takes turn t-1's full prompt pages (9, 16 tokens)
 
 
 def test_cli_bench_against_url(server, tmp_path, capsys):

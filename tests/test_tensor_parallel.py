@@ -380,6 +380,10 @@ def test_two_ranks_match_single_process(tp_runs, single_runs, job):
     assert r0["skeleton"] == (job == "glm_hashed")
     assert r0["env"] == MULTICAST_OFF_ENV  # set by the launcher in every rank
     assert r0["sampled"] == r1["sampled"]  # random sampling agrees too (same RNG state on every rank)
+    # prefix caching decides the same on every rank: the same hits, the same keys in the same pages
+    assert r0["prefix_cache"] == r1["prefix_cache"] and r0["prefix_cache"]["pages"]
+    if job == "glm":  # its second generate (sampled) takes the first's prompt pages
+        assert r0["prefix_cache"]["hit_tokens"] == r0["prefix_cache"]["cached_tokens"] == 8 + 8  # 11 and 9 tokens: 2 pages before the last token each
 
 
 @pytest.mark.parametrize("job", ["glm", "glm_hashed"])

@@ -4,11 +4,19 @@
     autodeploy bench --model deepseek_v2 --num-requests 64 --prompt-len 256:2048 --output-len 128
     autodeploy bench --url http://127.0.0.1:8000 --max-concurrency 16 --out /tmp/bench
     autodeploy bench --url http://127.0.0.1:8000 --dataset prompts.jsonl --request-rate 4
+    autodeploy bench --shared-prefix 1536 --prompt-len 256 --output-len 128      # one system prompt
+    autodeploy bench --multi-turn 5 --num-requests 16 --prompt-len 512 --question-len 64 --output-len 64
 
 The standard workload is prompts of 256-2048 tokens and 128 generated tokens. A model whose
 runtime.max_seq_len is shorter than 2048 + 128 (the embedded default: 128) cannot run it, so the
 lengths the user leaves out are fitted to the model (`workload_lengths`) and the choice is printed;
 lengths the user gives are kept, and refused before the build if they do not fit.
+
+Prefix-sharing workloads (prefix caching): `--shared-prefix N` puts one random N-token prefix
+before every prompt (`--prompt-len` is then each request's unique part); `--multi-turn T` runs
+`--num-requests` conversations of T turns, turn t+1 sent when turn t finished with the prompt turn
+t's prompt + its answer + a `--question-len` question (`--prompt-len`: the first turn's prompt),
+and reports TTFT p50 per turn.
 """
 
 from __future__ import annotations
@@ -91,6 +99,17 @@ def _fmt(r: tuple[int, int]) -> str:
 
 def _workload(args: argparse.Namespace, lengths: Lengths, vocab_size: int, tokenizer: Any = None) -> bench.Workload:
     try:
+        if args.dataset is not None and (args.shared_prefix or args.multi_turn):
+            raise CliError("--dataset reads requests from a file; --shared-prefix / --multi-turn make them: give one")
+        if args.shared_prefix and args.multi_turn:
+            raise CliError("--shared-prefix and --multi-turn are two workloads: give one")
+        if args.shared_prefix:
+            return bench.Workload.shared_prefix(args.num_requests, args.shared_prefix, lengths.prompt, lengths.output,
+                                                vocab_size, args.request_rate, args.seed)
+        if args.multi_turn:
+            return bench.Workload.multi_turn(args.num_requests, args.multi_turn, lengths.prompt,
+                                             _parse("--question-len", args.question_len), lengths.output, vocab_size,
+                                             args.request_rate, args.seed)
         if args.dataset is not None:
             if not args.dataset.is_file():
                 raise CliError(f"--dataset {args.dataset}: no such file")
@@ -205,6 +224,15 @@ def add_bench_parser(sub: Any, add_model_flags: Any, positive_int: Any) -> None:
     b.add_argument("--max-concurrency", type=positive_int, default=64, help="with --url: requests in flight at once")
     b.add_argument("--dataset", type=Path, help="JSONL: one {\"prompt_token_ids\": [...]} or {\"prompt\": \"...\"} "
                                                 "per line, optional \"max_tokens\"")
+    b.add_argument("--shared-prefix", type=positive_int, metavar="TOKENS",
+                   help="every prompt starts with one shared random prefix of TOKENS tokens (a system prompt); "
+                        "--prompt-len is each request's own part after it")
+    b.add_argument("--multi-turn", type=positive_int, metavar="TURNS",
+                   help="--num-requests conversations of TURNS turns: turn t+1 (sent when turn t finished) is turn "
+                        "t's prompt + its answer + a new question; --prompt-len is the first turn's prompt; the report "
+                        "gives TTFT p50 per turn")
+    b.add_argument("--question-len", default="32", help="with --multi-turn: tokens of each later turn's question, N or "
+                                                        "MIN:MAX (default 32)")
     b.add_argument("--tokenizer", help="tokenizer for text prompts in --dataset")
     b.add_argument("--vocab-size", type=positive_int, help="with --url: vocabulary for random prompts, if the server "
                                                            "does not say")

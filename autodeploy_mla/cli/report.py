@@ -67,6 +67,12 @@ def print_report(console: Console, report: dict[str, Any], prompts: list[list[in
         f"= {c['total_bytes'] / 2**20:.2f} MiB ({'/'.join(c['dtypes'])}: {c['bytes_per_token']} bytes per token "
         f"over all layers; activations {report['dtype']}, {report['device']})"
     )
+    pc = report["generation"].get("prefix_cache") or c.get("prefix_cache")
+    if pc is not None:
+        hits = (f"; {pc['hit_tokens']} of {pc['query_tokens']} prompt tokens from the cache"
+                if "hit_tokens" in pc else "")
+        console.print(f"prefix cache: {'on' if pc['enabled'] else 'off'}, {pc['pages_cached']} pages cached "
+                      f"({pc['pages_evictable']} evictable, {pc['pages_evicted']} evicted){hits}")
     t = Table(title="passes")
     for col in ("pass", "seconds", "summary"):
         t.add_column(col)

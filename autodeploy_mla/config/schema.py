@@ -88,6 +88,10 @@ class RuntimeConfig(_Strict):
     overlap: bool = Field(
         True, description="schedule and launch step i+1 before waiting for step i's sampled tokens"
     )
+    prefix_caching: bool = Field(
+        True, description="automatic prefix caching: requests take cached full prompt pages of earlier ones "
+        "(docs/prefix_caching.md)"
+    )
     kv_cache_dtype: KVCacheDtype = Field(
         "auto", description="paged latent cache dtype: auto (the model dtype) or fp8_e4m3 (half the bytes)"
     )

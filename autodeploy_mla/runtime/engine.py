@@ -42,6 +42,23 @@ reserves only the pages it does not share. Choices are requests of their own: ea
 alone, and fails or finishes alone. A choice whose choice 0 ended before it could share (cancelled,
 failed, or finished early) prefills its whole prompt itself. Shared pages stay until their last
 holder ends; choice 0 ending after the others took its pages changes nothing for them.
+
+Automatic prefix caching (`prefix_caching=True`, docs/prefix_caching.md). Each request's full
+prompt pages get keys when it is queued (runtime/prefix_cache.py: chained sha256, off the step's
+critical path). At admission it takes the longest run of cached pages among its full pages before
+its last prompt token (`PageAllocator.take_prefix`; shared and refcounted), so it always prefills
+at least its last token (its logits) and never writes a page it shares; prefill starts after them
+(`Request.cached_tokens`). Its own full prompt pages are registered when the step that wrote their
+last token COMPLETES (`_complete`, before that step's tokens can finish the request), never when
+it is merely queued: a request that takes a cached page reads it in its next launched step, which
+is then ordered after every write of that page. A waiting request whose next uncached page is being
+written by a running request (`_writing`) waits for it (FIFO, as a choice waits for choice 0):
+requests that arrive together with one system prompt prefill it once, not once each. Pages whose
+holders all ended stay cached and count as free; the allocator evicts them least-recently-released
+when pages are needed. A request that asks for prompt logprobs takes nothing from the cache (it
+needs every prompt row's logits) but caches its pages for others. Every decision is a function of the request stream and of the order
+in which steps complete (the same on every tensor-parallel rank), never of timing or of a
+per-process hash salt.
 """
 
 from __future__ import annotations
@@ -56,6 +73,7 @@ import torch
 
 from .errors import CapacityError, OutOfPagesError, RequestError
 from .page_allocator import PageAllocator
+from .prefix_cache import page_keys
 from .sampling import PromptRows, RowSpec, SamplingParams, StepOutput, TokenLogprobs
 from .sequence_info import SequenceInfo, StepSequence
 
@@ -96,6 +114,11 @@ class Request:
     #: (None: it prefills alone, or has its first token)
     leader: Optional["Request"] = field(default=None, repr=False, compare=False)
     shared_tokens: int = 0  # prompt tokens whose cache pages it shares with choice 0 (0: none)
+    #: prompt tokens it did not prefill: taken from the prefix cache, or shared with choice 0
+    cached_tokens: int = 0
+    #: prefix-cache keys of its full prompt pages (empty with prefix caching off)
+    page_keys: list[bytes] = field(default_factory=list, repr=False, compare=False)
+    num_registered: int = 0  # of those pages, how many it has offered to the prefix cache
 
     @property
     def tokens(self) -> list[int]:
@@ -129,12 +152,25 @@ class _InFlight:
     rows: dict[int, tuple[Request, bool]]  # seq id -> (request, whether this step samples for it)
     stats: Optional[StepStats] = None
     prompt_at: dict[int, int] = field(default_factory=dict)  # seq id -> prompt index of its first scored row
+    #: seq id -> the sequence's length once this step's writes land, for sequences prefilling
+    prompt_end: dict[int, int] = field(default_factory=dict)
 
 
 class GenerationEngine:
     def __init__(self, runner: StepRunner, allocator: PageAllocator, *, vocab_size: Optional[int] = None,
-                 eos_token_ids: Sequence[int] = (), overlap: bool = True) -> None:
+                 eos_token_ids: Sequence[int] = (), overlap: bool = True, prefix_caching: bool = True,
+                 cache_identity: bytes = b"") -> None:
+        """`prefix_caching`: take and offer cached prompt pages (module docstring). `cache_identity`:
+        the digest that roots every page key (`prefix_cache.cache_identity`: model, cache dtypes and
+        scales, page size); engines over one allocator must pass the same one for the same cache."""
         self.runner = runner
+        self.prefix_caching = prefix_caching
+        self.cache_identity = cache_identity
+        #: prompt tokens of the requests admitted with prefix caching on, and how many came from the cache
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+        #: key of a full prompt page -> the running request that writes it, until it is cached
+        self._writing: dict[bytes, Request] = {}
         self.seq_info = runner.seq_info
         self.allocator = allocator
         self.vocab_size = vocab_size
@@ -215,6 +251,8 @@ class GenerationEngine:
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
         req = Request(next(self._ids), prompt, params, seed=seed,
                       stop_ids=frozenset(params.stop_ids(self.eos_token_ids)), choice=choice)
+        if self.prefix_caching:
+            req.page_keys = page_keys(prompt, self.allocator.page_size, self.cache_identity)
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None] * len(prompt)
         self.waiting.append(req)
@@ -266,19 +304,36 @@ class GenerationEngine:
                     lead = None
                 elif lead.num_scheduled < req.shared_tokens:
                     return  # choice 0's writes of the shared pages are not all queued yet (FIFO: wait)
+            ps = self.allocator.page_size
+            takes = lead is None and self.prefix_caching and req.params.prompt_logprobs is None
+            if takes:
+                # full pages before the last prompt token: it prefills >= 1 token, writes none of them
+                keys = req.page_keys[: (len(req.prompt) - 1) // ps]
+                hit = self.allocator.match_prefix(keys)
+                if hit < len(keys) and keys[hit] in self._writing:
+                    return  # a running request is writing its next page: take it once cached (FIFO: wait)
+            cached = 0
             try:
                 if lead is not None:
-                    self.allocator.fork(req.id, lead.id, req.shared_tokens // self.allocator.page_size)
+                    self.allocator.fork(req.id, lead.id, req.shared_tokens // ps)
+                    cached = req.shared_tokens
+                elif takes:
+                    cached = self.allocator.take_prefix(req.id, keys) * ps
                 self.allocator.ensure(req.id, req.total_len)
             except OutOfPagesError as exc:
-                self.allocator.free(req.id)  # a fork's references go back
+                self.allocator.free(req.id)  # a fork's / the cache's references go back
                 if self.running:
                     return  # wait for running requests to free pages (FIFO: no overtaking)
                 self.waiting.popleft()
                 self._finish(req, "error", error=str(exc))
                 continue
-            if lead is not None:
-                req.num_scheduled = req.shared_tokens  # the shared pages hold these tokens
+            req.num_scheduled = req.cached_tokens = cached  # the shared / cached pages hold these tokens
+            if self.prefix_caching:
+                if lead is None:
+                    self.prefix_queries += len(req.prompt)
+                    self.prefix_hits += cached
+                for k in req.page_keys[cached // ps :]:
+                    self._writing.setdefault(k, req)
             self.waiting.popleft()
             self.running.append(req)
 
@@ -347,7 +402,28 @@ class GenerationEngine:
             r.pending += int(samples)
         stats = StepStats(launched.num_prefill_tokens, launched.num_decode_seqs, len(batch))
         self.steps.append(stats)
-        return _InFlight(launched, {r.id: (r, samples) for r, _, samples in batch}, stats, prompt_at)
+        prompt_end = {r.id: r.num_scheduled for r, seq, _ in batch if seq.num_cached < len(r.prompt)}
+        return _InFlight(launched, {r.id: (r, samples) for r, _, samples in batch}, stats, prompt_at, prompt_end)
+
+    def _register_written(self, step: _InFlight) -> None:
+        """Offer the prompt pages this completed step filled to the prefix cache (before its tokens
+        can finish a request and free them). A request cancelled meanwhile offers nothing: its pages
+        went back when it was cancelled."""
+        ps = self.allocator.page_size
+        for sid, end in step.prompt_end.items():
+            r = step.rows[sid][0]
+            full = min(end, len(r.prompt)) // ps
+            if r.finished or full <= r.num_registered:
+                continue
+            self.allocator.register(r.id, r.page_keys[r.num_registered : full], r.num_registered)
+            self._done_writing(r, full)
+            r.num_registered = full
+
+    def _done_writing(self, r: Request, upto: Optional[int] = None) -> None:
+        """`r` writes none of its prompt pages before `upto` (default: any) any more."""
+        for k in r.page_keys[r.num_registered : upto]:
+            if self._writing.get(k) is r:
+                del self._writing[k]
 
     def _complete(self, step: _InFlight) -> list[tuple[int, int]]:
         try:
@@ -362,6 +438,8 @@ class GenerationEngine:
             self.gpu_busy_ms += ms
             if step.stats is not None:
                 step.stats.device_ms = ms
+        if self.prefix_caching:
+            self._register_written(step)
         for sid, scored in result.prompt_logprobs.items():  # before the tokens: the last chunk's come first
             at = step.prompt_at[sid]
             step.rows[sid][0].prompt_logprobs[at : at + len(scored)] = scored
@@ -402,6 +480,8 @@ class GenerationEngine:
 
     def _finish(self, r: Request, reason: str, error: Optional[str] = None) -> None:
         r.finish_reason, r.error = reason, error
+        if r.page_keys:
+            self._done_writing(r)
         self.allocator.free(r.id)
         self.runner.release(r.id)
         if r in self.running:

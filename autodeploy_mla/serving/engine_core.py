@@ -125,8 +125,10 @@ class EngineCore:
         out = TokenOut(api_id, tok)
         if r.params.logprobs is not None and r.logprobs:
             out.logprob = _logprob(r.logprobs[-1])
-        if r.params.prompt_logprobs is not None and len(r.generated) == 1:
-            out.prompt_logprobs = [_logprob(lp) for lp in r.prompt_logprobs]
+        if len(r.generated) == 1:
+            out.cached_tokens = r.cached_tokens
+            if r.params.prompt_logprobs is not None:
+                out.prompt_logprobs = [_logprob(lp) for lp in r.prompt_logprobs]
         return out
 
     def _send(self, msg: CoreOutput) -> None:
@@ -134,7 +136,8 @@ class EngineCore:
 
     def _stats(self) -> EngineStats:
         eng = self.engine
-        return EngineStats(len(eng.running), len(eng.waiting), self._pages_total - self._pages_free(), self._pages_total)
+        return EngineStats(len(eng.running), len(eng.waiting), self._pages_total - self._pages_free(), self._pages_total,
+                           eng.allocator.num_cached, eng.prefix_queries, eng.prefix_hits)
 
     def _flush(self, new: list[tuple[int, int]]) -> None:
         tokens = [t for rid, tok in new if (t := self._token_out(rid, tok)) is not None]

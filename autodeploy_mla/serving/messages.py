@@ -54,12 +54,14 @@ class Logprob(msgspec.Struct, array_like=True):
 class TokenOut(msgspec.Struct, array_like=True):
     """One new token of request `id`; `logprob` when the request asked for logprobs;
     `prompt_logprobs` (one per prompt token, the first None) with a request's first token when it
-    asked for them (echo)."""
+    asked for them (echo); `cached_tokens` with a request's first token: its prompt tokens taken
+    from the prefix cache (or shared with choice 0), which it did not prefill (usage)."""
 
     id: int
     token: int
     logprob: Optional[Logprob] = None
     prompt_logprobs: Optional[list[Optional[Logprob]]] = None
+    cached_tokens: Optional[int] = None
 
 
 class Finished(msgspec.Struct, array_like=True):
@@ -71,10 +73,16 @@ class Finished(msgspec.Struct, array_like=True):
 
 
 class EngineStats(msgspec.Struct, array_like=True):
+    """The engine after a step. `pages_used` counts pages requests hold (cached pages no request
+    holds are free); prefix_* are running totals in prompt tokens (the metrics' counters)."""
+
     running: int
     waiting: int
     pages_used: int
     pages_total: int
+    pages_cached: int = 0
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
 
 
 class StepOutputs(msgspec.Struct, tag="step", array_like=True):

@@ -27,6 +27,13 @@ class ServingMetrics:
                                   f"generated tokens per second over the last {window_s:g} s", registry=r)
         self.generated = Counter("autodeploy_generation_tokens", "generated tokens", registry=r)
         self.prompt = Counter("autodeploy_prompt_tokens", "prompt tokens of the requests submitted", registry=r)
+        # vLLM's pair (prefix_cache_queries / prefix_cache_hits): hit rate = hits / queries over a window
+        self.prefix_queries = Counter("autodeploy_prefix_cache_query_tokens",
+                                      "prompt tokens looked up in the prefix cache (requests admitted)", registry=r)
+        self.prefix_hits = Counter("autodeploy_prefix_cache_hit_tokens",
+                                   "prompt tokens taken from the prefix cache instead of prefilled", registry=r)
+        self.pages_cached = Gauge("autodeploy_cache_pages_cached",
+                                  "paged-cache pages holding a cached prefix (held or evictable)", registry=r)
         self.finished = Counter("autodeploy_requests_finished", "finished requests", ["finish_reason"], registry=r)
         self.ttft = Histogram("autodeploy_time_to_first_token_seconds", "time from arrival to the first token",
                               buckets=TTFT_BUCKETS, registry=r)
@@ -45,6 +52,15 @@ class ServingMetrics:
         while self._recent and self._recent[0][0] < now - self._window_s:
             self._recent.popleft()
         self.tokens_per_s.set(sum(c for _, c in self._recent) / self._window_s)
+
+    def engine_totals(self, queries: int, hits: int, seen: tuple[int, int]) -> tuple[int, int]:
+        """Advance the prefix-cache counters to the engine's running totals (`seen`: the totals at
+        the last call); returns the new `seen`."""
+        if queries > seen[0]:
+            self.prefix_queries.inc(queries - seen[0])
+        if hits > seen[1]:
+            self.prefix_hits.inc(hits - seen[1])
+        return max(queries, seen[0]), max(hits, seen[1])
 
     def render(self) -> bytes:
         self.tokens(0, time.monotonic())

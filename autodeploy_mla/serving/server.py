@@ -67,6 +67,7 @@ class Choice:
     finish_reason: Optional[str] = None
     failed: Optional[str] = None
     text_offset: int = 0  # characters of this choice's text handed out so far (logprobs text_offset)
+    cached_tokens: int = 0  # prompt tokens the engine took from the prefix cache (with the first token)
 
 
 def _finish_reason(c: Choice, f: Finished) -> tuple[Optional[str], Optional[str]]:
@@ -97,6 +98,7 @@ class Server:
         #: called with the model's `ModelInfo` once the engine core is ready
         self.on_ready: Optional[Callable[[Any], None]] = None
         self._timing: dict[int, list[float]] = {}  # choice id -> [arrival, first token, last token]
+        self._prefix_seen = (0, 0)  # the engine's prefix-cache totals at the last step message
         self._token_text: dict[int, str] = {}
 
     # -- engine state
@@ -177,6 +179,9 @@ class Server:
     def _observe_step(self, msg: StepOutputs) -> None:
         now = time.monotonic()
         m = self.metrics
+        st = msg.stats
+        m.pages_cached.set(st.pages_cached)
+        self._prefix_seen = m.engine_totals(st.prefix_query_tokens, st.prefix_hit_tokens, self._prefix_seen)
         for t in msg.tokens:
             tm = self._timing.get(t.id)
             if tm is None:
@@ -231,6 +236,8 @@ class Server:
                 return None  # tokens after a stop string: the abort is on its way
             c.generated.append(item.token)
             c.logprobs.append(item.logprob)
+            if item.cached_tokens is not None:
+                c.cached_tokens = item.cached_tokens
             if item.prompt_logprobs is not None:
                 c.prompt_logprobs = item.prompt_logprobs
             return c
@@ -292,10 +299,15 @@ class Server:
             self.client.abort(stopped)
 
     # -- responses
-    def _usage(self, prompts: list[list[int]], choices: list[Choice]) -> dict[str, int]:
+    def _usage(self, prompts: list[list[int]], choices: list[Choice]) -> dict[str, Any]:
+        """OpenAI's usage. Each prompt counts once however many choices it has, and so do its cached
+        tokens: choice 0's (the others share choice 0's pages; their own count is not the prompt's)."""
         p = sum(len(x) for x in prompts)
         g = sum(len(c.generated) for c in choices)
-        return {"prompt_tokens": p, "completion_tokens": g, "total_tokens": p + g}
+        n = max(1, len(choices) // max(1, len(prompts)))
+        cached = sum(c.cached_tokens for c in choices if c.index % n == 0)
+        return {"prompt_tokens": p, "completion_tokens": g, "total_tokens": p + g,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
     def _completion_logprobs(self, c: Choice, tokens: Sequence[int], lps: Sequence[Optional[Logprob]]
                              ) -> dict[str, Any]:

@@ -59,6 +59,11 @@ def probe_rank(rank: int, jobs: Sequence[ProbeJob]) -> dict[str, dict[str, Any]]
         tokens = om.generate([list(p) for p in job.prompts], max_new_tokens=job.max_new_tokens) if job.prompts else []
         sampled = (om.generate([list(p) for p in job.prompts], max_new_tokens=job.max_new_tokens, **job.sampling)
                    if job.sampling else None)
+        # prefix caching's decisions (the second generate takes the first's prompt pages): every rank
+        # must take the same pages and cache the same keys in the same pages
+        prefix = ({**om.last_generation["prefix_cache"], "cached_tokens": om.last_generation["cached_tokens"],
+                   "pages": {k.hex(): p for k, p in om.allocator.cached_pages().items()}}
+                  if job.prompts else None)
         logits = om.prefill_logits(list(job.logits_prompt)).float().cpu() if job.logits_prompt else None
         # The distribution each prompt's first generated token was drawn from (to tell a real
         # disagreement from a near-tie that 16-bit rounding may flip).
@@ -77,6 +82,7 @@ def probe_rank(rank: int, jobs: Sequence[ProbeJob]) -> dict[str, dict[str, Any]]
             "world_size": env_info().world_size,
             "tokens": tokens,
             "sampled": sampled,
+            "prefix_cache": prefix,
             "logits": logits,
             "first_logits": first_logits,
             "shard_summary": rec.summary if rec else None,
