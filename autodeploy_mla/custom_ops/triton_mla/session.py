@@ -13,6 +13,7 @@ from ..attention.prefill_kernels import PrefillAttention, prefill_kernel
 from . import tuning
 from .call import OpCall
 from .launch import LaunchCache
+from .launchers import fa3_for_step
 from .policy import DEFAULT_POLICY, TritonPolicy
 from .step_shape import StepShape
 from .tuning import (ABSORB_SLOWDOWN, MAX_EXPAND_HEAD_DIM, STATIC_MAX_EXTRA_FLOPS, choose_prefill_path,
@@ -69,9 +70,7 @@ class TritonMLASession(BackendSession):
             self.routes.record("all", Route("prefill", self.backend, "absorb", "static bounds (mixed graph)"))
             return
         mode = self.policy.prefill_mode
-        fa3 = self.fa3 is not None and bool(shape.qo_indptr) and (
-            self.policy.prefill_attention == "flashinfer"
-            or (shape.max_q >= tuning.FA3_PREFILL_MIN_TOKENS and self.fa3.ready))
+        fa3 = fa3_for_step(self.call, shape, self.spec.device)  # the op's own rule, not a copy of it
         for d in self._node_dims:
             path = choose_prefill_path(d, shape.n_pre_tok, shape.prefix, shape.pairs) if mode == "auto" else mode
             self.routes.record(d.short(), triton_prefill_route(self.backend, path, fa3,
