@@ -229,20 +229,25 @@ def test_bench_prefix_workloads_in_process(om):
 
 
 def test_prefix_caching_benchmark_quick(tmp_path):
-    """benchmarks/serving/prefix_caching.py --quick: both workloads, caching on and off in two processes,
-    table + JSON (+ plot when matplotlib is there); the tokens per run are what was asked for."""
+    """benchmarks/serving/prefix_caching.py --quick: the three workloads, caching off, on, off again in
+    three processes, table + JSON (+ plot when matplotlib is there); the tokens per run are what was asked
+    for, and the no-sharing row is judged against the two off runs' spread."""
     root = __import__("pathlib").Path(__file__).resolve().parents[1]
     proc = subprocess.run([sys.executable, "-m", "benchmarks.serving.prefix_caching", "--quick", "--out",
                            str(tmp_path)], capture_output=True, text=True, cwd=root, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads((tmp_path / "prefix_caching.json").read_text())
-    for side in ("on", "off"):
+    for side in ("on", "off", "off_again"):
+        assert sorted(doc[side]["runs"]) == ["multi-turn", "no sharing", "shared prefix"]
         for name, r in doc[side]["runs"].items():
             assert r["failed"] == 0, (side, name, r["errors"])
     assert doc["on"]["runs"]["shared prefix"]["prefix_hit_tokens"] >= 7 * 48
     assert doc["off"]["runs"]["shared prefix"].get("cached_tokens", 0) == 0
     assert sorted(doc["on"]["runs"]["multi-turn"]["per_turn"]) == ["0", "1", "2"]
-    assert "TTFT p50 ms per turn" in (tmp_path / "prefix_caching.md").read_text()
+    assert doc["on"]["runs"]["no sharing"].get("prefix_hit_tokens", 0) == 0
+    assert "nosharing_noise_throughput" in doc["summary"]
+    md = (tmp_path / "prefix_caching.md").read_text()
+    assert "TTFT p50 ms per turn" in md and "No sharing, on / mean of the two off runs" in md
 
 
 # ----------------------------------------------------------------------------- the allocator alone

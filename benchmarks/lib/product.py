@@ -76,6 +76,9 @@ PUBLIC: dict[str, str] = {
     "quantize_queries": f"{_TRITON}.launchers:quantize_queries",
     # sparse MLA
     "INDEXER_METADATA": f"{_OPS}.attention.sparse_mla:INDEXER_METADATA",
+    "IndexScoresConfig": f"{_TRITON}.tuning:IndexScoresConfig",
+    "index_scores_config": f"{_TRITON}.tuning:index_scores_config",
+    "launch_index_scores": f"{_TRITON}.sparse:launch_index_scores",
     # MoE
     "MoEConfig": f"{_OPS}.moe:MoEConfig",
     "fused_moe": f"{_OPS}.moe:fused_moe",

@@ -7,7 +7,11 @@ Workloads (`autodeploy_mla.serving.bench`, the ones `autodeploy bench --shared-p
   target on the H200: TTFT p50 <= 0.3x and throughput >= 1.5x the same run with caching off;
 - `multi-turn`: 16 conversations x 6 turns, first prompt 512 tokens, 64-token questions and 64-token
   answers (turn t+1 = turn t's prompt + its answer + a question, sent when turn t finished);
-  target: TTFT p50 per turn flat in the number of turns.
+  target: TTFT p50 per turn flat in the number of turns;
+- `no sharing`: 64 requests of 1792 unique tokens each (the shared-prefix run's lengths), 128 out;
+  target: caching on no slower than off by more than noise. Noise is measured, not assumed: the off
+  process runs twice (off, on, off: both orders around the on run), and the two off runs' spread is
+  what "noise" means in the table.
 
 Model: the published DeepSeek-V2-Lite config (bf16, random weights, backend auto), runtime from
 model_configs/deepseek_v2.yaml. Caching on and off run in separate processes (one build each, so
@@ -36,9 +40,11 @@ REPO = Path(__file__).resolve().parents[2]
 
 WORKLOADS = {
     "full": {"shared": {"num_requests": 64, "prefix_len": 1536, "unique_len": (256, 256), "output_len": (128, 128)},
+             "unique": {"num_requests": 64, "prompt_len": (1792, 1792), "output_len": (128, 128)},
              "multi_turn": {"num_conversations": 16, "turns": 6, "first_len": (512, 512), "question_len": (64, 64),
                             "output_len": (64, 64)}},
     "quick": {"shared": {"num_requests": 8, "prefix_len": 48, "unique_len": (16, 16), "output_len": (4, 4)},
+              "unique": {"num_requests": 8, "prompt_len": (64, 64), "output_len": (4, 4)},
               "multi_turn": {"num_conversations": 2, "turns": 3, "first_len": (24, 24), "question_len": (8, 8),
                              "output_len": (4, 4)}},
 }
@@ -51,11 +57,12 @@ def workloads(size: str, vocab: int, seed: int) -> dict[str, Any]:
     Workload = serving_bench.Workload
 
     w = WORKLOADS[size]
-    s, m = w["shared"], w["multi_turn"]
+    s, m, u = w["shared"], w["multi_turn"], w["unique"]
     return {"shared prefix": Workload.shared_prefix(s["num_requests"], s["prefix_len"], s["unique_len"],
                                                     s["output_len"], vocab, seed=seed),
             "multi-turn": Workload.multi_turn(m["num_conversations"], m["turns"], m["first_len"], m["question_len"],
-                                              m["output_len"], vocab, seed=seed)}
+                                              m["output_len"], vocab, seed=seed),
+            "no sharing": Workload.synthetic(u["num_requests"], u["prompt_len"], u["output_len"], vocab, seed=seed)}
 
 
 # ----------------------------------------------------------------------------- one process: caching on or off
@@ -94,9 +101,9 @@ def child(spec_path: Path) -> None:
     Path(spec["out"]).write_text(json.dumps(out, default=str))
 
 
-def run_child(size: str, device: str, caching: bool, tmp: Path) -> dict[str, Any]:
-    spec = tmp / f"spec_{'on' if caching else 'off'}.json"
-    res = tmp / f"result_{'on' if caching else 'off'}.json"
+def run_child(size: str, device: str, caching: bool, tmp: Path, tag: str = "") -> dict[str, Any]:
+    spec = tmp / f"spec_{'on' if caching else 'off'}{tag}.json"
+    res = tmp / f"result_{'on' if caching else 'off'}{tag}.json"
     spec.write_text(json.dumps({"size": size, "device": device, "caching": caching, "out": str(res)}))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run([sys.executable, "-m", "benchmarks.serving.prefix_caching", "--child", str(spec)], cwd=REPO,
@@ -113,6 +120,27 @@ def _f(x: Any, nd: int = 1) -> str:
     return "-" if x is None else f"{x:.{nd}f}"
 
 
+def no_sharing_summary(doc: dict[str, Any]) -> dict[str, Any]:
+    """Caching on vs off on the workload with nothing to share, against the spread of the two off
+    runs (the noise): empty for a JSON written before the workload existed."""
+    name, again = "no sharing", doc.get("off_again")
+    if again is None or name not in doc["on"]["runs"]:
+        return {}
+    on, off, off2 = (d["runs"][name] for d in (doc["on"], doc["off"], again))
+    off_tps = (off["tokens_per_s"] + off2["tokens_per_s"]) / 2
+    off_ttft = (off["ttft_ms"]["p50"] + off2["ttft_ms"]["p50"]) / 2
+    tps, ttft = on["tokens_per_s"] / off_tps, on["ttft_ms"]["p50"] / off_ttft
+    noise_tps = abs(off["tokens_per_s"] - off2["tokens_per_s"]) / off_tps
+    noise_ttft = abs(off["ttft_ms"]["p50"] - off2["ttft_ms"]["p50"]) / off_ttft
+    slower = (1 - tps) > max(noise_tps, 0.0) or (ttft - 1) > max(noise_ttft, 0.0)
+    line = (f"No sharing, on / mean of the two off runs: throughput {tps:.3f}x, TTFT p50 {ttft:.3f}x; noise (the off "
+            f"runs' spread): throughput {noise_tps:.1%}, TTFT p50 {noise_ttft:.1%} -> "
+            f"{'SLOWER than noise (target missed)' if slower else 'within noise (target: no slowdown beyond noise)'}.")
+    return {"line": line, "nosharing_throughput_ratio": tps, "nosharing_ttft_p50_ratio": ttft,
+            "nosharing_noise_throughput": noise_tps, "nosharing_noise_ttft_p50": noise_ttft,
+            "nosharing_slower_than_noise": slower}
+
+
 def render(doc: dict[str, Any], out: Path, stem: str = "prefix_caching") -> list[Path]:
     on, off = doc["on"], doc["off"]
     lines = [f"# Prefix caching: caching on vs off ({doc['meta']['size']})", "",
@@ -121,7 +149,10 @@ def render(doc: dict[str, Any], out: Path, stem: str = "prefix_caching") -> list
              "| workload | caching | requests | tokens/s | TTFT p50 / p90 ms | cached prompt tokens | hit rate |",
              "|---|---|---:|---:|---|---:|---:|"]
     for name in on["runs"]:
-        for tag, side in (("on", on), ("off", off)):
+        sides = [("on", on), ("off", off)] + ([("off, again", doc["off_again"])] if doc.get("off_again") else [])
+        for tag, side in sides:
+            if name not in side["runs"]:
+                continue
             r = side["runs"][name]
             q, h = r.get("prefix_query_tokens") or 0, r.get("prefix_hit_tokens") or 0
             lines.append(f"| {name} | {tag} | {r['requests'] - r['failed']}/{r['requests']} | {_f(r['tokens_per_s'])} | "
@@ -132,13 +163,17 @@ def render(doc: dict[str, Any], out: Path, stem: str = "prefix_caching") -> list
     tput = s_on["tokens_per_s"] / s_off["tokens_per_s"] if s_off["tokens_per_s"] else None
     lines += ["", f"Shared prefix, on / off: TTFT p50 {_f(ttft, 3)}x (target <= 0.3x), throughput {_f(tput, 2)}x "
                   "(target >= 1.5x; the targets are for the full-size run on the H200)."]
+    nosharing = no_sharing_summary(doc)
+    if nosharing:
+        lines += ["", nosharing["line"]]
     m_on, m_off = on["runs"]["multi-turn"], off["runs"]["multi-turn"]
     turns = sorted(int(k) for k in m_on.get("per_turn", {}))
     lines += ["", "Multi-turn, TTFT p50 ms per turn (target: flat with caching on):", "",
               "| caching | " + " | ".join(f"turn {k}" for k in turns) + " |", "|---|" + "---:|" * len(turns)]
     for tag, r in (("on", m_on), ("off", m_off)):
         lines.append(f"| {tag} | " + " | ".join(_f(r["per_turn"][str(k)]["ttft_ms"]["p50"]) for k in turns) + " |")
-    doc["summary"] = {"shared_ttft_p50_ratio": ttft, "shared_throughput_ratio": tput}
+    doc["summary"] = {"shared_ttft_p50_ratio": ttft, "shared_throughput_ratio": tput,
+                      **{k: v for k, v in (nosharing or {}).items() if k != "line"}}
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / f"{stem}.md", out / f"{stem}.json"]
     paths[0].write_text("\n".join(lines) + "\n")
@@ -188,10 +223,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="prefix_caching_") as tmp:
         off = run_child(size, device, False, Path(tmp))
         on = run_child(size, device, True, Path(tmp))
+        off_again = run_child(size, device, False, Path(tmp), tag="_again")
     meta = {"command": "python -m benchmarks.serving.prefix_caching " + " ".join(sys.argv[1:]), "size": size,
             "device": on["device"], "gpu": on.get("gpu"), "host": platform.node(),
             "date": time.strftime("%Y-%m-%d %H:%M:%S"), "workloads": WORKLOADS[size]}
-    for p in render({"meta": meta, "on": on, "off": off}, args.out):
+    for p in render({"meta": meta, "on": on, "off": off, "off_again": off_again}, args.out):
         print(f"written: {p}")
 
 

@@ -19,6 +19,8 @@ from ..attention.cache_format import CacheScales, is_fp8
 from ..attention.mla_dims import MLAShapeError, resolve_scale
 from ..attention.contract import MLAInputs, append_to_paged_cache, check_cached_inputs, define_cached_op
 from ..attention.sparse_mla import INDEXER_METADATA, check_indexer, append_index_keys, select_topk
+from ..triton_helpers import interpreting
+from .tuning import index_scores_config
 
 try:
     import triton
@@ -88,16 +90,28 @@ def triton_dsa_indexer_with_cache(
     qt = q[0, :num_tok].contiguous()
     wt = weights[0, :num_tok].float().contiguous()
     scores = torch.empty(num_tok, max_kv, dtype=torch.float32, device=q.device)
-    grid = (num_tok, triton.cdiv(max_kv, BLOCK_N))
-    index_scores_kernel[grid](
-        qt, wt, flat, page_table, tok_seq, tok_pos, seq_len_with_cache, scores,
-        float(softmax_scale), h, d, max_kv, index_cache.shape[1],
-        qt.stride(0), qt.stride(1), wt.stride(0), page_table.stride(0), scores.stride(0),
-        BLOCK_H=16, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_N=BLOCK_N,
-        PRECISION=_precision(flat.dtype),
-    )
+    cfg = index_scores_config(h, d, flat.dtype, compiled=q.is_cuda and not interpreting())
+    launch_index_scores(cfg, qt, wt, flat, page_table, tok_seq, tok_pos, seq_len_with_cache, scores,
+                        float(softmax_scale), index_cache.shape[1])
     out[0, :num_tok] = select_topk(scores, scores > float("-inf"), index_topk)
     return out
+
+
+def launch_index_scores(cfg, qt: torch.Tensor, wt: torch.Tensor, flat_keys: torch.Tensor, page_table: torch.Tensor,
+                        tok_seq: torch.Tensor, tok_pos: torch.Tensor, seq_len: torch.Tensor, scores: torch.Tensor,
+                        softmax_scale: float, page_size: int) -> None:
+    """scores[t, j] for every packed token t (rows of qt) and key position j < scores.shape[1]."""
+    num_tok, max_kv = scores.shape
+    h, d = qt.shape[1], qt.shape[2]
+    grid = (num_tok, triton.cdiv(max_kv, cfg.block_n * cfg.kv_iters))
+    index_scores_kernel[grid](
+        qt, wt, flat_keys, page_table, tok_seq, tok_pos, seq_len, scores,
+        softmax_scale, h, d, max_kv, page_size,
+        qt.stride(0), qt.stride(1), wt.stride(0), page_table.stride(0), scores.stride(0),
+        BLOCK_H=cfg.block_h, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_N=cfg.block_n,
+        KV_ITERS=cfg.kv_iters, PRECISION=_precision(flat_keys.dtype), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
 
 
 @triton_dsa_indexer_with_cache.register_fake

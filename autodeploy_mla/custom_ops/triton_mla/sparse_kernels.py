@@ -27,31 +27,35 @@ def index_scores_kernel(
     q_ptr, w_ptr, kcache_ptr, page_table_ptr, tok_seq_ptr, tok_pos_ptr, seq_len_ptr, out_ptr,
     scale, H, D, max_kv, page_size,
     stride_qt, stride_qh, stride_wt, stride_pt, stride_ot,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, KV_ITERS: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
+    """One token x KV_ITERS tiles of BLOCK_N keys: each tile's keys are read once and scored by all H
+    heads (BLOCK_H at a time, re-read from L1/L2), so a program's query is fetched once per tile."""
     t = tl.program_id(0)
     nb = tl.program_id(1)
     seq = tl.load(tok_seq_ptr + t)
     pos = tl.load(tok_pos_ptr + t)
     seq_len = tl.load(seq_len_ptr + seq)
-    kv = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-    visible = (kv <= pos) & (kv < seq_len)
-    page = tl.load(page_table_ptr + seq * stride_pt + kv // page_size, mask=visible, other=0)
-    slot = page.to(tl.int64) * page_size + kv % page_size
     offs_d = tl.arange(0, BLOCK_D)
-    keys = tl.load(kcache_ptr + slot[:, None] * D + offs_d[None, :], mask=visible[:, None] & (offs_d[None, :] < D),
-                   other=0.0)  # [BLOCK_N, BLOCK_D], the cache dtype
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for h0 in range(0, H, BLOCK_H):
-        offs_h = h0 + tl.arange(0, BLOCK_H)
-        hm = offs_h < H
-        q = tl.load(q_ptr + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
-                    mask=hm[:, None] & (offs_d[None, :] < D), other=0.0).to(keys.dtype)  # [BLOCK_H, BLOCK_D]
-        w = tl.load(w_ptr + t * stride_wt + offs_h, mask=hm, other=0.0).to(tl.float32)
-        s = tl.dot(q, tl.trans(keys), input_precision=PRECISION) * scale  # [BLOCK_H, BLOCK_N], fp32
-        acc += tl.sum(tl.maximum(s, 0.0) * w[:, None], axis=0)
-    acc = tl.where(visible, acc, float("-inf"))
-    tl.store(out_ptr + t * stride_ot + kv, acc, mask=kv < max_kv)
+    for it in range(KV_ITERS):
+        kv = (nb * KV_ITERS + it) * BLOCK_N + tl.arange(0, BLOCK_N)
+        visible = (kv <= pos) & (kv < seq_len)
+        page = tl.load(page_table_ptr + seq * stride_pt + kv // page_size, mask=visible, other=0)
+        slot = page.to(tl.int64) * page_size + kv % page_size
+        keys = tl.load(kcache_ptr + slot[:, None] * D + offs_d[None, :],
+                       mask=visible[:, None] & (offs_d[None, :] < D), other=0.0)  # [BLOCK_N, BLOCK_D], cache dtype
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for h0 in range(0, H, BLOCK_H):
+            offs_h = h0 + tl.arange(0, BLOCK_H)
+            hm = offs_h < H
+            q = tl.load(q_ptr + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
+                        mask=hm[:, None] & (offs_d[None, :] < D), other=0.0).to(keys.dtype)  # [BLOCK_H, BLOCK_D]
+            w = tl.load(w_ptr + t * stride_wt + offs_h, mask=hm, other=0.0).to(tl.float32)
+            s = tl.dot(q, tl.trans(keys), input_precision=PRECISION) * scale  # [BLOCK_H, BLOCK_N], fp32
+            acc += tl.sum(tl.maximum(s, 0.0) * w[:, None], axis=0)
+        acc = tl.where(visible, acc, float("-inf"))
+        tl.store(out_ptr + t * stride_ot + kv, acc, mask=kv < max_kv)
 
 
 @triton.jit

@@ -334,3 +334,26 @@ def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return EMULATED_SM_COUNT
     return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+# ----------------------------------------------------------------------------- the DSA indexer's scores
+@dataclass(frozen=True)
+class IndexScoresConfig:
+    """Launch config of `index_scores_kernel`: heads per MMA, keys per tile, tiles per program."""
+
+    block_h: int
+    block_n: int
+    kv_iters: int
+    num_warps: int
+    num_stages: int
+
+
+def index_scores_config(heads: int, dim: int, dtype: torch.dtype, compiled: bool) -> IndexScoresConfig:
+    """The config for `heads` index heads of width `dim` over a `dtype` index cache. The interpreter
+    (CPU tests) gets small tiles and one tile per program, so the masks at every edge are exercised.
+    H200 (DeepSeek-V3.2: 64 heads x 128, bf16): see `benchmarks/kernels/sweep_index_scores.py`."""
+    if not compiled:
+        return IndexScoresConfig(block_h=16, block_n=32, kv_iters=1, num_warps=1, num_stages=1)
+    if dtype == torch.float32:
+        return IndexScoresConfig(block_h=16, block_n=32, kv_iters=1, num_warps=4, num_stages=2)
+    return IndexScoresConfig(block_h=min(64, max(16, pow2(heads))), block_n=64, kv_iters=2, num_warps=4, num_stages=2)
