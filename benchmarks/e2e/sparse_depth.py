@@ -16,11 +16,16 @@ as ops): the device time of the ops whose name holds "dsa_indexer" over all kern
 
     python -m benchmarks.e2e.sparse_depth                      # H200: table + JSON + plot in docs/benchmarks
     python -m benchmarks.e2e.sparse_depth --smoke --out /tmp/x # CPU, tiny dims (tests/test_sparse_depth_bench.py)
+
+`--index-scores-config FILE` runs the Triton indexer's score kernel with the fastest config of a
+`benchmarks/kernels/sweep_index_scores.py` JSON instead of the committed one (to try a sweep's result
+in the same device call); the config used is recorded either way.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -30,7 +35,8 @@ from typing import Any, Optional
 
 import torch
 
-from benchmarks.lib import StepSequence, deepseek_v3_shaped, deepseek_v32_shaped, optimize, pyplot
+from benchmarks.lib import (IndexScoresConfig, StepSequence, deepseek_v3_shaped, deepseek_v32_shaped,
+                            index_scores_launch_config, optimize, pyplot)
 
 REPO = Path(__file__).resolve().parents[2]
 STEM = "sparse_mla_depth"  # docs/benchmarks/sparse_mla.* holds the per-layer results of bench_sparse_mla.py
@@ -99,6 +105,11 @@ def time_decode(om, args: argparse.Namespace) -> dict[str, Any]:
     return row
 
 
+def is_attention_op(key: str) -> bool:
+    """The cached attention ops (every backend's, the DSA indexer included) are `autodeploy::*_with_cache`."""
+    return key.startswith("autodeploy::") and key.endswith("_with_cache")
+
+
 def indexer_share(step, first: int, runner, dev: torch.device) -> dict[str, Any]:
     """Profile PROFILE_STEPS steps with the whole-step decode graph off (static pieces still replay
     their graphs; the dynamic attention ops run as ops): the device time (CPU time on the CPU) of the
@@ -127,22 +138,33 @@ def indexer_share(step, first: int, runner, dev: torch.device) -> dict[str, Any]
         kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         total = sum(e.device_time for e in kernels) / 1e3 / PROFILE_STEPS
         index = sum(e.device_time_total for e in avg if "dsa_indexer" in e.key) / 1e3 / PROFILE_STEPS
+        attention = sum(e.device_time_total for e in avg if is_attention_op(e.key)) / 1e3 / PROFILE_STEPS
     else:
         total = wall
         index = sum(e.cpu_time_total for e in avg if "dsa_indexer" in e.key) / 1e3 / PROFILE_STEPS
+        attention = sum(e.cpu_time_total for e in avg if is_attention_op(e.key)) / 1e3 / PROFILE_STEPS
     top = sorted(avg, key=lambda e: -(e.device_time_total if cuda else e.cpu_time_total))[:8]
-    return {"piecewise_step_ms": wall, "kernel_ms": total, "indexer_ms": index,
+    return {"piecewise_step_ms": wall, "kernel_ms": total, "indexer_ms": index, "attention_ms": attention,
             "indexer_share": index / total if total else 0.0,
             "top_ops": [[e.key, round((e.device_time_total if cuda else e.cpu_time_total) / 1e3 / PROFILE_STEPS, 4)]
                         for e in top]}
 
 
+def attention_cells(r: dict[str, Any]) -> str:
+    d, sp = r["dense"].get("attention_ms"), r["sparse"].get("attention_ms")
+    if d is None or sp is None:  # a JSON written before the attention split was recorded
+        return "- | -"
+    return f"{d:.3f} / {sp:.3f} | {sp / d:.2f}" if d else f"{d:.3f} / {sp:.3f} | -"
+
+
 def render(data: dict[str, Any], out: Path) -> None:
     """Markdown table next to the JSON, and a bar plot of sparse vs dense step time per N."""
     lines = [f"# Sparse vs dense decode at depth: {data['model']}", "",
-             f"Command: `{data['command']}`  ", f"Machine: {data['machine']}", "",
+             f"Command: `{data['command']}`  ", f"Machine: {data['machine']}  ",
+             f"Indexer score kernel config: {data.get('index_scores_config', 'committed')}", "",
              "| N | batch x context | dense ms | sparse ms | sparse / dense | indexer ms | indexer share | "
-             "backend (sparse) |", "|---|---|---|---|---|---|---|---|"]
+             "attention ms dense / sparse | attention sparse / dense | backend (sparse) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in data["rows"]:
         if "error" in r:
             lines.append(f"| {r['heads']} | {r['batch']} x {r['context']} | error: {r['error'][:120]} |||||")
@@ -151,9 +173,12 @@ def render(data: dict[str, Any], out: Path) -> None:
         lines.append(f"| {r['heads']} | {r['batch']} x {r['context']} | {r['dense']['step_ms']:.3f} | "
                      f"{r['sparse']['step_ms']:.3f} | {ratio:.2f}{' (target <= 0.3)' if ratio > TARGET else ''} | "
                      f"{r['sparse']['indexer_ms']:.3f} | {r['sparse']['indexer_share']:.0%} | "
-                     f"{', '.join(r['sparse_backends'])} |")
+                     f"{attention_cells(r)} | {', '.join(r['sparse_backends'])} |")
     lines += ["", "Indexer share: ops named *dsa_indexer* over all kernel time of 3 steps run piecewise (decode graph "
-              "off); the sparse and dense columns are whole-step times as served (decode graph where allowed).", ""]
+              "off); the sparse and dense columns are whole-step times as served (decode graph where allowed). "
+              "Attention: device time of the cached attention ops (`autodeploy::*_with_cache`: the indexer and the "
+              "sparse attention, or the dense attention) in those profiled steps; the rest of a step (projections, "
+              "MoE, norms, host work) is the same in both models.", ""]
     (out / f"{STEM}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     plt = pyplot()
@@ -192,6 +217,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--smoke", action="store_true", help="tiny dims on the CPU: checks the script, measures nothing")
     ap.add_argument("--render", help="re-render the table and plot of this JSON into --out, and exit")
+    ap.add_argument("--index-scores-config", help="a sweep_index_scores.py JSON: launch its fastest config")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -207,6 +233,27 @@ def main(argv: Optional[list[str]] = None) -> int:
                     kv_lora=40, dn=24, dr=16, dv=20, index_heads=12, index_dim=32, index_topk=8)
     for k, v in dims.items():
         setattr(args, k, v)
+    override = contextlib.nullcontext()
+    index_cfg = "committed (tuning.index_scores_config)"
+    if args.index_scores_config:
+        sweep = json.loads(Path(args.index_scores_config).read_text())
+        best = min((r for r in sweep["rows"] if "us" in r), key=lambda r: r["us"])
+        override = index_scores_launch_config(IndexScoresConfig(**best["config"]))
+        index_cfg = f"{best['config']} (fastest of {args.index_scores_config}: {best['us']:.1f} us)"
+    with override:
+        rows = measure(args)
+    what = (f"{args.layers}-layer DeepSeek-V3.2 shape (hidden {args.hidden}, R {args.kv_lora}, Dr {args.dr}, indexer "
+            f"{args.index_heads} x {args.index_dim}, index_topk {args.index_topk})")
+    data = {"model": what, "machine": machine(args.device), "smoke": args.smoke,
+            "command": "python -m benchmarks.e2e.sparse_depth " + " ".join(sys.argv[1:] if argv is None else argv),
+            "index_scores_config": index_cfg, "rows": rows}
+    (out / f"{STEM}.json").write_text(json.dumps(data, indent=1, default=str))
+    render(data, out)
+    return 0 if all("error" not in r for r in rows) else 1
+
+
+def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Dense then sparse, for each N: one row each (an error is a row too; the other N still runs)."""
     rows = []
     for heads in args.heads:
         row: dict[str, Any] = {"heads": heads, "batch": args.batch, "context": args.context}
@@ -224,14 +271,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             row["error"] = f"{type(exc).__name__}: {exc}"[:400]
         print(json.dumps({k: v for k, v in row.items() if k not in ("dense", "sparse")}), flush=True)
         rows.append(row)
-    what = (f"{args.layers}-layer DeepSeek-V3.2 shape (hidden {args.hidden}, R {args.kv_lora}, Dr {args.dr}, indexer "
-            f"{args.index_heads} x {args.index_dim}, index_topk {args.index_topk})")
-    data = {"model": what, "machine": machine(args.device), "smoke": args.smoke,
-            "command": "python -m benchmarks.e2e.sparse_depth " + " ".join(sys.argv[1:] if argv is None else argv),
-            "rows": rows}
-    (out / f"{STEM}.json").write_text(json.dumps(data, indent=1, default=str))
-    render(data, out)
-    return 0 if all("error" not in r for r in rows) else 1
+    return rows
 
 
 if __name__ == "__main__":

@@ -79,6 +79,7 @@ PUBLIC: dict[str, str] = {
     "IndexScoresConfig": f"{_TRITON}.tuning:IndexScoresConfig",
     "index_scores_config": f"{_TRITON}.tuning:index_scores_config",
     "launch_index_scores": f"{_TRITON}.sparse:launch_index_scores",
+    "triton_sparse": f"{_TRITON}.sparse",
     # MoE
     "MoEConfig": f"{_OPS}.moe:MoEConfig",
     "fused_moe": f"{_OPS}.moe:fused_moe",
@@ -107,7 +108,7 @@ REACH_INS: dict[str, str] = {
 }
 
 WHERE: dict[str, str] = {**PUBLIC, **REACH_INS}
-__all__ = sorted([*WHERE, "shuffle_free_pages", "triton_launch_config"])
+__all__ = sorted([*WHERE, "shuffle_free_pages", "triton_launch_config", "index_scores_launch_config"])
 
 
 def shuffle_free_pages(allocator: Any, seed: int) -> None:
@@ -146,3 +147,17 @@ def triton_launch_config(name: str, cfg: Any):
         yield
     finally:
         setattr(op, name, orig)
+
+
+@contextlib.contextmanager
+def index_scores_launch_config(cfg: Any):
+    """Make the Triton DSA indexer op launch its score kernel with `cfg` while the block runs (the
+    op's module looks the config function up by name), so a benchmark can try the best config of
+    `benchmarks/kernels/sweep_index_scores.py` in the same device call before it is committed."""
+    op = resolve("triton_sparse")
+    orig = op.index_scores_config
+    op.index_scores_config = lambda *a, **k: cfg
+    try:
+        yield
+    finally:
+        op.index_scores_config = orig
