@@ -351,9 +351,13 @@ class IndexScoresConfig:
 def index_scores_config(heads: int, dim: int, dtype: torch.dtype, compiled: bool) -> IndexScoresConfig:
     """The config for `heads` index heads of width `dim` over a `dtype` index cache. The interpreter
     (CPU tests) gets small tiles and one tile per program, so the masks at every edge are exercised.
-    H200 (DeepSeek-V3.2: 64 heads x 128, bf16): see `benchmarks/kernels/sweep_index_scores.py`."""
+    16-bit caches: the H200 sweep `python -m benchmarks.kernels.sweep_index_scores` (2026-11-29, 7dc5d0c;
+    DeepSeek-V3.2 indexer, 64 heads x 128, bf16, batch 64 x 32k, docs/benchmarks/index_scores_sweep.md):
+    16 heads per MMA, 128-key tiles, one tile per program, 4 warps, 2 stages: 233 us = 1.81x the byte
+    floor (keys read once + scores written), against 304 us for 64 x 64 x 2 tiles and ~375 us for the
+    16 x 32 tiles it replaced; more tiles per program or 8 warps were slower at every tile size."""
     if not compiled:
         return IndexScoresConfig(block_h=16, block_n=32, kv_iters=1, num_warps=1, num_stages=1)
     if dtype == torch.float32:
         return IndexScoresConfig(block_h=16, block_n=32, kv_iters=1, num_warps=4, num_stages=2)
-    return IndexScoresConfig(block_h=min(64, max(16, pow2(heads))), block_n=64, kv_iters=2, num_warps=4, num_stages=2)
+    return IndexScoresConfig(block_h=16, block_n=128, kv_iters=1, num_warps=4, num_stages=2)
