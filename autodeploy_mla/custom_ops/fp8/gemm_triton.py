@@ -80,7 +80,7 @@ def gemm_config(m: int, n: int, k: int, group_k: int, compiled: bool, num_sms: i
 if HAS_TRITON:
 
     @triton.jit
-    def _fp8_dot(a, b, INTERPRETED: tl.constexpr):
+    def fp8_dot(a, b, INTERPRETED: tl.constexpr):
         # the interpreter multiplies the same e4m3 codes in fp32 (exact products, fp32 sums)
         if INTERPRETED:
             return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
@@ -132,7 +132,7 @@ if HAS_TRITON:
             kb = (kt * BLOCK_K) // GROUP_K
             a_s = tl.load(as_rows + kb * stride_ask, mask=mmask, other=0.0)
             w_s = tl.load(ws_cols + kb * stride_wsk, mask=nmask, other=0.0)
-            acc += _fp8_dot(a, w, INTERPRETED) * a_s[:, None] * w_s[None, :]
+            acc += fp8_dot(a, w, INTERPRETED) * a_s[:, None] * w_s[None, :]
         cmask = mmask[:, None] & nmask[None, :]
         if SPLIT_K == 1:
             if HAS_BIAS:
