@@ -17,6 +17,7 @@ block scales, DeepSeek-V3's checkpoint layout per expert:
 
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import Optional
 
 import torch
@@ -34,7 +35,7 @@ try:
 
     from . import fp8_kernels as FK
 
-    _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+    _TL_DTYPE = MappingProxyType({torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32})
 except ImportError:  # pragma: no cover - exercised only without triton
     FK = None
 
