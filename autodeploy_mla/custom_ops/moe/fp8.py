@@ -110,18 +110,16 @@ def moe_experts_fp8_emulated(x: torch.Tensor, topk_ids: torch.Tensor, topk_weigh
     t, k, e, h, i = check_moe_fp8_inputs("moe_experts_fp8_emulated", x, topk_ids, topk_weights, w_up, w_up_scale,
                                          w_down, w_down_scale, block_n, block_k, "silu")
     xd = dequantize_activations(*act_quant_reference(x, block_k), block_k)
-    wu = dequantize_experts(w_up, w_up_scale, block_n, block_k, torch.float32)
-    wd = dequantize_experts(w_down, w_down_scale, block_n, block_k, torch.float32)
     out = torch.zeros(t, h, dtype=torch.float32, device=x.device)
-    for ex in range(e):
+    for ex in topk_ids.unique().tolist():  # only the experts routed to are dequantized (full-size benchmarks)
         wt = (topk_weights.float() * (topk_ids == ex)).sum(-1)
-        rows = wt != 0
-        if not rows.any():
-            continue
-        gu = xd[rows] @ wu[ex].t()
+        rows = (topk_ids == ex).any(-1)
+        wu = dequantize_experts(w_up[ex:ex + 1], w_up_scale[ex:ex + 1], block_n, block_k, torch.float32)[0]
+        wd = dequantize_experts(w_down[ex:ex + 1], w_down_scale[ex:ex + 1], block_n, block_k, torch.float32)[0]
+        gu = xd[rows] @ wu.t()
         mid = (torch.nn.functional.silu(gu[:, :i]) * gu[:, i:]).to(x.dtype)
         md = dequantize_activations(*act_quant_reference(mid, block_k), block_k)
-        out[rows] += (md @ wd[ex].t()) * wt[rows, None]
+        out[rows] += (md @ wd.t()) * wt[rows, None]
     return out.to(x.dtype)
 
 
