@@ -90,14 +90,15 @@ if HAS_TRITON:
     @triton.jit
     def w8a8_block_gemm_kernel(
         A, AS, W, WS, BIAS, C,
-        M, N, K,
+        M, N, K, split_k,
         stride_am, stride_asm, stride_ask, stride_wn, stride_wsn, stride_wsk, stride_cs, stride_cm,
         GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, INTERPRETED: tl.constexpr,
+        GROUP_M: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, INTERPRETED: tl.constexpr,
     ):
-        """One BLOCK_M x BLOCK_N output tile over this program's share of the K tiles. SPLIT_K == 1:
-        C is the output (bias added, cast); else C is the fp32 workspace [SPLIT_K, M, N]."""
+        """One BLOCK_M x BLOCK_N output tile over this program's share of the K tiles. Not SPLIT: C is the
+        output (bias added, cast); SPLIT: C is the fp32 workspace [split_k, M, N] (split_k a run-time
+        value, so split counts share one compile)."""
         pid = tl.program_id(0)
         pid_k = tl.program_id(1)
         num_m = tl.cdiv(M, BLOCK_M)
@@ -116,7 +117,7 @@ if HAS_TRITON:
         n64 = offs_n.to(tl.int64)
         ar_k = tl.arange(0, BLOCK_K)
         k_tiles = tl.cdiv(K, BLOCK_K)
-        per_split = tl.cdiv(k_tiles, SPLIT_K)
+        per_split = tl.cdiv(k_tiles, split_k)
         kt0 = pid_k * per_split
         kt1 = tl.minimum(kt0 + per_split, k_tiles)
         a_rows = A + m64[:, None] * stride_am
@@ -134,7 +135,7 @@ if HAS_TRITON:
             w_s = tl.load(ws_cols + kb * stride_wsk, mask=nmask, other=0.0)
             acc += fp8_dot(a, w, INTERPRETED) * a_s[:, None] * w_s[None, :]
         cmask = mmask[:, None] & nmask[None, :]
-        if SPLIT_K == 1:
+        if not SPLIT:
             if HAS_BIAS:
                 acc += tl.load(BIAS + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
             tl.store(C + m64[:, None] * stride_cm + offs_n[None, :], acc.to(C.dtype.element_ty), mask=cmask)
@@ -142,13 +143,13 @@ if HAS_TRITON:
             tl.store(C + pid_k * stride_cs + m64[:, None] * stride_cm + offs_n[None, :], acc, mask=cmask)
 
     @triton.jit
-    def splitk_sum_kernel(P, BIAS, C, M, N, stride_ps, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+    def splitk_sum_kernel(P, BIAS, C, M, N, stride_ps, split_k, HAS_BIAS: tl.constexpr,
                           BLOCK: tl.constexpr):
         """C[m, n] = sum over splits of P[s, m, n] (+ bias[n]), cast to C's dtype."""
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < M * N
         acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for s in range(SPLIT_K):
+        for s in range(split_k):
             acc += tl.load(P + s * stride_ps + offs, mask=mask, other=0.0)
         if HAS_BIAS:
             acc += tl.load(BIAS + offs % N, mask=mask, other=0.0).to(tl.float32)
@@ -178,16 +179,16 @@ def w8a8_block_gemm(x_fp8: torch.Tensor, x_scale: torch.Tensor, weight: torch.Te
     c = out if cfg.split_k == 1 else torch.empty(cfg.split_k, m, n, dtype=torch.float32, device=dev)
     w8a8_block_gemm_kernel[(grid_mn, cfg.split_k)](
         x_fp8, x_scale, weight, weight_scale, bias if has_bias else x_scale, c,
-        m, n, k,
+        m, n, k, cfg.split_k,
         x_fp8.stride(0), x_scale.stride(0), x_scale.stride(1), weight.stride(0), weight_scale.stride(0),
         weight_scale.stride(1), c.stride(0) if cfg.split_k > 1 else 0, n,
         GROUP_N=block_n, GROUP_K=block_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m, SPLIT_K=cfg.split_k, HAS_BIAS=has_bias, INTERPRETED=interpreting(),
+        GROUP_M=cfg.group_m, SPLIT=cfg.split_k > 1, HAS_BIAS=has_bias, INTERPRETED=interpreting(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.split_k > 1:
         block = 1024
         splitk_sum_kernel[(-(-m * n // block),)](c, bias if has_bias else c, out, m, n, c.stride(0),
-                                                 SPLIT_K=cfg.split_k, HAS_BIAS=has_bias, BLOCK=block)
+                                                 cfg.split_k, HAS_BIAS=has_bias, BLOCK=block)
     return out
 
 
