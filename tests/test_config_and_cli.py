@@ -26,8 +26,8 @@ def test_layering_order_and_no_mutation():
     assert json.dumps(user, sort_keys=True) == snapshot
     assert cfg.runtime.page_size == 16  # --set wins over the user YAML
     assert cfg.model.hf_config["model_type"] == "deepseek_v2"  # from the model YAML
-    assert list(cfg.transforms)[:9] == ["export", "match_mla", "shard", "load_weights", "fuse_gemms", "fuse_moe",
-                                        "fuse_routing", "real_rope", "insert_cached_mla_attention"]
+    assert list(cfg.transforms)[:10] == ["export", "match_mla", "shard", "load_weights", "fuse_gemms", "fuse_moe",
+                                         "fuse_routing", "real_rope", "resolve_fp8_linear", "insert_cached_mla_attention"]
     assert cfg.transforms["insert_cached_mla_attention"]["backend"] == "torch"
     assert cfg.transforms["insert_cached_mla_attention"]["preference"]["cpu"] == ["torch"]  # deep-merged
 

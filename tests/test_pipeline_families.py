@@ -51,5 +51,5 @@ def test_report_records_every_layer(built):
     for lay in rep["layers"]:
         assert lay["backend"] == "torch" and lay["reason"] and lay["dims"]["num_heads"] > 0
     assert [p["name"] for p in rep["passes"]] == ["export", "match_mla", "shard", "load_weights", "fuse_gemms",
-                                                  "fuse_moe", "fuse_routing", "real_rope", "insert_cached_mla_attention", "gather_logits",
+                                                  "fuse_moe", "fuse_routing", "real_rope", "resolve_fp8_linear", "insert_cached_mla_attention", "gather_logits",
                                                   "piecewise"]

@@ -28,6 +28,7 @@ class Stage(IntEnum):
     SHARD = 30  # tensor parallelism: split heads / MLPs, insert all-reduces
     WEIGHTS = 40  # fill weightless (skeleton) graphs from the checkpoint
     FUSE = 45  # model subgraphs -> fused ops (MoE experts)
+    KERNELS = 48  # source ops -> the kernel backend resolved per node (FP8 linears)
     CACHE = 50  # torch_mla -> backend cached ops + metadata and cache inputs
     OUTPUT = 60  # rewrites of the graph's output (LM head rows)
     COMPILE = 70  # split into pieces for compilation / CUDA graphs; nothing rewrites after this

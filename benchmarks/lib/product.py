@@ -89,6 +89,18 @@ PUBLIC: dict[str, str] = {
     "RoutingSpec": f"{_OPS}.moe.routing:RoutingSpec",
     "gate_logits": f"{_OPS}.moe.routing:gate_logits",
     "route_reference": f"{_OPS}.moe.routing:route_reference",
+    # block-FP8 linears and experts
+    "FP8_LINEAR_BACKENDS": f"{_OPS}.fp8.backends:FP8_LINEAR_BACKENDS",
+    "FP8LinearNode": f"{_OPS}.fp8.backends:FP8LinearNode",
+    "fp8_linear_backend": f"{_OPS}.fp8.backends:fp8_linear_backend",
+    "fp8_linear_op": f"{_OPS}.fp8.backends:fp8_linear_op",
+    "GemmConfig": f"{_OPS}.fp8.gemm_triton:GemmConfig",
+    "gemm_config": f"{_OPS}.fp8.gemm_triton:gemm_config",
+    "triton_block_linear": f"{_OPS}.fp8.gemm_triton:triton_block_linear",
+    "w8a8_block_linear_emulated": f"{_OPS}.fp8.emulation:w8a8_block_linear_emulated",
+    "fused_moe_fp8": f"{_OPS}.moe.fp8:fused_moe_fp8",
+    "moe_experts_fp8_emulated": f"{_OPS}.moe.fp8:moe_experts_fp8_emulated",
+    "random_block_weight": "autodeploy_mla.testing.fp8_kernels:random_block_weight",
     # the package itself (where it was imported from), and test support
     "package": "autodeploy_mla",
     "scenarios_step_descriptor": "autodeploy_mla.testing.scenarios:step_descriptor",

@@ -21,6 +21,8 @@ from .ops import HAS_TRITON, TRITON_IMPORT_ERROR
 from .routing import MAX_EXPERTS
 
 MoEOpKind = Literal["experts", "routing"]
+#: block-FP8 expert weights (DeepSeek-V3's checkpoints): served by the *_moe_experts_fp8 ops (fp8.py)
+FP8_WEIGHTS = torch.float8_e4m3fn
 #: backends a MoE pass may be configured with (besides "auto")
 MOE_BACKENDS: tuple[str, ...] = ("triton", "torch")
 
@@ -61,7 +63,9 @@ class TritonMoEBackend:
         if kind == "experts":
             if why is None and dev.sm is not None and dev.sm < 80 and dtype in (torch.bfloat16,):
                 why = f"bf16 tl.dot needs SM80+, device is {dev.short()}"
-            if why is None and dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            if why is None and dev.sm is not None and dev.sm < 89 and dtype == FP8_WEIGHTS:
+                why = f"FP8 tl.dot needs SM89+, device is {dev.short()}"
+            if why is None and dtype not in (torch.float16, torch.bfloat16, torch.float32, FP8_WEIGHTS):
                 why = f"dtype {dtype} unsupported"
         elif why is None and num_experts > MAX_EXPERTS:
             why = f"{num_experts} experts exceed the kernel's {MAX_EXPERTS}"
@@ -120,5 +124,13 @@ def resolve_moe_backend(kind: MoEOpKind, requested: str, dev: DeviceInfo, dtype:
     return None, f"kept the model's {op.kept}: {res.reason}"
 
 
-__all__ = ["MOE_BACKENDS", "MoEOp", "TorchMoEBackend", "TritonMoEBackend", "moe_op", "resolve_moe_backend",
+def experts_op(backend: str, fp8: bool = False):
+    """The fused experts op of `backend` ("triton" | "torch"): the block-FP8 variant when the expert
+    weights are float8_e4m3fn (`fp8`), which takes each weight's block scales after it."""
+    if backend not in MOE_BACKENDS:
+        raise ValueError(f"unknown MoE backend {backend!r}; valid: {', '.join(MOE_BACKENDS)}")
+    return getattr(torch.ops.autodeploy, f"{backend}_moe_experts{'_fp8' if fp8 else ''}").default
+
+
+__all__ = ["FP8_WEIGHTS", "MOE_BACKENDS", "experts_op", "MoEOp", "TorchMoEBackend", "TritonMoEBackend", "moe_op", "resolve_moe_backend",
            "triton_unavailable"]
