@@ -28,4 +28,5 @@ from . import torch_backend  # noqa: F401,E402
 from . import triton_mla  # noqa: F401,E402
 from .flashinfer import mla, sparse, trtllm_mla  # noqa: F401,E402
 from . import moe  # noqa: F401,E402
+from . import fp8  # noqa: F401,E402
 from . import tp_all_reduce  # noqa: F401,E402
