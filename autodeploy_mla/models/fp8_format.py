@@ -27,7 +27,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from .factory import ModelLoadError
+from .errors import ModelLoadError
 
 #: The FP8 dtype of the weights (`fmt: e4m3`) and its largest finite value.
 FP8_DTYPE = torch.float8_e4m3fn
@@ -120,7 +120,10 @@ class BlockFP8Format:
                                      "integers [block_n, block_k], e.g. [128, 128]")
             bn, bk = block
         skip = qc.get("modules_to_not_convert") or qc.get("ignored_layers") or ()
-        return BlockFP8Format(bn, bk, "e4m3", scheme, per_tensor, tuple(str(s) for s in skip))
+        try:
+            return BlockFP8Format(bn, bk, "e4m3", scheme, per_tensor, tuple(str(s) for s in skip))
+        except FP8FormatError as exc:
+            raise FP8FormatError(f"{where}: quantization_config.weight_block_size {block}: {exc}") from None
 
     def to_quantization_config(self) -> dict[str, Any]:
         """The `quantization_config` of a checkpoint in this format (what tests write)."""
