@@ -214,3 +214,47 @@ def test_fp8_weight_in_a_16_bit_model_is_refused(one_file, tmp_path):
 
     with pytest.raises(ModelLoadError, match=r"float8_e4m3fn, but the model takes it in 16 bits"):
         load_module_weights(build_skeleton(ModelConfig(path=str(ckpt)), CPU, torch.float32), CPU)
+
+
+# ----------------------------------------------------------------------------- passes on FP8 graphs
+def test_fuse_moe_keeps_fp8_experts_without_the_fp8_op_and_says_why(ds3_32):
+    """This branch registers no FP8 MoE op: fuse_moe (backend torch) keeps the model's experts
+    subgraph (dequantize + grouped GEMMs) with the reason, and the tokens stay HF's."""
+    from autodeploy_mla.transforms.fuse_moe import fp8_moe_op
+
+    ckpt, hf = ds3_32
+    om = optimize(str(ckpt), overrides=[*RUNTIME, "transforms.fuse_moe.backend=torch"])
+    rec = next(r for r in om.history if r.name == "fuse_moe")
+    layer = rec.details["layers"][0]
+    if fp8_moe_op("torch") is None:
+        assert layer["backend"] is None and "torch_moe_experts_fp8" in layer["reason"]
+        assert layer["weights"] == "fp8 blocks [32, 32]"
+    else:  # the KERNELS op is on this branch: it runs on the FP8 weights
+        assert layer["backend"] == "torch"
+    _check(om, hf)
+    _weights_stay_fp8(om)
+
+
+def test_tensor_parallel_over_fp8_is_refused_clearly(ds3_32):
+    from autodeploy_mla.runtime.artifacts import TensorParallel
+    from autodeploy_mla.transforms.context import BuildContext
+    from autodeploy_mla.transforms.pass_manager import parse_pipeline, run_pipeline
+    from autodeploy_mla.transforms.shard import ShardError
+    from autodeploy_mla.api import build_config
+    from autodeploy_mla.custom_ops import Target
+
+    ckpt, _ = ds3_32
+    cfg, pipe = build_config(str(ckpt), None, [*RUNTIME, "transforms.shard.enabled=true"])
+    model = build_eager_model(cfg.model, CPU, torch.float32)
+    ctx = BuildContext(cfg, model, CPU, torch.float32, Target.detect(CPU, 4), TensorParallel(2, 0, "g"))
+    with pytest.raises(ShardError, match=r"FP8 linears / experts .* not implemented yet"):
+        run_pipeline(ctx, pipe)
+
+
+def test_fuse_gemms_reports_fp8_groups_it_keeps(ds3_32):
+    ckpt, _ = ds3_32
+    om = optimize(str(ckpt), overrides=RUNTIME)
+    rec = next(r for r in om.history if r.name == "fuse_gemms")
+    kept = [g for g in rec.details["groups"] if "FP8" in g["reason"]]
+    assert any(any(m.endswith("q_a_proj") for m in g["members"]) for g in kept)
+    assert any(any(m.endswith("gate_proj") for m in g["members"]) for g in kept)
