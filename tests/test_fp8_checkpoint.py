@@ -258,3 +258,22 @@ def test_fuse_gemms_reports_fp8_groups_it_keeps(ds3_32):
     kept = [g for g in rec.details["groups"] if "FP8" in g["reason"]]
     assert any(any(m.endswith("q_a_proj") for m in g["members"]) for g in kept)
     assert any(any(m.endswith("gate_proj") for m in g["members"]) for g in kept)
+
+
+def test_hashed_fp8_init_is_fp8_and_sliceable():
+    """`model.init: hashed` with a quantization_config: FP8 weights generated directly (per
+    selection: a slice equals the same slice of the whole), and the model builds and generates."""
+    from autodeploy_mla.models.fp8_modules import hashed_fp8_tensor
+    from autodeploy_mla.models.random_init import HashedInit
+
+    init = HashedInit(seed=3, std=0.02, kinds={})
+    whole = hashed_fp8_tensor(init.tensor, "w", (8, 200, 96), torch.float8_e4m3fn, CPU, None, (32, 32), 0.02)
+    part = hashed_fp8_tensor(init.tensor, "w", (8, 200, 96), torch.float8_e4m3fn, CPU,
+                             (None, ((32, 64), (100, 120)), None), (32, 32), 0.02)
+    assert whole.dtype == torch.float8_e4m3fn and whole.float().abs().max() > 400
+    assert torch.equal(part.view(torch.uint8), torch.cat([whole[:, 32:64], whole[:, 100:120]], 1).view(torch.uint8))
+    cfg = _config("deepseek_v3")
+    cfg["quantization_config"] = BlockFP8Format(32, 32).to_quantization_config()
+    om = optimize(None, {"model": {"hf_config": cfg, "init": "hashed"}}, overrides=RUNTIME)
+    assert om.eager_model.model.layers[1].mlp.experts.gate_up_proj.dtype == torch.float8_e4m3fn
+    assert len(om.generate(PROMPTS[:1], max_new_tokens=3, ignore_eos=True)[0]) == 3
