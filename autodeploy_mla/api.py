@@ -27,7 +27,8 @@ from .custom_ops.attention.registry import Target, policies_for
 from .custom_ops.attention.cache_format import resolve_cache_dtype
 from .custom_ops.flashinfer.jit import JitBuild, dims_from_hf_config, prefetch
 from .distributed.env import require_group, resolve_world
-from .models.factory import build_model, hf_config, resolve_device, resolve_dtype
+from .models.factory import hf_config, resolve_device, resolve_dtype
+from .models.loading import build_eager_model
 from .models.skeleton import build_skeleton
 from .runtime.artifacts import TensorParallel
 from .runtime.capacity import available_host_bytes, cache_footprint, check_capacity, device_memory_bytes
@@ -104,7 +105,7 @@ def _eager_model(cfg: AppConfig, pipeline: Pipeline, world: Optional[TensorParal
         by_slices = isinstance(opts, ShardOptions) and opts.load == "slices"
         if (cfg.model.path is not None and by_slices) or (cfg.model.hf_config is not None and cfg.model.init == "hashed"):
             return build_skeleton(cfg.model, device, dtype)
-    return build_model(cfg.model, device, dtype)
+    return build_eager_model(cfg.model, device, dtype)
 
 
 @dataclass(frozen=True)

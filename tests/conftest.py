@@ -92,5 +92,5 @@ def no_build(monkeypatch):
     def boom(*a, **k):
         raise AssertionError("build work started before the bad input was refused")
 
-    for mod, name in ((api, "build_model"), (api, "build_skeleton"), (api, "run_pipeline"), (cli_build, "optimize")):
+    for mod, name in ((api, "build_eager_model"), (api, "build_skeleton"), (api, "run_pipeline"), (cli_build, "optimize")):
         monkeypatch.setattr(mod, name, boom)

@@ -12,7 +12,8 @@ from autodeploy_mla.models import random_init
 from autodeploy_mla.models.checkpoint import load_graph_weights
 from autodeploy_mla.models.factory import ModelLoadError, build_model
 from autodeploy_mla.models.random_init import HashedInit
-from autodeploy_mla.models.skeleton import build_skeleton, is_placeholder, is_skeleton, reference_model
+from autodeploy_mla.models.loading import reference_model
+from autodeploy_mla.models.skeleton import build_skeleton, is_placeholder, is_skeleton
 from autodeploy_mla.testing import hf_greedy_generate
 
 CPU = torch.device("cpu")

@@ -25,7 +25,7 @@ from ..api import OptimizedModel, build_config, check_runtime_capacity, optimize
 from ..config.schema import DEVICE_FORMS, AppConfig, is_device_form
 from ..distributed.env import env_info, is_rank0
 from ..models.factory import resolve_device, vocab_size
-from ..models.skeleton import reference_model
+from ..models.loading import reference_model
 from ..runtime.sampling import SamplingParams
 from ..verify import compare_greedy
 from . import tp

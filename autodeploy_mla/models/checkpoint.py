@@ -13,8 +13,6 @@ a (skeleton's) graph from the checkpoint, reading only those parts.
 
 from __future__ import annotations
 
-import contextlib
-import json
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -25,67 +23,14 @@ import torch
 from torch import nn
 
 from .factory import ModelLoadError
+from .fp8_format import FP8_DTYPE, FP8FormatError
+from .fp8_modules import SCALE_SUFFIX, block_of, hashed_fp8_tensor
+from .safetensors_io import CheckpointReader
 from .random_init import HashedInit
 from .skeleton import is_placeholder, placeholder, skeleton_info
 
 Range = tuple[int, int]
 Selection = tuple[Optional[tuple[Range, ...]], ...]  # per dim: None (all) or index ranges, concatenated
-
-
-class CheckpointReader:
-    """Tensors of a safetensors checkpoint directory (single file or index + shards), by slices."""
-
-    def __init__(self, path: Union[str, Path]) -> None:
-        from safetensors import safe_open
-
-        self.path = Path(path)
-        self._safe_open = safe_open
-        self._stack = contextlib.ExitStack()
-        self._handles: dict[str, Any] = {}
-        index = self.path / "model.safetensors.index.json"
-        if index.is_file():
-            self.weight_map: dict[str, str] = dict(json.loads(index.read_text())["weight_map"])
-        else:
-            files = sorted(p.name for p in self.path.glob("*.safetensors"))
-            if not files:
-                raise ModelLoadError(
-                    f"{self.path}: no *.safetensors files. Sharded loading reads slices from safetensors "
-                    "only; convert the checkpoint (transformers save_pretrained writes safetensors) or set "
-                    "transforms.shard.load=full to load the whole model on every rank."
-                )
-            self.weight_map = {}
-            for f in files:
-                for key in self._handle(f).keys():
-                    self.weight_map[key] = f
-        self.bytes_read = 0
-
-    def __enter__(self) -> "CheckpointReader":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def close(self) -> None:
-        self._stack.close()
-        self._handles.clear()
-
-    def _handle(self, file: str) -> Any:
-        if file not in self._handles:
-            handle = self._safe_open(str(self.path / file), framework="pt", device="cpu")
-            self._handles[file] = self._stack.enter_context(handle)
-        return self._handles[file]
-
-    def has(self, key: str) -> bool:
-        return key in self.weight_map
-
-    def shape(self, key: str) -> tuple[int, ...]:
-        return tuple(self._handle(self.weight_map[key]).get_slice(key).get_shape())
-
-    def read(self, key: str, index: tuple[slice, ...]) -> torch.Tensor:
-        sl = self._handle(self.weight_map[key]).get_slice(key)
-        t = sl[index] if index else sl[:]
-        self.bytes_read += t.numel() * t.element_size()
-        return t
 
 
 # Virtual tensors: how one module parameter is assembled from checkpoint tensors.
@@ -125,7 +70,13 @@ class Transposed:  # 2-D transpose
         self.shape = tuple(reversed(self.part.shape))
 
 
-Source = Union[Ckpt, Stack, Concat, Transposed]
+@dataclass
+class Filled:  # one stored value (a per-tensor FP8 scale) standing for a whole grid of `shape`
+    key: str
+    shape: tuple[int, ...]
+
+
+Source = Union[Ckpt, Stack, Concat, Transposed, Filled]
 
 
 def read_source(reader: CheckpointReader, src: Source, sel: Selection) -> torch.Tensor:
@@ -140,6 +91,10 @@ def read_source(reader: CheckpointReader, src: Source, sel: Selection) -> torch.
         ranges: tuple[Range, ...] = sel[d]  # type: ignore[assignment]
         pieces = [reader.read(src.key, tuple([slice(None)] * d + [slice(a, b)])) for a, b in ranges]
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces, d)
+    if isinstance(src, Filled):
+        value = reader.read(src.key, ()).reshape(())
+        out = [sum(b - a for a, b in r) if r is not None else n for n, r in zip(src.shape, sel)]
+        return value.expand(out).contiguous()
     if isinstance(src, Stack):
         ranges = sel[0] if sel[0] is not None else ((0, len(src.parts)),)
         idx = [i for a, b in ranges for i in range(a, b)]
@@ -163,39 +118,102 @@ def read_source(reader: CheckpointReader, src: Source, sel: Selection) -> torch.
     return out[0] if len(out) == 1 else torch.cat(out, d)
 
 
-_FUSED_GATE_UP = re.compile(r"(.*)\.experts\.gate_up_proj")
-_FUSED_DOWN = re.compile(r"(.*)\.experts\.down_proj")
+_FUSED_EXPERTS = re.compile(r"(.*)\.experts\.(gate_up_proj|down_proj)(_scale_inv)?")
+#: names a per-tensor FP8 scale is stored under: transformers' FineGrainedFP8 and compressed-tensors style
+_TENSOR_SCALE_NAMES = ("weight_scale_inv", "weight_scale")
 
 
-def source_for(reader: CheckpointReader, name: str, shape: tuple[int, ...]) -> Source:
-    """The virtual tensor that holds module parameter/buffer `name` of `shape` in the checkpoint."""
+def _scale_source(reader: CheckpointReader, weight_key: str, want: tuple[int, ...]) -> Source:
+    """The block-scale grid `want` of FP8 checkpoint weight `weight_key`: its `weight_scale_inv`, or a
+    per-tensor scale (one stored value) filled over the grid. FP8FormatError when missing or misshapen."""
+    base = weight_key.removesuffix(".weight")
+    for attr in _TENSOR_SCALE_NAMES:
+        key = f"{base}.{attr}"
+        if not reader.has(key):
+            continue
+        got = reader.shape(key)
+        if got == want:
+            if attr != "weight_scale_inv":
+                break  # a full grid under the per-tensor name: not a format we know
+            if reader.dtype(key) != "F32":
+                raise FP8FormatError(f"checkpoint tensor {key}: dtype {reader.dtype(key)}, expected F32 (float32 "
+                                     "block scales)")
+            return Ckpt(key, got)
+        if int(torch.Size(got).numel()) == 1:
+            return Filled(key, want)
+        raise FP8FormatError(
+            f"checkpoint tensor {key} has shape {list(got)}, expected {list(want)} (one float32 scale per block of its "
+            f"FP8 weight {weight_key} {list(reader.shape(weight_key))}) or a single per-tensor scale; the "
+            "checkpoint's scales do not match config.json's weight_block_size")
+    raise FP8FormatError(
+        f"checkpoint weight {weight_key} is float8_e4m3fn but its scale {base}.weight_scale_inv is missing "
+        f"(expected float32 {list(want)}); the checkpoint is incomplete: re-download or re-convert it")
+
+
+def _weight_source(reader: CheckpointReader, key: str, fp8: bool) -> Ckpt:
+    is_fp8 = reader.dtype(key) == "F8_E4M3"
+    if is_fp8 and not fp8:
+        raise FP8FormatError(f"checkpoint tensor {key} is float8_e4m3fn, but the model takes it in 16 bits: FP8 "
+                             "weights load only into FP8 linears / experts (an FP8 checkpoint needs a "
+                             "quantization_config in config.json)")
+    if fp8 and not is_fp8:
+        raise FP8FormatError(f"checkpoint tensor {key} is {reader.dtype(key)}, but its module is FP8 (expected "
+                             "F8_E4M3 like the checkpoint's other quantized weights)")
+    return Ckpt(key, reader.shape(key))
+
+
+def source_for(reader: CheckpointReader, name: str, shape: tuple[int, ...],
+               dtype: Optional[torch.dtype] = None, block: Optional[tuple[int, int]] = None) -> Source:
+    """The virtual tensor that holds module parameter/buffer `name` of `shape` in the checkpoint.
+    `dtype` and `block`: the parameter's dtype and, for FP8 weights and their scales, the block size
+    (scales are checked against it; per-tensor scales are filled over the grid)."""
+    fp8 = dtype == FP8_DTYPE
+    is_scale = name.endswith(SCALE_SUFFIX)
+    if is_scale and reader.has(name.removesuffix(SCALE_SUFFIX)):  # weight_scale_inv of an FP8 linear
+        return _scale_source(reader, name.removesuffix(SCALE_SUFFIX), shape)
     if reader.has(name):
         got = reader.shape(name)
         if got != shape:
             raise ModelLoadError(f"checkpoint tensor {name} has shape {list(got)}, the model expects {list(shape)}")
+        if reader.dtype(name).startswith("F8") or fp8:
+            return _weight_source(reader, name, fp8)
         return Ckpt(name, got)
-    m = _FUSED_GATE_UP.fullmatch(name) or _FUSED_DOWN.fullmatch(name)
+    m = _FUSED_EXPERTS.fullmatch(name)
     if m is not None and len(shape) == 3:
-        base, fused_gate_up = m.group(1), m.re is _FUSED_GATE_UP
+        base, fused_gate_up, scale = m.group(1), m.group(2) == "gate_up_proj", m.group(3) is not None
         names = ("gate_proj", "up_proj") if fused_gate_up else ("down_proj",)
         experts = []
+        keys: list[str] = []
         for e in range(shape[0]):
             keys = [f"{base}.experts.{e}.{n}.weight" for n in names]
             if not all(reader.has(k) for k in keys):
                 break
-            parts = [Ckpt(k, reader.shape(k)) for k in keys]
-            experts.append(parts)
+            if scale:
+                if block is None:
+                    raise ModelLoadError(f"{name}: an FP8 scale without its block size")
+                grids = []
+                for k in keys:
+                    n_rows, k_cols = reader.shape(k)
+                    grids.append(_scale_source(reader, k, (-(-n_rows // block[0]), -(-k_cols // block[1]))))
+                experts.append(grids)
+            else:
+                experts.append([_weight_source(reader, k, fp8) if (fp8 or reader.dtype(k).startswith("F8"))
+                                else Ckpt(k, reader.shape(k)) for k in keys])
         if len(experts) == shape[0]:
             out_rows = sum(p.shape[0] for p in experts[0])
             in_cols = experts[0][0].shape[1]
             if shape[1:] == (out_rows, in_cols):  # [E, out, in]
                 return Stack([p[0] if len(p) == 1 else Concat(p, 0) for p in experts])
-            if shape[1:] == (in_cols, out_rows):  # [E, in, out]
+            if shape[1:] == (in_cols, out_rows) and not scale:  # [E, in, out]
                 return Stack([Transposed(p[0]) if len(p) == 1 else Transposed(Concat(p, 0)) for p in experts])
             raise ModelLoadError(
                 f"{name}: model shape {list(shape)} matches neither [E, out, in] nor [E, in, out] of the "
-                f"per-expert checkpoint tensors ({keys[0]}: {list(experts[0][0].shape)})"
+                f"per-expert checkpoint tensors ({keys[0]}{'_scale_inv' if scale else ''}: "
+                f"{list(experts[0][0].shape)})"
             )
+    if is_scale:
+        raise FP8FormatError(f"model FP8 scale {name} {list(shape)}: its weight {name.removesuffix(SCALE_SUFFIX)} is "
+                             f"not in the checkpoint {reader.path}")
     near = [k for k in reader.weight_map if k.rsplit(".", 1)[0] == name.rsplit(".", 1)[0]][:5]
     raise ModelLoadError(
         f"model weight {name} {list(shape)} is not in the checkpoint {reader.path} (nor as per-expert "
@@ -268,11 +286,12 @@ class _CheckpointWeights:
         self.reader = CheckpointReader(path)
 
     def get(self, candidates: Sequence[str], full: tuple[int, ...], sel: Selection, is_param: bool,
-            dtype: torch.dtype, device: torch.device) -> Optional[torch.Tensor]:
+            dtype: torch.dtype, device: torch.device, block: Optional[tuple[int, int]] = None
+            ) -> Optional[torch.Tensor]:
         src = None
         for cand in candidates:
             try:
-                src = source_for(self.reader, cand, full)
+                src = source_for(self.reader, cand, full, dtype, block)
                 break
             except ModelLoadError:
                 if cand == candidates[-1] and is_param:
@@ -297,10 +316,14 @@ class _HashedWeights:
         self.bytes_read = 0
 
     def get(self, candidates: Sequence[str], full: tuple[int, ...], sel: Selection, is_param: bool,
-            dtype: torch.dtype, device: torch.device) -> Optional[torch.Tensor]:
+            dtype: torch.dtype, device: torch.device, block: Optional[tuple[int, int]] = None
+            ) -> Optional[torch.Tensor]:
         if not is_param:  # buffers are real in a skeleton: keep their constructed value
             return None
-        t = self.init.tensor(candidates[0], full, dtype, device, sel)  # a tied weight's first name
+        if block is not None:  # an FP8 weight or its scales, made at this selection's size alone
+            t = hashed_fp8_tensor(self.init.tensor, candidates[0], full, dtype, device, sel, block, self.init.std)
+        else:
+            t = self.init.tensor(candidates[0], full, dtype, device, sel)  # a tied weight's first name
         self.bytes_read += t.numel() * t.element_size()
         return t
 
@@ -346,7 +369,8 @@ def load_graph_weights(
                 t: Optional[torch.Tensor] = torch.zeros(spec.shape(full), dtype=cur.dtype, device=device)
             else:
                 t = source.get(info.aliases.get(name, (name,)), full,
-                               spec.selection(len(full)) if spec else (None,) * len(full), is_param, cur.dtype, device)
+                               spec.selection(len(full)) if spec else (None,) * len(full), is_param, cur.dtype, device,
+                               block_of(model, name) if is_param else None)
             if t is None:
                 kept.append(name)
                 continue
@@ -364,3 +388,13 @@ def load_graph_weights(
         raise ModelLoadError(f"weights still unloaded after filling from {info.source}: {', '.join(left[:5])}")
     return {"checkpoint": info.source, "tensors": loaded, "bytes_read": bytes_read,
             "full_model_bytes": full_bytes, "buffers_kept": kept}
+
+
+def load_module_weights(model: nn.Module, device: torch.device) -> dict[str, Any]:
+    """Fill every placeholder weight (and persistent buffer) of the skeleton `model` whole from its
+    checkpoint or hashed init, then unmark it: a full model (how an FP8 checkpoint is loaded by one
+    process — its weights stay FP8, never a 16-bit copy)."""
+    info = skeleton_info(model)
+    report = load_graph_weights(model, model, {}, device, targets=sorted(info.params | info.persistent_buffers))
+    del model._autodeploy_skeleton  # type: ignore[attr-defined]
+    return report

@@ -19,12 +19,8 @@ import torch
 from torch import nn
 
 from ..config.schema import ModelConfig
+from .errors import ModelLoadError
 from .random_init import HashedInit
-
-
-
-class ModelLoadError(RuntimeError):
-    """The model could not be built or loaded; the message says from where and what to do."""
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

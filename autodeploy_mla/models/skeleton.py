@@ -20,7 +20,8 @@ by slices: every rank builds the full model from the same seed and the shard pas
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -29,8 +30,10 @@ import torch
 from torch import nn
 
 from ..config.schema import ModelConfig
-from .factory import ModelLoadError, build_model, hf_config, meta_model, replace_parameters
+from .factory import ModelLoadError, hf_config, meta_model, replace_parameters
+from .fp8_modules import convert_to_fp8, is_experts_module, model_fp8_format
 from .random_init import HashedInit
+from .safetensors_io import CheckpointReader
 
 
 @dataclass(frozen=True)
@@ -85,8 +88,13 @@ def build_skeleton(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -
     if cfg.path is None and not (cfg.hf_config is not None and cfg.init == "hashed"):
         raise ModelLoadError("build_skeleton needs model.path (a checkpoint directory) or model.hf_config with "
                              "model.init=hashed: the weights must be obtainable by slices")
-    model = meta_model(cfg, hf_config(cfg))
+    config = hf_config(cfg)
+    model = meta_model(cfg, config)
     model.to(dtype)  # floating buffers follow the model dtype, as in build_model; parameters stay meta
+    fp8 = model_fp8_format(config, f"{cfg.path}/config.json" if cfg.path is not None else "model.hf_config")
+    if fp8 is not None:  # after .to(dtype): FP8 weights and float32 scales keep their dtypes
+        with (CheckpointReader(cfg.path) if cfg.path is not None else contextlib.nullcontext()) as reader:
+            convert_to_fp8(model, fp8, _stored_fp8(reader) if reader is not None else None)
     # every >= 3-d placeholder (MoE experts) views one zero matrix per dtype, sized for the largest
     bases: dict[torch.dtype, torch.Tensor] = {}
     for p in model.parameters():
@@ -115,11 +123,14 @@ def build_skeleton(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -
     return model
 
 
-def reference_model(model: nn.Module, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> nn.Module:
-    """A model with real weights for verification: `model` itself, or (skeleton) the full HF model
-    (checkpoint, or the same hashed weights generated whole)."""
-    if not is_skeleton(model):
-        return model
-    return build_model(cfg, device, dtype)
+def _stored_fp8(reader: CheckpointReader) -> Callable[[str, nn.Module], bool]:
+    """Whether a linear / experts module is FP8 in the checkpoint: its (first expert's) weight is
+    stored as float8_e4m3fn."""
 
+    def decide(name: str, mod: nn.Module) -> bool:
+        key = f"{name}.0.gate_proj.weight" if is_experts_module(mod) else f"{name}.weight"
+        if is_experts_module(mod) and not reader.has(key):
+            key = f"{name}.gate_up_proj"
+        return reader.has(key) and reader.dtype(key) == "F8_E4M3"
 
+    return decide

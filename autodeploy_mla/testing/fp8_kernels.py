@@ -1,28 +1,24 @@
 """Block-FP8 operands for kernel tests and benchmarks: a 16-bit/fp32 weight quantized per block
 (amax / 448 per block, as DeepSeek's checkpoints are made), and random ones made directly on a device.
 
-(The checkpoint writer's own quantizer is `custom_ops/fp8/format.quantize_weight`; this one exists
-so the kernel tests and benchmarks do not depend on the loading side.)
+(Both use the checkpoint writer's quantizer, models/fp8_format.quantize_weight, so a kernel test's
+operands are exactly what a loaded checkpoint holds.)
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..models.fp8_format import quantize_weight
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 
 
 def quantize_blocks(w: torch.Tensor, block_n: int, block_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp8 [..., N, K], fp32 scale [..., ceil(N/bn), ceil(K/bk)]) with w ~= fp8 * scale per block.
-    Leading dims (stacked experts) are kept."""
-    *lead, n, k = w.shape
-    nb, kb = -(-n // block_n), -(-k // block_k)
-    wp = torch.nn.functional.pad(w.float(), (0, kb * block_k - k, 0, nb * block_n - n))
-    blocks = wp.reshape(*lead, nb, block_n, kb, block_k)
-    scale = blocks.abs().amax(dim=(-3, -1)).clamp_min(1e-12) / FP8_MAX
-    q = (blocks / scale[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    return q.reshape(*lead, nb * block_n, kb * block_k)[..., :n, :k].contiguous(), scale
+    """(fp8 [..., N, K], fp32 scale [..., ceil(N/bn), ceil(K/bk)]) with w ~= fp8 * scale per block:
+    the checkpoint writer's quantizer (format.quantize_weight). Leading dims (stacked experts) are kept."""
+    return quantize_weight(w, (block_n, block_k))
 
 
 def random_block_weight(shape: tuple[int, ...], block_n: int, block_k: int, device: torch.device | str,

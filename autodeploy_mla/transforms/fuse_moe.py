@@ -47,6 +47,7 @@ from torch.fx import GraphModule, Node
 
 from ..custom_ops.moe.backends import resolve_moe_backend
 from .context import BuildContext
+from .fp8_graph import fp8_weight_source
 from .fx_utils import (ASSERT_METADATA, CASTS, RESHAPES, aten, erase_dead_region, grouped_mm_ops, is_op,
                        module_path, module_tensor, shape, skip, val)
 from .registry import PassOptions, PassResult, Stage, register_pass
@@ -293,6 +294,43 @@ def rewrite(gm: GraphModule, m: ExpertsMatch, backend: str) -> Node:
     return fused
 
 
+# ----------------------------------------------------------------------------- FP8 experts
+def fp8_experts(m: ExpertsMatch) -> Optional[tuple[Node, Node, Node, Node, int, int]]:
+    """(w_up, w_up_scale, w_down, w_down_scale, block_n, block_k) when both grouped GEMMs read
+    dequantized FP8 expert weights (models/fp8_modules.py), else None."""
+    srcs = [fp8_weight_source(skip(w, {_TRANSPOSE})) for w in (m.w_up, m.w_down)]
+    if srcs[0] is None or srcs[1] is None or srcs[0][2:] != srcs[1][2:]:
+        return None
+    (wu, su, bn, bk), (wd, sd, _, _) = srcs
+    return wu, su, wd, sd, bn, bk
+
+
+def fp8_moe_op(backend: str) -> Any:
+    """The FP8 MoE op of `backend` (`<backend>_moe_experts_fp8`, custom_ops/moe/fp8.py), None when this
+    build does not register it."""
+    try:
+        return getattr(torch.ops.autodeploy, f"{backend}_moe_experts_fp8").default
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def rewrite_fp8(gm: GraphModule, m: ExpertsMatch, op: Any, fp8: tuple[Node, Node, Node, Node, int, int]) -> Node:
+    """The region -> op(x, topk_ids, topk_weights, w_up, w_up_scale, w_down, w_down_scale, block_n,
+    block_k, "silu") on the FP8 weights themselves (the per-step dequantize nodes go with the region)."""
+    g = gm.graph
+    wu, su, wd, sd, bn, bk = fp8
+    with g.inserting_before(m.out):
+        fused = g.call_function(op, (m.x, m.topk_ids, m.topk_weights, wu, su, wd, sd, bn, bk, "silu"))
+        result = fused
+        out_dtype = val(m.out).dtype if val(m.out) is not None else None
+        if out_dtype is not None and val(m.x) is not None and out_dtype != val(m.x).dtype:
+            result = g.call_function(aten.to.dtype, (fused, out_dtype))
+    fused.meta["nn_module_stack"] = m.out.meta.get("nn_module_stack", {})
+    m.out.replace_all_uses_with(result)
+    erase_dead_region(g, m.region)
+    return fused
+
+
 # ----------------------------------------------------------------------------- the pass
 class FuseMoEOptions(PassOptions):
     backend: MoEBackendName = Field("auto", description="triton | torch (reference) | auto")
@@ -506,7 +544,20 @@ def fuse_moe(ctx: BuildContext, opts: FuseMoEOptions) -> PassResult:
                                               dtype=wv.dtype if wv is not None else None)
         entry = {"layer": layer, "experts": m.num_experts, "top_k": m.top_k, "hidden": m.hidden,
                  "intermediate": m.inter, "backend": backend, "reason": reason}
-        if backend is not None:
+        fp8 = fp8_experts(m)
+        if backend is not None and fp8 is not None:
+            entry["weights"] = f"fp8 blocks [{fp8[4]}, {fp8[5]}]"
+            op = fp8_moe_op(backend)
+            if op is None:
+                entry["reason"] = (f"kept the model's experts: FP8 experts need torch.ops.autodeploy.{backend}"
+                                   "_moe_experts_fp8, which this build does not register (the model's subgraph "
+                                   "dequantizes the experts each step and runs the grouped GEMMs)")
+                entry["backend"] = backend = None
+            else:
+                rewrite_fp8(gm, m, op, fp8)
+                fused += 1
+                entry["shared_experts"] = "kept the model's shared MLP: FP8 experts (shared-expert fusion stacks 16-bit weights)"
+        elif backend is not None:
             node = rewrite(gm, m, backend)
             fused += 1
             entry["shared_experts"] = _fuse_shared_entry(gm, m, node, opts.shared_experts)
@@ -522,5 +573,5 @@ def fuse_moe(ctx: BuildContext, opts: FuseMoEOptions) -> PassResult:
     return PassResult(summary, {"layers": layers})
 
 
-__all__ = ["SHARED_AUTO_MAX_BYTES", "ExpertsMatch", "FuseMoEOptions", "SharedMatch", "fuse_moe", "fuse_shared",
+__all__ = ["SHARED_AUTO_MAX_BYTES", "ExpertsMatch", "fp8_experts", "fp8_moe_op", "rewrite_fp8", "FuseMoEOptions", "SharedMatch", "fuse_moe", "fuse_shared",
            "match_experts", "match_shared", "rewrite"]

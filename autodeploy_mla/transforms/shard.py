@@ -53,6 +53,7 @@ from torch.fx import GraphModule, Node
 from ..custom_ops.attention.mla_dims import MLADims
 from ..custom_ops.tp_all_reduce import ALL_REDUCE, DEFAULT_ONE_SHOT_MAX_BYTES, TP_ALL_REDUCE, WAIT_TENSOR
 from ..custom_ops.attention.torch_mla import source_arg
+from ..custom_ops.fp8.linear import FP8_DEQUANTIZE, FP8_LINEAR
 from .sparse_export import TORCH_MLA_SPARSE
 from ..models.checkpoint import ShardSpec
 from ..runtime.artifacts import TensorParallel
@@ -561,6 +562,12 @@ def shard(ctx: BuildContext, opts: ShardOptions) -> PassResult:
     if not any(_is(n, {TORCH_MLA, TORCH_MLA_SPARSE}) for n in gm.graph.nodes):
         raise ShardError("shard: the graph has no torch_mla node; run match_mla first (shard goes between "
                          "match_mla and insert_cached_mla_attention)")
+    fp8 = [module_path(n) for n in gm.graph.nodes if _is(n, {FP8_LINEAR, FP8_DEQUANTIZE})]
+    if fp8:  # refused before any change: a linear left whole would silently compute on every rank
+        raise ShardError(
+            f"shard: {len(fp8)} FP8 linears / experts ({fp8[0]}, ...) — tensor parallelism over block-FP8 "
+            "weights (slicing weights and their block scales together) is not implemented yet; run the FP8 "
+            "checkpoint on one process (transforms.shard.enabled=false, world size 1). docs/fp8_weights.md")
     grouped = grouped_mm_ops()
     plan = _Plan(world.world_size, world.rank)
     _plan_attention(gm, plan, grouped)  # raises before any change on a bad world size

@@ -17,32 +17,23 @@ from typing import Optional
 import torch
 
 from .act_quant import act_quant_reference
+from .format import dequantize
+from .linear import check_fp8_weight
 
 
 def check_block_weight(name: str, weight: torch.Tensor, scale: torch.Tensor, block_n: int, block_k: int) -> None:
-    """ValueError naming the offending tensor when `weight` / `scale` are not a block-FP8 pair."""
-    if block_n < 1 or block_k < 1:
-        raise ValueError(f"{name}: block size ({block_n}, {block_k}) must be positive")
+    """ValueError naming the offending tensor when `weight` / `scale` are not a 2-D block-FP8 pair
+    (the source op's check, plus: a linear's weight is [N, K])."""
+    check_fp8_weight(name, weight, scale, block_n, block_k)
     if weight.dim() != 2:
         raise ValueError(f"{name}: weight must be [N, K], got shape {tuple(weight.shape)}")
-    if weight.dtype != torch.float8_e4m3fn:
-        raise ValueError(f"{name}: weight must be float8_e4m3fn, got {weight.dtype}")
-    n, k = weight.shape
-    want = (-(-n // block_n), -(-k // block_k))
-    if tuple(scale.shape) != want:
-        raise ValueError(f"{name}: weight_scale_inv must be [ceil(N/{block_n}), ceil(K/{block_k})] = {list(want)} "
-                         f"for a weight of shape {[n, k]}, got {list(scale.shape)}")
-    if scale.dtype != torch.float32:
-        raise ValueError(f"{name}: weight_scale_inv must be float32, got {scale.dtype}")
 
 
 def dequantize_blocks(weight: torch.Tensor, scale: torch.Tensor, block_n: int, block_k: int,
                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """[N, K] `dtype`: each block's fp8 codes times its scale (in fp32, then cast)."""
+    """[N, K] `dtype`: each block's fp8 codes times its scale (format.dequantize, after the check)."""
     check_block_weight("dequantize_blocks", weight, scale, block_n, block_k)
-    n, k = weight.shape
-    s = scale.repeat_interleave(block_n, 0)[:n].repeat_interleave(block_k, 1)[:, :k]
-    return (weight.float() * s).to(dtype)
+    return dequantize(weight, scale, (block_n, block_k), dtype)
 
 
 def dequantize_activations(x_fp8: torch.Tensor, x_scale: torch.Tensor, group: int) -> torch.Tensor:

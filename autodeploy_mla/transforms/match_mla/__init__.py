@@ -33,6 +33,7 @@ import logging
 from pydantic import Field
 from torch.fx import GraphModule, Node
 
+from ..fp8_graph import fold_dequantize
 from ..context import BuildContext
 from ..fx_utils import TORCH_MLA, module_path
 from ..sparse_export import sparse_mla_nodes, sparse_node_dims
@@ -85,6 +86,7 @@ def match_mla(gm: GraphModule, *, strict: bool = False) -> list[MLAMatch]:
     _erase_dead(graph, [p.att.anchor for p in plans])
     graph.lint()
     gm.recompile()
+    fold_dequantize(gm)  # FP8 kv_b_proj: its 16-bit copy, now if loaded (else load_weights does it)
     gm.meta["match_mla_skipped"] = skipped
 
     ordered = [records[n] for n in graph.nodes if n in records]

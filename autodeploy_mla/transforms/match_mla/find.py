@@ -7,6 +7,7 @@ from typing import Any, Optional
 
 from torch.fx import GraphModule, Node
 
+from ...custom_ops.fp8.linear import FP8_LINEAR
 from ..fx_utils import aten, module_stack
 from ..fx_utils import shape as _shape
 from .model import _ALLOCATIONS, _Attention, _FAMILY_BY_CLASS, _MOVEMENT
@@ -194,7 +195,7 @@ def _projection_sources(node: Any) -> set[Node]:
         if not isinstance(n, Node) or n in seen:
             continue
         seen.add(n)
-        if n.target in (aten.linear.default, aten.matmul.default, aten.mm.default, aten.addmm.default):
+        if n.target in (aten.linear.default, aten.matmul.default, aten.mm.default, aten.addmm.default, FP8_LINEAR):
             found.add(n)
         elif n.target in _MOVEMENT:
             stack.extend(n.all_input_nodes)

@@ -96,6 +96,7 @@ class _Plan:
     dims: MLADims
     scale: float
     notes: list[str]
+    kv_b_fp8: Optional[Any] = None  # FP8LinearParts of an FP8 kv_b_proj (weight is then its FP8 get_attr)
 
 
 class _Refuse(Exception):

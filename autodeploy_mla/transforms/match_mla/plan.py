@@ -9,6 +9,8 @@ from typing import Any, Optional
 from torch.fx import GraphModule, Node
 
 from ...custom_ops.attention.mla_dims import MLADims
+from ...custom_ops.fp8.linear import FP8_LINEAR
+from ..fp8_graph import fp8_linear_parts
 from ..fx_utils import RESHAPES, aten, skip
 from ..fx_utils import shape as _shape
 from .causal_mask import _check_causal
@@ -36,6 +38,7 @@ def _plan(gm: GraphModule, att: _Attention, mask_cache: dict[Node, list[str]]) -
     k_nope, k_rope = key_parts
     linear, dn, dv, n_heads = _kv_b_proj(k_nope, att.v)
     weight = linear.args[1]
+    fp8 = fp8_linear_parts(linear) if linear.target is FP8_LINEAR else None
     kpe = _shared_rope_key(k_rope)
 
     # Query = [q_nope | q_pe], optionally times a factor broadcast over the head dim (Mistral4).
@@ -49,7 +52,7 @@ def _plan(gm: GraphModule, att: _Attention, mask_cache: dict[Node, list[str]]) -
     q_nope, q_pe, q_bsnd = q_parts
 
     latent = linear.args[0]
-    dims = _check_shapes(att, q_nope, q_pe, q_bsnd, latent, kpe, weight, dn, dv, n_heads)
+    dims = _check_shapes(att, q_nope, q_pe, q_bsnd, latent, kpe, weight, dn, dv, n_heads, fp8 is not None)
 
     scale = att.scale if att.scale is not None else dims.default_scale()
     if not isinstance(scale, (int, float)):
@@ -59,9 +62,13 @@ def _plan(gm: GraphModule, att: _Attention, mask_cache: dict[Node, list[str]]) -
         notes.append(f"scale {scale:.6g} != (Dn+Dr)^-0.5 = {dims.default_scale():.6g} (e.g. YaRN mscale)")
 
     notes.extend(_check_causal(gm, att, mask_cache))
-    if linear.kwargs.get("bias") is not None or (len(linear.args) > 2 and linear.args[2] is not None):
+    bias = fp8.bias if fp8 is not None else (linear.kwargs.get("bias") or (linear.args[2] if len(linear.args) > 2 else None))
+    if bias is not None:
         raise _Refuse("kv_b_proj has a bias; torch_mla takes the weight only")
-    return _Plan(att, q_nope, q_pe, q_bsnd, factor, latent, kpe, weight, dims, scale, notes)
+    if fp8 is not None:
+        notes.append(f"kv_b_proj is FP8 (blocks [{fp8.block_n}, {fp8.block_k}]): dequantized once at build for "
+                     "weight absorption")
+    return _Plan(att, q_nope, q_pe, q_bsnd, factor, latent, kpe, weight, dims, scale, notes, fp8)
 
 
 def _concat_parts(node: Node) -> Optional[tuple[Node, Node]]:
@@ -146,7 +153,7 @@ def _kv_b_proj(k_nope: Node, v: Node) -> tuple[Node, int, int, int]:
     if x.target not in RESHAPES:
         raise _Refuse(f"kv_b_proj output {x.name} is not a view into heads")
     linear = x.args[0]
-    if not (isinstance(linear, Node) and linear.target is aten.linear.default):
+    if not (isinstance(linear, Node) and linear.target in (aten.linear.default, FP8_LINEAR)):
         raise _Refuse(f"key/value do not come from a linear projection of the latent ({linear})")
     n_heads, head = _shape(x)[-2], _shape(x)[-1]
     weight = linear.args[1]
@@ -213,8 +220,9 @@ def _check_shapes(
     dn: int,
     dv: int,
     n: int,
+    fp8_weight: bool = False,
 ) -> MLADims:
-    """Cross-check every shape and dtype; returns the block's MLA dims."""
+    """Cross-check every shape and dtype (an FP8 weight's is its own); returns the block's MLA dims."""
     qn, qp, lat, kp = _shape(q_nope), _shape(q_pe), _shape(latent), _shape(kpe)
     if len(qn) != 4 or len(qp) != 4:
         raise _Refuse(f"query parts are not 4-D: {tuple(qn)}, {tuple(qp)}")
@@ -234,7 +242,7 @@ def _check_shapes(
     r = lat[-1]
     if _shape(weight)[1] != r:
         raise _Refuse(f"kv_b_proj weight {tuple(_shape(weight))} does not take the latent width R={r}")
-    dtypes = {str(_val(x).dtype) for x in (q_nope, q_pe, latent, kpe, weight, att.k)}
+    dtypes = {str(_val(x).dtype) for x in (q_nope, q_pe, latent, kpe, *(() if fp8_weight else (weight,)), att.k)}
     if len(dtypes) != 1:
         raise _Refuse(f"MLA inputs have mixed dtypes {sorted(dtypes)}")
     return MLADims(num_heads=n, qk_nope_head_dim=dn, qk_rope_head_dim=int(dr), v_head_dim=dv, kv_lora_rank=int(r))

@@ -11,6 +11,7 @@ from torch.fx import GraphModule, Node
 
 from ...custom_ops.attention.mla_dims import infer_dims
 from ...custom_ops.attention.torch_mla import source_arg
+from ..fp8_graph import insert_dequantize
 from ..fx_utils import ASSERT_METADATA, RESHAPES, TORCH_MLA, aten
 from ..fx_utils import shape as _shape
 from .find import _layer_and_kind
@@ -48,7 +49,13 @@ def _rewrite(gm: GraphModule, plan: _Plan) -> Node:
         if len(_shape(latent)) == 4:
             latent = _unflattened_source(latent) or add(aten.squeeze.dim, latent, 1)
         kpe = add(aten.transpose.int, plan.kpe, 1, 2)
-        mla = add(TORCH_MLA, q_nope, q_pe, latent, kpe, plan.weight, True, plan.scale)
+        weight = plan.weight
+        if plan.kv_b_fp8 is not None:  # weight absorption needs 16 bits: folded into a parameter once loaded
+            weight = insert_dequantize(graph, plan.kv_b_fp8, _val(latent).dtype)
+            for key in ("nn_module_stack", "stack_trace"):
+                if key in anchor.meta:
+                    weight.meta[key] = anchor.meta[key]
+        mla = add(TORCH_MLA, q_nope, q_pe, latent, kpe, weight, True, plan.scale)
         out = add(aten.transpose.int, mla, 1, 2)
     anchor.replace_all_uses_with(out)
     return mla

@@ -1,0 +1,275 @@
+"""FP8 checkpoints in the published formats (DeepSeek-V3 block scales; Mistral's per-tensor scales):
+`optimize(ckpt_dir)` keeps the weights FP8 + scales and generates the greedy tokens of the HF model
+with the dequantized weights (fp32, CPU); every loader error names the tensor or value."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from autodeploy_mla import optimize
+from autodeploy_mla.config.schema import ModelConfig
+from autodeploy_mla.custom_ops.fp8.format import BlockFP8Format, FP8FormatError
+from autodeploy_mla.models.errors import ModelLoadError
+from autodeploy_mla.models.fp8_modules import FP8Linear
+from autodeploy_mla.models.loading import build_eager_model
+from autodeploy_mla.testing.fp8_checkpoints import edit_checkpoint, reference_hf_model, write_fp8_checkpoint
+from autodeploy_mla.testing.tiny_configs import TINY_CONFIGS, build_tiny_model
+from autodeploy_mla.verify import hf_greedy_generate
+
+CPU = torch.device("cpu")
+RUNTIME = ["runtime.max_num_tokens=8", "runtime.page_size=4", "runtime.max_seq_len=64", "runtime.max_batch_size=4",
+           "model.device=cpu", "model.dtype=float32"]
+PROMPTS = [[5, 9, 200, 17], [3, 3, 8, 1, 90, 2, 7, 7, 7, 100, 11], [42]]
+NEW = 6
+#: hidden 200 and dense intermediate 96 are multiples of neither 128 nor 32, kv_b_proj's 176 rows
+#: neither: partial edge blocks in rows and columns; the expert intermediate 128 is a whole block.
+DIMS = {"hidden_size": 200, "intermediate_size": 96, "moe_intermediate_size": 128}
+
+
+def _config(family: str) -> dict:
+    cfg = copy.deepcopy(TINY_CONFIGS[family])
+    cfg.update(DIMS)
+    return cfg
+
+
+def _write(tmp_path_factory, family: str, fmt: BlockFP8Format, shards: int = 1, name: str = "ckpt"):
+    cfg = _config(family)
+    out = tmp_path_factory.mktemp(name)
+    ref = write_fp8_checkpoint(build_tiny_model(cfg), out, fmt, shards=shards)
+    return out, reference_hf_model(build_tiny_model(cfg, seed=1), ref)
+
+
+@pytest.fixture(scope="module")
+def ds3_128(tmp_path_factory):
+    return _write(tmp_path_factory, "deepseek_v3", BlockFP8Format(128, 128), shards=3, name="ds3_128")
+
+
+@pytest.fixture(scope="module")
+def ds3_32(tmp_path_factory):
+    return _write(tmp_path_factory, "deepseek_v3", BlockFP8Format(32, 32), name="ds3_32")
+
+
+@pytest.fixture(scope="module")
+def mistral4(tmp_path_factory):
+    return _write(tmp_path_factory, "mistral_small_4", BlockFP8Format(per_tensor=True, activation_scheme="static"),
+                  name="mistral4")
+
+
+def _published_layout(ckpt) -> None:
+    """The checkpoint holds exactly the published names, dtypes and scale shapes."""
+    from safetensors import safe_open
+
+    cfg = json.loads((ckpt / "config.json").read_text())
+    fmt = BlockFP8Format.from_quantization_config(cfg["quantization_config"])
+    index = ckpt / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    seen = {}
+    for f in files:
+        with safe_open(str(ckpt / f), "pt") as h:
+            for k in h.keys():
+                seen[k] = h.get_tensor(k)
+    assert seen["model.embed_tokens.weight"].dtype == torch.bfloat16
+    assert seen["lm_head.weight"].dtype == torch.bfloat16
+    assert seen["model.layers.1.mlp.gate.weight"].dtype == torch.bfloat16
+    w = seen["model.layers.1.mlp.experts.3.up_proj.weight"]
+    assert w.dtype == torch.float8_e4m3fn and tuple(w.shape) == (128, 200)
+    s = seen["model.layers.1.mlp.experts.3.up_proj.weight_scale_inv"]
+    kv = seen["model.layers.0.self_attn.kv_b_proj.weight_scale_inv"]
+    if fmt.per_tensor:
+        assert s.shape == () and kv.shape == ()
+    else:
+        bn, bk = fmt.block
+        assert tuple(s.shape) == (-(-128 // bn), -(-200 // bk)) and s.dtype == torch.float32
+        assert tuple(kv.shape) == (-(-176 // bn), -(-40 // bk))
+
+
+def _check(om, hf):
+    got = om.generate(PROMPTS, max_new_tokens=NEW, ignore_eos=True)
+    want = [hf_greedy_generate(hf, p, NEW, ignore_eos=True) for p in PROMPTS]
+    assert got == want
+    return got
+
+
+def _weights_stay_fp8(om) -> None:
+    """Every decoder linear / expert weight in the compiled graph is FP8; the only 16-bit copy of an
+    FP8 weight is kv_b_proj's (weight absorption)."""
+    gm = om.gm
+    params = dict(gm.named_parameters())
+    fp8 = [n for n, p in params.items() if p.dtype == torch.float8_e4m3fn]
+    assert any("experts.gate_up_proj" in n for n in fp8) and any("q_b_proj" in n for n in fp8)
+    wide = [n for n, p in params.items() if p.dtype != torch.float8_e4m3fn and p.dim() >= 2
+            and not n.endswith("_scale_inv")]
+    for n in wide:
+        assert any(k in n for k in ("embed_tokens", "lm_head", "mlp.gate.weight", "kv_b_proj.weight_dequantized",
+                                    "norm")), n
+    assert sum("kv_b_proj.weight_dequantized" in n for n in wide) == 2
+
+
+@pytest.mark.parametrize("which", ["ds3_128", "ds3_32"])
+def test_deepseek_v3_fp8_greedy_equals_hf_dequantized(which, request):
+    ckpt, hf = request.getfixturevalue(which)
+    _published_layout(ckpt)
+    om = optimize(str(ckpt), overrides=RUNTIME)
+    _check(om, hf)
+    _weights_stay_fp8(om)
+    mla = next(r for r in om.history if r.name == "match_mla")
+    assert "2 attention blocks" in mla.summary
+
+
+def test_eager_fp8_model_matches_hf_bitwise(ds3_32):
+    ckpt, hf = ds3_32
+    m = build_eager_model(ModelConfig(path=str(ckpt), device="cpu", dtype="float32"), CPU, torch.float32)
+    assert isinstance(m.model.layers[0].self_attn.q_a_proj, FP8Linear)
+    assert m.model.layers[0].self_attn.q_a_proj.weight.dtype == torch.float8_e4m3fn
+    assert m.model.layers[1].mlp.experts.down_proj_scale_inv.shape == (8, 7, 4)  # [E, ceil(200/32), 128/32]
+    ids = torch.tensor([[5, 9, 100, 17, 3]])
+    with torch.no_grad():
+        assert torch.equal(m(input_ids=ids).logits, hf(input_ids=ids).logits)
+
+
+def test_mistral_small_4_per_tensor_fp8(mistral4):
+    ckpt, hf = mistral4
+    _published_layout(ckpt)
+    qc = json.loads((ckpt / "config.json").read_text())["quantization_config"]
+    assert qc["activation_scheme"] == "static" and qc["weight_block_size"] is None
+    om = optimize(str(ckpt), overrides=RUNTIME)
+    _check(om, hf)
+    _weights_stay_fp8(om)
+
+
+# ----------------------------------------------------------------------------- loader errors
+def _copy(src, tmp_path):
+    import shutil
+
+    dst = tmp_path / "ckpt"
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _load(ckpt):
+    return build_eager_model(ModelConfig(path=str(ckpt), device="cpu", dtype="float32"), CPU, torch.float32)
+
+
+@pytest.fixture(scope="module")
+def one_file(tmp_path_factory):
+    ckpt, _ = _write(tmp_path_factory, "deepseek_v3", BlockFP8Format(32, 32), name="one_file")
+    return ckpt
+
+
+def test_missing_scale_is_named(one_file, tmp_path):
+    ckpt = _copy(one_file, tmp_path)
+    edit_checkpoint(ckpt, drop=("model.layers.0.self_attn.o_proj.weight_scale_inv",))
+    with pytest.raises(FP8FormatError, match=r"model\.layers\.0\.self_attn\.o_proj\.weight.*float8_e4m3fn.*"
+                                             r"o_proj\.weight_scale_inv is missing"):
+        _load(ckpt)
+
+
+def test_missing_expert_scale_is_named(one_file, tmp_path):
+    ckpt = _copy(one_file, tmp_path)
+    edit_checkpoint(ckpt, drop=("model.layers.1.mlp.experts.5.down_proj.weight_scale_inv",))
+    with pytest.raises(FP8FormatError, match=r"experts\.5\.down_proj\.weight_scale_inv is missing"):
+        _load(ckpt)
+
+
+def test_misshapen_scale_is_named(one_file, tmp_path):
+    ckpt = _copy(one_file, tmp_path)
+    edit_checkpoint(ckpt, replace={"model.layers.0.self_attn.kv_b_proj.weight_scale_inv": torch.ones(3, 2)})
+    with pytest.raises(FP8FormatError, match=r"kv_b_proj\.weight_scale_inv has shape \[3, 2\], expected \[6, 2\]"):
+        _load(ckpt)
+
+
+def test_block_size_that_disagrees_with_the_scales(one_file, tmp_path):
+    ckpt = _copy(one_file, tmp_path)
+    edit_checkpoint(ckpt, config={"weight_block_size": [64, 64]})
+    with pytest.raises(FP8FormatError, match=r"weight_scale_inv has shape .* expected .*weight_block_size"):
+        _load(ckpt)
+
+
+@pytest.mark.parametrize("qc, words", [
+    ({"quant_method": "gptq"}, r"quant_method 'gptq' is not supported"),
+    ({"weight_block_size": [48, 128]}, r"block_n 48"),
+    ({"weight_block_size": [128, 2048]}, r"block_k 2048"),
+    ({"activation_scheme": "static"}, r"activation_scheme 'static' with weight_block_size"),
+    ({"activation_scheme": "per-channel"}, r"activation_scheme 'per-channel' is not supported"),
+])
+def test_bad_quantization_config_is_refused_before_loading(one_file, tmp_path, qc, words):
+    ckpt = _copy(one_file, tmp_path)
+    edit_checkpoint(ckpt, config=qc)
+    with pytest.raises(FP8FormatError, match=words) as e:
+        _load(ckpt)
+    assert str(ckpt) in str(e.value)  # names where the value came from
+
+
+def test_fp8_weight_in_a_16_bit_model_is_refused(one_file, tmp_path):
+    ckpt = _copy(one_file, tmp_path)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    del cfg["quantization_config"]
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    from autodeploy_mla.models.skeleton import build_skeleton
+    from autodeploy_mla.models.checkpoint import load_module_weights
+
+    with pytest.raises(ModelLoadError, match=r"float8_e4m3fn, but the model takes it in 16 bits"):
+        load_module_weights(build_skeleton(ModelConfig(path=str(ckpt)), CPU, torch.float32), CPU)
+
+
+# ----------------------------------------------------------------------------- passes on FP8 graphs
+def test_fuse_moe_runs_fp8_experts_on_their_fp8_weights(ds3_32):
+    """fuse_moe (backend torch) swaps the FP8 experts region (dequantize + grouped GEMMs) for
+    torch_moe_experts_fp8 on the FP8 weights and scales themselves; the tokens stay HF's."""
+    ckpt, hf = ds3_32
+    om = optimize(str(ckpt), overrides=[*RUNTIME, "transforms.fuse_moe.backend=torch"])
+    rec = next(r for r in om.history if r.name == "fuse_moe")
+    layer = rec.details["layers"][0]
+    assert layer["backend"] == "torch" and layer["weights"] == "fp8 blocks [32, 32]", layer
+    targets = {str(n.target) for n in om.gm.graph.nodes if n.op == "call_function"}
+    assert any("torch_moe_experts_fp8" in t for t in targets), sorted(targets)
+    _check(om, hf)
+    _weights_stay_fp8(om)
+
+
+def test_tensor_parallel_over_fp8_is_refused_clearly(ds3_32):
+    from autodeploy_mla.runtime.artifacts import TensorParallel
+    from autodeploy_mla.transforms.context import BuildContext
+    from autodeploy_mla.transforms.pass_manager import parse_pipeline, run_pipeline
+    from autodeploy_mla.transforms.shard import ShardError
+    from autodeploy_mla.api import build_config
+    from autodeploy_mla.custom_ops import Target
+
+    ckpt, _ = ds3_32
+    cfg, pipe = build_config(str(ckpt), None, [*RUNTIME, "transforms.shard.enabled=true"])
+    model = build_eager_model(cfg.model, CPU, torch.float32)
+    ctx = BuildContext(cfg, model, CPU, torch.float32, Target.detect(CPU, 4), TensorParallel(2, 0, "g"))
+    with pytest.raises(ShardError, match=r"FP8 linears / experts .* not implemented yet"):
+        run_pipeline(ctx, pipe)
+
+
+def test_fuse_gemms_reports_fp8_groups_it_keeps(ds3_32):
+    ckpt, _ = ds3_32
+    om = optimize(str(ckpt), overrides=RUNTIME)
+    rec = next(r for r in om.history if r.name == "fuse_gemms")
+    kept = [g for g in rec.details["groups"] if "FP8" in g["reason"]]
+    assert any(any(m.endswith("q_a_proj") for m in g["members"]) for g in kept)
+    assert any(any(m.endswith("gate_proj") for m in g["members"]) for g in kept)
+
+
+def test_hashed_fp8_init_is_fp8_and_sliceable():
+    """`model.init: hashed` with a quantization_config: FP8 weights generated directly (per
+    selection: a slice equals the same slice of the whole), and the model builds and generates."""
+    from autodeploy_mla.models.fp8_modules import hashed_fp8_tensor
+    from autodeploy_mla.models.random_init import HashedInit
+
+    init = HashedInit(seed=3, std=0.02, kinds={})
+    whole = hashed_fp8_tensor(init.tensor, "w", (8, 200, 96), torch.float8_e4m3fn, CPU, None, (32, 32), 0.02)
+    part = hashed_fp8_tensor(init.tensor, "w", (8, 200, 96), torch.float8_e4m3fn, CPU,
+                             (None, ((32, 64), (100, 120)), None), (32, 32), 0.02)
+    assert whole.dtype == torch.float8_e4m3fn and whole.float().abs().max() > 400
+    assert torch.equal(part.view(torch.uint8), torch.cat([whole[:, 32:64], whole[:, 100:120]], 1).view(torch.uint8))
+    cfg = _config("deepseek_v3")
+    cfg["quantization_config"] = BlockFP8Format(32, 32).to_quantization_config()
+    om = optimize(None, {"model": {"hf_config": cfg, "init": "hashed"}}, overrides=RUNTIME)
+    assert om.eager_model.model.layers[1].mlp.experts.gate_up_proj.dtype == torch.float8_e4m3fn
+    assert len(om.generate(PROMPTS[:1], max_new_tokens=3, ignore_eos=True)[0]) == 3
