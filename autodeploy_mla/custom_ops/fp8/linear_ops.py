@@ -86,12 +86,22 @@ def scaled_mm_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: 
     from torch.nn.functional import ScalingType, SwizzleType, scaled_mm
 
     lead, k = x.shape[:-1], x.shape[-1]
-    xq, xs = quantize_activations(x.reshape(-1, k), LIBRARY_BLOCK[1], "t")
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    # cuBLAS has no block-scaled algorithm for M = 1 on the H200 (CUBLAS_STATUS_NOT_SUPPORTED from its
+    # heuristic, 2026-11-29; M = 16 and 64 ran): rows are padded to a multiple of 16 (decode-sized
+    # activations only: a copy of at most 15 extra rows)
+    pad_m = -m % 16
+    if pad_m:
+        x2 = torch.nn.functional.pad(x2, (0, 0, 0, pad_m))
+    xq, xs = quantize_activations(x2, LIBRARY_BLOCK[1], "t")
     kb = weight_scale.shape[1]
     pad = -kb % 4
     ws = torch.nn.functional.pad(weight_scale, (0, pad)) if pad else weight_scale.contiguous()
     y = scaled_mm(xq, weight.t(), xs, ScalingType.BlockWise1x128, ws.t(), ScalingType.BlockWise128x128,
                   swizzle_a=SwizzleType.NO_SWIZZLE, swizzle_b=SwizzleType.NO_SWIZZLE, output_dtype=x.dtype)
+    if pad_m:
+        y = y[:m]
     if bias is not None:
         y = y + bias
     return y.reshape(*lead, weight.shape[0])
