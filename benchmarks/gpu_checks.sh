@@ -6,6 +6,12 @@
 #   bash benchmarks/gpu_checks.sh full     # every GPU case, the slow ones too (tests/gpu_cases.py), split
 #                                          # over the visible GPUs (4 x H200: one call; 1 GPU: ~25 min)
 #   bash benchmarks/gpu_checks.sh tp       # 2-GPU tests (tests/test_tensor_parallel.py -m gpu)
+#   bash benchmarks/gpu_checks.sh part 1/2 # the default suite's files split in 2 groups of about equal
+#                                          # expected time (tests/gpu_cases.py), group 1 only: one call each
+#
+# The default suite on a fresh H200 (2026-11-29, 9c7d660, one call): 216 of 228 cases in 440 s, cut
+# there by SINGLE_LIMIT; most of that is cold compiles (FlashInfer JIT builds of every head shape,
+# Triton/Gluon kernels). So a cold machine needs `part 1/2` and `part 2/2` in two calls.
 #
 # The default suite skips the cases tests/gpu_cases.py marks slow (pytest -m gpu does the same, see
 # tests/conftest.py); its estimates say ~470 s on a fresh H200. Every pytest run prints --durations,
@@ -48,7 +54,7 @@ run() {
     return $rc
 }
 
-# full_groups N: the GPU test files in N groups of about equal expected time (greedy, by the
+# full_groups N [default]: the GPU test files in N groups of about equal expected time (greedy, by the
 # estimates of tests/gpu_cases.py plus ~15 s per slow entry), one line per group
 full_groups() {
     python3 - "$1" <<'PY'
@@ -56,11 +62,13 @@ import collections, sys
 sys.path.insert(0, "tests")
 import gpu_cases
 n = int(sys.argv[1])
+default_only = len(sys.argv) > 2 and sys.argv[2] == "default"
 cost = collections.Counter()
 for key, s in gpu_cases.ESTIMATE_S.items():
     cost[key.split("::")[0]] += s
-for key in gpu_cases.SLOW:
-    cost[key.split("::")[0]] += 15
+if not default_only:  # --slow runs the slow cases too: ~15 s each on top of the default estimate
+    for key in gpu_cases.SLOW:
+        cost[key.split("::")[0]] += 15
 cost.pop("test_tensor_parallel.py", None)
 groups = [[0, []] for _ in range(n)]
 for f, c in sorted(cost.items(), key=lambda kv: -kv[1]):
@@ -103,8 +111,20 @@ full)
     done < <(full_groups "$n")
     wait
     ;;
+part)
+    spec=${2:?usage: $0 part I/N}
+    i=${spec%/*} n=${spec#*/}
+    files=$(full_groups "$n" default | sed -n "${i}p")
+    [ -n "$files" ] || { echo "part $spec: no such group" >&2; exit 2; }
+    echo "part $spec: $files"
+    # shellcheck disable=SC2086
+    run "${SINGLE_LIMIT:-500}" "gpu_part_${i}_of_${n}.log" "${PYTEST[@]}" $files
+    if [ "$i" = 1 ]; then
+        run "${BUILD_LIMIT:-120}" build.log python3 -m autodeploy_mla.cli build --report "$OUT/build_report.json"
+    fi
+    ;;
 *)
-    echo "usage: $0 [default|full|tp]" >&2
+    echo "usage: $0 [default|full|tp|part I/N]" >&2
     exit 2
     ;;
 esac
