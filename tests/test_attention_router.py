@@ -131,6 +131,23 @@ def test_attention_config_section_sets_policies():
         load_config(overrides=["attention.triton.not_a_knob=1"])
 
 
+def test_handed_off_steps_run_with_the_models_policy_of_the_handoff_backend(monkeypatch):
+    """A flashinfer_mla node that hands steps to Triton makes Triton's session with the model's
+    `attention.triton` policy (through the runner's SessionSpec.peer_policies), not Triton's default."""
+    install_fake_flashinfer(monkeypatch, "0.7.2", (9, 0))
+    fake = Target.detect("cpu", 64)
+    target = Target(fake.device, {**fake.versions, "triton": "3.6.0"}, 64)
+    dims = MLADims(16, 128, 64, 128, 512)
+    pol = policies_for(load_config(overrides=["attention.triton.prefill_mode=absorb"]).attention.set_fields())
+    spec = SessionSpec((dims,), torch.bfloat16, torch.device("cpu"), target, 8, 256, 64,
+                       peer_policies=tuple(pol.items()))
+    sess = get_backend("flashinfer_mla").setup(spec)
+    assert sess.fallback_sessions["triton"].policy == TritonPolicy(prefill_mode="absorb")
+    plain = get_backend("flashinfer_mla").setup(SessionSpec((dims,), torch.bfloat16, torch.device("cpu"), target, 8,
+                                                           256, 64))
+    assert plain.fallback_sessions["triton"].policy == TritonPolicy()
+
+
 def test_config_sections_mirror_the_policies():
     """Every policy knob (except the cost facts, a measured table) is in its config section with the same
     default, so a config that sets nothing builds the backend's default policy."""

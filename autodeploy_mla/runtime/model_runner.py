@@ -186,7 +186,8 @@ class ModelRunner:
         for name, caches in sig.caches_by_backend().items():
             spec = SessionSpec(tuple(c.dims for c in caches), dtype, self.device, target, rt.max_batch_size,
                                rt.max_num_tokens, self.seq_info.max_pages_per_seq,
-                               tuple(c.spec.dtype for c in caches), tuple(c.index_topk for c in caches))
+                               tuple(c.spec.dtype for c in caches), tuple(c.index_topk for c in caches),
+                               tuple((n, p) for n, p in (policies or {}).items() if n != name))
             self.sessions[name] = get_backend(name).setup(spec, (policies or {}).get(name))
         workspace, self.tp_all_reduce = setup_tp_all_reduce(compiled.tp, self.device)
         if workspace is not None:

@@ -63,15 +63,15 @@ def resolve_fallback(dims_list: Sequence[MLADims], dtype: torch.dtype, target: T
 
 def fallback_sessions(configs: Mapping[Any, Fallback], spec: SessionSpec) -> tuple[dict[str, BackendSession], str]:
     """Per-model sessions of the fallback backends (their plans, workspaces and kernels then serve the
-    steps handed to them, as they serve their own nodes), made with the caller's spec when one
-    fallback serves every config; else none (the fallback op then runs without a session of its own,
+    steps handed to them, as they serve their own nodes), made with the caller's spec and the model's
+    policy of that backend (`spec.policy_of`) when one fallback serves every config; else none (the fallback op then runs without a session of its own,
     as before). Returns (sessions by backend name, why none)."""
     names = {fb.name for fb in configs.values()}
     if len(names) != 1:
         return {}, f"configs fall back to {sorted(names) or 'nothing'}: no fallback session"
     name = names.pop()
     try:
-        return {name: all_backends()[name].setup(spec)}, ""
+        return {name: all_backends()[name].setup(spec, spec.policy_of(name))}, ""
     except (ValueError, RuntimeError) as exc:  # the fallback's own check of the whole spec
         return {}, f"{name} session not made: {exc}"
 

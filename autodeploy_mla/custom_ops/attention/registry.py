@@ -142,6 +142,14 @@ class SessionSpec:
     #: per node in `dims`: the width of the top-k selection a sparse (DSA) layer's attention reads;
     #: 0 for a dense node or a sparse layer's index-key cache (empty: all 0)
     index_topk: tuple[int, ...] = ()
+    #: the model's policies of the *other* backends, (name, policy) pairs: a backend that hands steps to
+    #: another one makes that one's session with this (else its default), so `attention.<backend>`
+    #: settings reach the steps handed to it too
+    peer_policies: tuple[tuple[str, Any], ...] = ()
+
+    def policy_of(self, backend: str) -> Any:
+        """The model's policy of `backend` (None: its default)."""
+        return dict(self.peer_policies).get(backend)
 
     @property
     def page_size(self) -> int:
