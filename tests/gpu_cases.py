@@ -106,6 +106,8 @@ SLOW: dict[str, str] = {
     # block-FP8 kernels (issue 44): cuBLAS on DeepSeek-V3 by default; every family and backend with --slow
     "test_fp8_kernels_gpu.py::test_gpu_linear_backends_match_the_emulation[*-triton]":
         "a Triton compile per tile config; ~60 s over the seven families",
+    "test_fp8_kernels_gpu.py::test_gpu_linear_backends_match_the_emulation[*-cublas_triton]":
+        "its halves are the triton and scaled_mm cases (T 1 / 64 Triton, T 2048 cuBLAS)",
     "test_fp8_kernels_gpu.py::test_gpu_linear_backends_match_the_emulation[*-flashinfer]":
         "FlashInfer's SM90 block-scale GEMM may JIT-build on first use (minutes cold)",
     "test_fp8_kernels_gpu.py::test_gpu_linear_backends_match_the_emulation[kimi_k2-scaled_mm]": "V3 kept",
