@@ -8,11 +8,11 @@ becomes `fp8_block_linear_<backend>` (same arguments, same output: nothing else 
 changes). The decision is kept in `node.meta["fp8_linear"]` and in the pass report, with the reason
 each preferred backend was rejected.
 
-Options: `backend` (auto | torch | triton | scaled_mm | flashinfer) for every node; `layers` (a
+Options: `backend` (auto | torch | triton | scaled_mm | cublas_triton | flashinfer) for every node; `layers` (a
 layer-name glob or node index -> backend) per node; `allow_fallback` (an explicit backend that cannot
 serve a node falls back to the auto order instead of failing); `preference` (auto order per device
-class). The defaults are the class constants below; the sm90 order is not yet measured: the
-benchmark `python -m benchmarks.kernels.fp8_gemm` decides it.
+class). The defaults are the class constants below; the sm90 order follows the H200 measurement of
+`python -m benchmarks.kernels.fp8_gemm` (docs/benchmarks/fp8_weights_kernels.md).
 """
 
 from __future__ import annotations
@@ -34,12 +34,14 @@ from .fx_utils import is_op, module_path, module_tensor, val
 from .registry import PassOptions, PassResult, Stage, register_pass
 
 SOURCE = torch.ops.autodeploy.fp8_block_linear.default
-FP8LinearBackendName = Literal["auto", "torch", "triton", "scaled_mm", "flashinfer"]
-#: auto order per device class. cuBLAS block scaling and FlashInfer's block-scale GEMM are SM90-only;
-#: sm90 puts the library kernel first until the H200 benchmark says otherwise (unmeasured).
+FP8LinearBackendName = Literal["auto", "torch", "triton", "scaled_mm", "cublas_triton", "flashinfer"]
+#: auto order per device class. cuBLAS block scaling and FlashInfer's block-scale GEMM are SM90-only.
+#: sm90 (H200, docs/benchmarks/fp8_weights_kernels.md, 2026-11-29): cuBLAS ~2x our Triton at prefill
+#: (T 2048/8192), Triton equal or faster at decode (T <= 64, and cuBLAS had no T = 1 algorithm), so
+#: `cublas_triton` (each by token count, from the shape) first; the T threshold is unmeasured.
 DEFAULT_PREFERENCE: dict[str, list[str]] = {
     "sm100": ["triton", "torch"],
-    "sm90": ["scaled_mm", "triton", "flashinfer", "torch"],
+    "sm90": ["cublas_triton", "scaled_mm", "triton", "flashinfer", "torch"],
     "sm80": ["triton", "torch"],
     "cuda": ["triton", "torch"],
     "cpu": ["torch"],
@@ -48,7 +50,8 @@ _ARGS = ("x", "weight", "weight_scale_inv", "bias", "block_n", "block_k")
 
 
 class ResolveFP8LinearOptions(PassOptions):
-    backend: FP8LinearBackendName = Field("auto", description="auto | torch | triton | scaled_mm | flashinfer")
+    backend: FP8LinearBackendName = Field("auto", description="auto | torch | triton | scaled_mm | cublas_triton | "
+                                                              "flashinfer")
     layers: dict[str, FP8LinearBackendName] = Field(
         default_factory=dict, description="per node: layer-name glob or node index -> backend")
     allow_fallback: bool = False

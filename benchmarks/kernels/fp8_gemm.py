@@ -6,8 +6,10 @@ Same run, same process:
   tensor cores' FP8 rate with no block scaling), bf16 matmul and device copy bandwidth (benchmarks.lib
   measure_peaks);
 - dense linears (benchmarks.lib.fp8_shapes: every FP8 linear of a decoder layer as the graph runs it)
-  at prefill T in {2048, 8192} and decode T in {1, 16, 64}: each FP8 linear backend (its op, as the
-  graph calls it: activation quantization included) and cuBLAS bf16 (`F.linear` on a bf16 weight of
+  at prefill T in {2048, 8192}, decode T in {1, 16, 64} and the T in between {128, 256, 512} (`mid`:
+  where `cublas_triton` should switch from Triton to cuBLAS, unmeasured so far): each FP8 linear backend (its op, as the
+  graph calls it: activation quantization included; at decode sizes Triton's is inside the GEMM, and
+  `triton[unfused]` is the separate act_quant launch + GEMM for comparison) and cuBLAS bf16 (`F.linear` on a bf16 weight of
   the same shape) for reference. Prefill rows report TFLOP/s and % of the FP8 peak (target >= 70%),
   decode rows GB/s over weight + activation + output bytes and % of the copy bandwidth (target >= 80%);
 - MoE decode (T in {1, 16, 64}): triton_moe_experts_fp8 over random top-k routing vs its byte floor
@@ -69,7 +71,8 @@ def linear_rows(args, dev, target, peaks) -> list[dict[str, Any]]:
     rows = []
     fams = {f: FP8_FAMILIES[f] for f in args.families} if not args.smoke else {"tiny": TINY}
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    ts = [(t, "prefill") for t in args.prefill_t] + [(t, "decode") for t in args.decode_t]
+    ts = ([(t, "prefill") for t in args.prefill_t] + [(t, "mid") for t in args.mid_t]
+          + [(t, "decode") for t in args.decode_t])
     seen = set()
     for fam, cfg in fams.items():
         for shape in linear_shapes(fam, cfg):
@@ -90,6 +93,9 @@ def linear_rows(args, dev, target, peaks) -> list[dict[str, Any]]:
                     op = fp8_linear_op(name)
                     variants.append((name, (lambda op=op: op(x, w, s, None, BLOCK, BLOCK)) if chk.ok else None,
                                      "" if chk.ok else f"refused: {chk.reason}"))
+                if "triton" in args.backends and phase == "decode":  # the fused activation quantization's gain
+                    variants.append(("triton[unfused]", lambda: triton_block_linear(x, w, s, None, BLOCK, BLOCK,
+                                                                                    fuse_quant=False), ""))
                 if args.tune and "triton" in args.backends:
                     for cfg_t in TUNE_CONFIGS:
                         k_tiles = shape.k // BLOCK
@@ -112,7 +118,7 @@ def linear_rows(args, dev, target, peaks) -> list[dict[str, Any]]:
                             row["tflops"] = flops / (row["us"] * 1e-6) / 1e12
                             b = nbytes if name != "cublas_bf16" else nbytes - wbytes + 2 * w.numel()  # a bf16 weight
                             row["gb_s"] = b / (row["us"] * 1e-6) / 1e9
-                            row["pct_peak"] = (100 * row["tflops"] / peaks["fp8_tflops"] if phase == "prefill"
+                            row["pct_peak"] = (100 * row["tflops"] / peaks["fp8_tflops"] if phase != "decode"
                                                else 100 * row["gb_s"] / peaks["copy_gb_s"])
                         except Exception as e:  # noqa: BLE001 - a failing backend is a row, not a crash
                             row["note"] = error_line(e)
@@ -170,7 +176,7 @@ def moe_rows(args, dev, peaks) -> list[dict[str, Any]]:
 def _fmt(r: dict[str, Any]) -> str:
     if r["us"] is None:
         return f"{r['family']:16s} {r['linear']:15s} T={r['t']:<5d} {r['backend']:12s} -- {r['note']}"
-    unit = f"{r['tflops']:7.1f} TF/s" if r["phase"] == "prefill" else f"{r['gb_s']:7.0f} GB/s"
+    unit = f"{r['tflops']:7.1f} TF/s" if r["phase"] != "decode" else f"{r['gb_s']:7.0f} GB/s"
     err = "" if r.get("rel_err") is None else f" err {r['rel_err']:.1e}"
     return (f"{r['family']:16s} {r['linear']:15s} T={r['t']:<5d} {r['backend']:12s} {r['us']:9.1f} us {unit} "
             f"{r['pct_peak']:5.1f}%{err}")
@@ -186,7 +192,8 @@ def write(out: Path, result: dict[str, Any]) -> None:
              f"{result['machine']['date']}, commit {result.get('commit', '?')}.", "",
              f"Peaks measured in this run: FP8 {p['fp8_tflops']:.0f} TFLOP/s (scaled_mm per-tensor, n={p['fp8_n']}), "
              f"bf16 {p['matmul_tflops']:.0f} TFLOP/s, copy {p['copy_gb_s']:.0f} GB/s. Prefill rows: % of the FP8 peak "
-             "(target >= 70%); decode rows: % of the copy bandwidth over weight + activation + output bytes "
+             "(target >= 70%), as are the `mid` rows (T between decode and prefill: where cublas_triton switches, "
+             "no target); decode rows: % of the copy bandwidth over weight + activation + output bytes "
              "(target >= 80%).", "",
              "| family | linear | N | K | T | backend | us | TFLOP/s | GB/s | % peak | rel err | note |",
              "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---|"]
@@ -238,6 +245,8 @@ def main(argv=None) -> None:
     ap.add_argument("--backends", type=lambda s: s.split(","), default=[b for b in FP8_LINEAR_BACKENDS if b != "torch"])
     ap.add_argument("--prefill-t", type=ints, default=[2048, 8192])
     ap.add_argument("--decode-t", type=ints, default=[1, 16, 64])
+    ap.add_argument("--mid-t", type=ints, default=[128, 256, 512],
+                    help="T between decode and prefill: where cublas_triton's switch to cuBLAS belongs (% of FP8 peak)")
     ap.add_argument("--rep-ms", type=float, default=25)
     ap.add_argument("--flush", default="read", choices=("zero", "read"))
     ap.add_argument("--no-bf16", dest="bf16", action="store_false", help="skip the cuBLAS bf16 reference rows")
@@ -249,7 +258,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.smoke:
-        args.prefill_t, args.decode_t, args.rep_ms = [64], [1, 3], 5  # backends that cannot run here: refused rows
+        args.prefill_t, args.mid_t, args.decode_t, args.rep_ms = [64], [], [1, 3], 5  # backends that cannot run here: refused rows
     t0 = time.time()
     target = Target.detect(dev, 64)
     peaks = measure_peaks(dev, quick=args.smoke)

@@ -40,7 +40,7 @@ HELPERS: dict[str, str] = {
         "variant_transforms", "build_model")},
     **{n: f"benchmarks.lib.shapes:{n}" for n in (
         "deepseek_v3_shaped", "deepseek_v32_shaped", "extra_tokens", "decode_runtime", "v3_4layer", "V2_LITE",
-        "GLM_47_FLASH", "DEEPSEEK_V2", "PUBLISHED")},
+        "GLM_47_FLASH", "DEEPSEEK_V2", "MISTRAL_SMALL_4_119B", "PUBLISHED")},
     **{n: f"benchmarks.lib.fp8_shapes:{n}" for n in (
         "FP8_FAMILIES", "TINY", "LinearShape", "ExpertShape", "linear_shapes", "expert_shape", "mla_dims")},
     "pyplot": "benchmarks.lib.plotting:pyplot",

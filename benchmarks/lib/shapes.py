@@ -163,5 +163,39 @@ DEEPSEEK_V2 = {
     "topk_group": 3,
 }
 
+# mistralai/Mistral-Small-4-119B-2603: transformers' Mistral4Config defaults, which its docstring
+# names as that checkpoint's (hidden 4096, 36 layers all MoE, 128 routed experts x 2048 top-4, 1 shared,
+# N 32, q_lora 1024, R 256, Dr 64, Dn 64, Dv 128, vocab 131072; YaRN x128 over 8192 with the
+# position-dependent query scale): 119 B parameters, ~238 GB in bf16, ~120 GB in FP8.
+MISTRAL_SMALL_4_119B = {
+    "model_type": "mistral4",
+    "vocab_size": 131072,
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "moe_intermediate_size": 2048,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 32,
+    "q_lora_rank": 1024,
+    "kv_lora_rank": 256,
+    "qk_nope_head_dim": 64,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "n_routed_experts": 128,
+    "num_experts_per_tok": 4,
+    "n_shared_experts": 1,
+    "first_k_dense_replace": 0,
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 1.0,
+    "rope_interleave": True,
+    "max_position_embeddings": 1048576,
+    "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 128.0,
+                        "original_max_position_embeddings": 8192, "max_position_embeddings": 1048576,
+                        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                        "llama_4_scaling_beta": 0.1, "partial_rotary_factor": 0.5},
+    "tie_word_embeddings": False,
+}
+
 #: Published configs by the name the scripts take (`--model`).
-PUBLISHED = {"v2_lite": V2_LITE, "glm_4_7_flash": GLM_47_FLASH, "deepseek_v2": DEEPSEEK_V2}
+PUBLISHED = {"v2_lite": V2_LITE, "glm_4_7_flash": GLM_47_FLASH, "deepseek_v2": DEEPSEEK_V2,
+             "mistral_small_4_119b": MISTRAL_SMALL_4_119B}

@@ -10,6 +10,7 @@ the installed torch's build facts); they never launch anything. Capability facts
 | torch | anywhere | none; W8A16 (activations unquantized), a 16-bit weight copy per call |
 | triton | CUDA SM89+ (FP8 `tl.dot`), or TRITON_INTERPRET=1 | K block a power of two >= 16 (act_quant's tile) |
 | scaled_mm | CUDA SM 9.x only; torch with `torch.nn.functional.scaled_mm`, built with CUDA >= 12.9 | torch's ScaledBlas.cpp: "DeepSeek style (1x128, 128x128) scaling only supported in CUDA for SM90", cublasLt >= 12.9; block (128, 128); K % 128 == 0 and N % 16 == 0 (only aligned shapes verified: torch's own tests use multiples of 128) |
+| cublas_triton | where both scaled_mm and triton accept | per call by token count: scaled_mm from linear_ops.CUBLAS_MIN_TOKENS tokens, triton below (measured: docs/benchmarks/fp8_weights_kernels.md) |
 | flashinfer | CUDA SM 9.x; FlashInfer >= 0.7 (`fp8_blockscale_gemm_sm90`; its groupwise `gemm_fp8_nt_groupwise` is SM100/103/120 only) | bf16 in/out; block (128, 128); K % 128 == 0, N % 64 == 0 (vLLM gates it so) |
 
 `resolve_fp8_linear_backend` walks a preference order (the pass takes it from its config, per device
@@ -29,7 +30,7 @@ import torch
 from ..attention.registry import CheckResult, Target, parse_version
 from ..triton_helpers import interpreting
 from .gemm_triton import HAS_TRITON, TRITON_IMPORT_ERROR
-from .linear_ops import LIBRARY_BLOCK
+from .linear_ops import CUBLAS_MIN_TOKENS, LIBRARY_BLOCK
 
 FP8_WEIGHT_DTYPE = torch.float8_e4m3fn
 ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -142,6 +143,28 @@ class ScaledMMFP8Linear:
 
 
 @dataclass(frozen=True)
+class CublasTritonFP8Linear:
+    """cuBLAS for prefill-sized calls, Triton for decode-sized ones (linear_ops.fp8_block_linear_cublas_triton):
+    a node runs both, so both must accept it."""
+
+    name: str = "cublas_triton"
+    op_name: str = "fp8_block_linear_cublas_triton"
+
+    def check(self, node: FP8LinearNode, target: Target) -> CheckResult:
+        cub = ScaledMMFP8Linear().check(node, target)
+        if not cub.ok:
+            return CheckResult(False, f"its cuBLAS half (scaled_mm) refuses: {cub.reason}")
+        tri = TritonFP8Linear().check(node, target)
+        if not tri.ok:
+            return CheckResult(False, f"its Triton half refuses: {tri.reason}")
+        return CheckResult(True, f"cuBLAS block-scaled FP8 for T >= {CUBLAS_MIN_TOKENS} tokens, Triton W8A8 (activation "
+                                 "quantization in the GEMM) below: on the H200 cuBLAS ran prefill (T 2048/8192) ~2x "
+                                 "faster than Triton, Triton decode (T <= 64) as fast or faster and cuBLAS had no T = 1 "
+                                 "algorithm (docs/benchmarks/fp8_weights_kernels.md); the threshold between T 64 and "
+                                 f"2048 is unmeasured ({cub.reason})")
+
+
+@dataclass(frozen=True)
 class FlashInferFP8Linear:
     name: str = "flashinfer"
     op_name: str = "fp8_block_linear_flashinfer"
@@ -164,7 +187,8 @@ class FlashInferFP8Linear:
 
 
 TORCH, TRITON, SCALED_MM, FLASHINFER = TorchFP8Linear(), TritonFP8Linear(), ScaledMMFP8Linear(), FlashInferFP8Linear()
-_BACKENDS = MappingProxyType({b.name: b for b in (TORCH, TRITON, SCALED_MM, FLASHINFER)})
+CUBLAS_TRITON = CublasTritonFP8Linear()
+_BACKENDS = MappingProxyType({b.name: b for b in (TORCH, TRITON, SCALED_MM, CUBLAS_TRITON, FLASHINFER)})
 #: every FP8 linear backend name (a config's `backend` is one of these or "auto")
 FP8_LINEAR_BACKENDS: tuple[str, ...] = tuple(_BACKENDS)
 
@@ -223,6 +247,6 @@ def resolve_fp8_linear_backend(layer: str, node: FP8LinearNode, target: Target, 
                                    f"{target.device.short()}: {lines or 'empty preference order'}")
 
 
-__all__ = ["FLASHINFER", "FP8_LINEAR_BACKENDS", "FP8LinearDecision", "FP8LinearNode", "FP8LinearResolutionError",
+__all__ = ["CUBLAS_TRITON", "FLASHINFER", "FP8_LINEAR_BACKENDS", "FP8LinearDecision", "FP8LinearNode", "FP8LinearResolutionError",
            "SCALED_MM", "TORCH", "TRITON", "fp8_linear_backend", "fp8_linear_op", "resolve_fp8_linear_backend",
            "scaled_mm_api_missing"]

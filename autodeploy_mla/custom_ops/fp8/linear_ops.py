@@ -14,6 +14,11 @@ with the reason instead of launching).
   `torch.nn.functional.scaled_mm` (activations `BlockWise1x128`, weight `BlockWise128x128`).
 - `flashinfer`: FlashInfer's SM90 block-scale GEMM `fp8_blockscale_gemm_sm90`, which quantizes the
   bf16 activations itself (per token and 128 columns) and reads the checkpoint's [N/128, K/128] scales.
+- `cublas_triton`: per call, by the number of tokens T (x's rows, a shape: known on the host, no
+  sync; each CUDA-graph bucket has one T, so a captured step always replays the same path):
+  `scaled_mm` for T >= CUBLAS_MIN_TOKENS, the Triton path (activation quantization inside the GEMM)
+  below. A node of the graph sees prefill and decode steps alike, so one backend per node has to be
+  good at both; on the H200 neither single kernel was (docs/benchmarks/fp8_weights_kernels.md).
 """
 
 from __future__ import annotations
@@ -30,6 +35,11 @@ from .gemm_triton import triton_block_linear
 
 #: the block both library backends (cuBLAS block scaling, FlashInfer SM90) are built for
 LIBRARY_BLOCK = (128, 128)
+#: `cublas_triton`: tokens from which cuBLAS runs. Measured on the H200 (fp8_weights_kernels.md,
+#: 2026-11-29): cuBLAS ~2x Triton at T 2048 / 8192, Triton equal or faster at T <= 64 (and cuBLAS had no
+#: algorithm at T = 1). The crossover between 64 and 2048 is NOT measured yet: 256 is a guess, and
+#: benchmarks/kernels/fp8_gemm.py times T 128 / 256 / 512 by default so the next run places it.
+CUBLAS_MIN_TOKENS = 256
 
 
 def quantize_activations(x2: torch.Tensor, group: int, scale_major: ScaleMajor = "k") -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,6 +130,28 @@ def _(x, weight, weight_scale_inv, bias, block_n, block_k):
     return _fake(x, weight, weight_scale_inv, block_n, block_k, "fp8_block_linear_scaled_mm")
 
 
+# ----------------------------------------------------------------------------- cuBLAS for prefill, Triton for decode
+def uses_cublas(x: torch.Tensor) -> bool:
+    """Whether `cublas_triton` runs cuBLAS for this input: its token count, from the shape alone."""
+    k = x.shape[-1]
+    return (x.numel() // k if k else 0) >= CUBLAS_MIN_TOKENS
+
+
+@torch.library.custom_op("autodeploy::fp8_block_linear_cublas_triton", mutates_args=())
+def fp8_block_linear_cublas_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
+                                   bias: Optional[torch.Tensor], block_n: int, block_k: int) -> torch.Tensor:
+    check_block_weight("fp8_block_linear_cublas_triton", weight, weight_scale_inv, block_n, block_k)
+    _library_block("fp8_block_linear_cublas_triton", block_n, block_k)
+    if uses_cublas(x):
+        return scaled_mm_block_linear(x, weight, weight_scale_inv, bias)
+    return triton_block_linear(x, weight, weight_scale_inv, bias, block_n, block_k)
+
+
+@fp8_block_linear_cublas_triton.register_fake
+def _(x, weight, weight_scale_inv, bias, block_n, block_k):
+    return _fake(x, weight, weight_scale_inv, block_n, block_k, "fp8_block_linear_cublas_triton")
+
+
 # ----------------------------------------------------------------------------- FlashInfer SM90
 def flashinfer_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                             bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -152,5 +184,6 @@ def _(x, weight, weight_scale_inv, bias, block_n, block_k):
     return _fake(x, weight, weight_scale_inv, block_n, block_k, "fp8_block_linear_flashinfer")
 
 
-__all__ = ["LIBRARY_BLOCK", "flashinfer_block_linear", "fp8_block_linear_flashinfer", "fp8_block_linear_scaled_mm",
-           "fp8_block_linear_torch", "fp8_block_linear_triton", "quantize_activations", "scaled_mm_block_linear"]
+__all__ = ["CUBLAS_MIN_TOKENS", "LIBRARY_BLOCK", "flashinfer_block_linear", "fp8_block_linear_cublas_triton",
+           "fp8_block_linear_flashinfer", "fp8_block_linear_scaled_mm", "fp8_block_linear_torch", "fp8_block_linear_triton",
+           "quantize_activations", "scaled_mm_block_linear", "uses_cublas"]
