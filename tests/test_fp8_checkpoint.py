@@ -231,20 +231,46 @@ def test_fuse_moe_runs_fp8_experts_on_their_fp8_weights(ds3_32):
     _weights_stay_fp8(om)
 
 
-def test_tensor_parallel_over_fp8_is_refused_clearly(ds3_32):
-    from autodeploy_mla.runtime.artifacts import TensorParallel
-    from autodeploy_mla.transforms.context import BuildContext
-    from autodeploy_mla.transforms.pass_manager import parse_pipeline, run_pipeline
-    from autodeploy_mla.transforms.shard import ShardError
+def _shard_refusal(model_arg, overrides):
+    """Run the pipeline as rank 0 of 2 on a weightless skeleton; the ShardError and the model."""
     from autodeploy_mla.api import build_config
     from autodeploy_mla.custom_ops import Target
+    from autodeploy_mla.models.skeleton import build_skeleton, is_placeholder
+    from autodeploy_mla.runtime.artifacts import TensorParallel
+    from autodeploy_mla.transforms.context import BuildContext
+    from autodeploy_mla.transforms.pass_manager import run_pipeline
+    from autodeploy_mla.transforms.shard import ShardError
 
-    ckpt, _ = ds3_32
-    cfg, pipe = build_config(str(ckpt), None, [*RUNTIME, "transforms.shard.enabled=true"])
-    model = build_eager_model(cfg.model, CPU, torch.float32)
+    cfg, pipe = build_config(model_arg, None, [*RUNTIME, *overrides, "transforms.shard.enabled=true"])
+    model = build_skeleton(cfg.model, CPU, torch.float32)
     ctx = BuildContext(cfg, model, CPU, torch.float32, Target.detect(CPU, 4), TensorParallel(2, 0, "g"))
-    with pytest.raises(ShardError, match=r"FP8 linears / experts .* not implemented yet"):
+    with pytest.raises(ShardError) as e:
         run_pipeline(ctx, pipe)
+    # refused at planning: no pass after shard ran, every weight is still a placeholder (none read)
+    assert [r.name for r in ctx.history][-1] == "match_mla"
+    assert all(is_placeholder(p) for p in model.parameters() if p.numel() > 1)
+    return str(e.value)
+
+
+def test_tensor_parallel_split_inside_an_fp8_block_is_refused(ds3_32):
+    """Heads of 24 + 16 query rows: rank 0 of 2 would keep q_b_proj rows [0, 80), and 80 falls inside
+    the 32-row block [64, 96). Refused naming the tensor, the boundary, the block and what works."""
+    ckpt, _ = ds3_32
+    msg = _shard_refusal(str(ckpt), [])
+    assert "FP8 weight model.model.layers.0.self_attn.q_b_proj.weight [160, 48]" in msg, msg
+    assert "rows [0, 80)" in msg and "boundary 80 falls inside the block of rows [64, 96)" in msg, msg
+    assert "multiple of the block (32)" in msg and "block-aligned and divide the head count 4: 1." in msg, msg
+
+
+def test_tensor_parallel_fp8_mlp_split_inside_a_block_is_refused():
+    """Attention splits on blocks, the dense MLP's intermediate 96 does not (48 per rank): refused with
+    the replicate alternative named."""
+    cfg = {**_config("deepseek_v3"), "hidden_size": 64, "qk_nope_head_dim": 16, "qk_rope_head_dim": 16,
+           "v_head_dim": 16, "intermediate_size": 96, "moe_intermediate_size": 64,
+           "quantization_config": BlockFP8Format(32, 32).to_quantization_config()}
+    msg = _shard_refusal(None, [f"model.hf_config={json.dumps(cfg)}", "model.init=hashed"])
+    assert "model.model.layers.0.mlp.gate_proj.weight [96, 64]" in msg and "boundary 48" in msg, msg
+    assert "transforms.shard.mlp=replicate" in msg, msg
 
 
 def test_fuse_gemms_reports_fp8_groups_it_keeps(ds3_32):
