@@ -273,13 +273,53 @@ def test_tensor_parallel_fp8_mlp_split_inside_a_block_is_refused():
     assert "transforms.shard.mlp=replicate" in msg, msg
 
 
-def test_fuse_gemms_reports_fp8_groups_it_keeps(ds3_32):
+def _fuse_gemms_groups(om) -> list[dict]:
+    return next(r for r in om.history if r.name == "fuse_gemms").details["groups"]
+
+
+def test_fuse_gemms_keeps_fp8_groups_whose_blocks_would_straddle(ds3_32):
+    """q_a_proj (48 rows) and kv_a_proj_with_mqa (56) both end inside a 32-row block: kept, the
+    report says why; the gated MLPs (96 and 128 rows: whole blocks) fuse."""
     ckpt, _ = ds3_32
     om = optimize(str(ckpt), overrides=RUNTIME)
-    rec = next(r for r in om.history if r.name == "fuse_gemms")
-    kept = [g for g in rec.details["groups"] if "FP8" in g["reason"]]
-    assert any(any(m.endswith("q_a_proj") for m in g["members"]) for g in kept)
-    assert any(any(m.endswith("gate_proj") for m in g["members"]) for g in kept)
+    groups = _fuse_gemms_groups(om)
+    qa = next(g for g in groups if any(m.endswith("q_a_proj") for m in g["members"]))
+    assert "fused_weight" not in qa and "do not end on a block_n (32) boundary" in qa["reason"], qa
+    assert "q_a_proj (N 48)" in qa["reason"] and "kv_a_proj_with_mqa (N 56)" in qa["reason"], qa
+    mlps = [g for g in groups if any(m.endswith("gate_proj") for m in g["members"])]
+    assert len(mlps) == 2 and all(g.get("block") == [32, 32] and "FP8" in g["reason"] for g in mlps), mlps
+
+
+@pytest.fixture(scope="module")
+def ds3_fusable(tmp_path_factory):
+    """q_lora_rank 64 (two whole 32-blocks) + kv_a 56 rows (partial, goes last): fusable."""
+    cfg = {**_config("deepseek_v3"), "q_lora_rank": 64}
+    out = tmp_path_factory.mktemp("ds3_fusable")
+    ref = write_fp8_checkpoint(build_tiny_model(cfg), out, BlockFP8Format(32, 32))
+    return out, reference_hf_model(build_tiny_model(cfg, seed=1), ref)
+
+
+def test_fuse_gemms_fuses_fp8_linears_into_one_fp8_linear(ds3_fusable):
+    """q_a + kv_a and gate + up of FP8 checkpoints become one fp8_block_linear each (weights and
+    scale rows concatenated); greedy tokens stay HF's with the dequantized weights."""
+    from autodeploy_mla.custom_ops.fp8.linear import FP8_LINEAR
+
+    ckpt, hf = ds3_fusable
+    om = optimize(str(ckpt), overrides=[*RUNTIME, "transforms.resolve_fp8_linear.enabled=false"])
+    groups = _fuse_gemms_groups(om)
+    fused = [g for g in groups if "fused_weight" in g]
+    assert len(fused) == len(groups) == 4, groups  # 2 x (q_a + kv_a), the dense and the shared gate + up
+    qa = [g for g in fused if g["members"][-1].endswith("kv_a_proj_with_mqa")]
+    assert len(qa) == 2 and all(g["members"][0].endswith("q_a_proj") and g["out_features"] == [64, 56] for g in qa)
+    assert all("FP8" in g["reason"] and g["block"] == [32, 32] for g in fused)
+    gm = om.gm
+    scale = gm.get_parameter(qa[0]["fused_scale"])
+    assert gm.get_parameter(qa[0]["fused_weight"]).shape == (120, 200) and scale.shape == (4, 7)  # 2 + ceil(56/32)
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is FP8_LINEAR
+             and n.args[1].target == qa[0]["fused_weight"]]
+    assert len(nodes) == 1 and nodes[0].args[2].target == qa[0]["fused_scale"]
+    _check(om, hf)
+    _weights_stay_fp8(om)
 
 
 def test_hashed_fp8_init_is_fp8_and_sliceable():

@@ -36,10 +36,11 @@ RUNTIME = ["runtime.max_num_tokens=8", "runtime.page_size=4", "runtime.max_seq_l
 PROMPTS = [[5, 9, 200, 17], [3, 3, 8, 1, 90, 2, 7, 7, 7, 100, 11], [42]]
 NEW = 5
 BLOCK = BlockFP8Format(32, 32)
-#: every tensor-parallel split of these dims at world size 2 is a multiple of 32 (module doc);
-#: q_lora_rank 48, kv_lora_rank 40 (replicated) keep partial edge blocks.
+#: every tensor-parallel split of these dims at world size 2 is a multiple of 32 (module doc); the
+#: replicated kv_a_proj_with_mqa (40 + 16 rows) keeps a partial edge block, and fuse_gemms joins it
+#: after q_a_proj (64 rows) on every rank.
 DIMS = {"qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16, "intermediate_size": 128,
-        "moe_intermediate_size": 64}
+        "moe_intermediate_size": 64, "q_lora_rank": 64}
 #: the passes that rename or concatenate weights, off for the job whose weights are compared by name
 NO_FUSION = ["transforms.fuse_gemms.enabled=false", "transforms.fuse_moe.enabled=false"]
 
