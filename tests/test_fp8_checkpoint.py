@@ -227,33 +227,130 @@ def test_fuse_moe_runs_fp8_experts_on_their_fp8_weights(ds3_32):
     assert layer["backend"] == "torch" and layer["weights"] == "fp8 blocks [32, 32]", layer
     targets = {str(n.target) for n in om.gm.graph.nodes if n.op == "call_function"}
     assert any("torch_moe_experts_fp8" in t for t in targets), sorted(targets)
+    # the shared expert (FP8, same blocks, fuse_gemms' [gate; up]) runs in the op as expert 8
+    assert layer["shared_experts"].startswith("in the fused op as expert 8"), layer
+    assert not any(n.target == "shared_experts" or "shared_experts" in str(n.target) for n in om.gm.graph.nodes
+                   if n.op == "get_attr"), "the shared MLP's own weights left the graph"
+    up = om.gm.get_parameter("model.model.layers.1.mlp.experts.w_up_with_shared")
+    up_s = om.gm.get_parameter("model.model.layers.1.mlp.experts.w_up_scale_with_shared")
+    assert up.dtype == torch.float8_e4m3fn and tuple(up.shape) == (9, 256, 200) and tuple(up_s.shape) == (9, 8, 7)
     _check(om, hf)
-    _weights_stay_fp8(om)
 
 
-def test_tensor_parallel_over_fp8_is_refused_clearly(ds3_32):
-    from autodeploy_mla.runtime.artifacts import TensorParallel
-    from autodeploy_mla.transforms.context import BuildContext
-    from autodeploy_mla.transforms.pass_manager import parse_pipeline, run_pipeline
-    from autodeploy_mla.transforms.shard import ShardError
+@pytest.mark.parametrize("extra, words", [
+    (["transforms.fuse_gemms.enabled=false"], "in the fused op as expert 8"),  # separate gate and up linears
+    (["transforms.fuse_moe.shared_experts=never"], "kept the model's shared MLP: fuse_moe.shared_experts is never"),
+])
+def test_fuse_moe_fp8_shared_expert(ds3_32, extra, words):
+    ckpt, hf = ds3_32
+    om = optimize(str(ckpt), overrides=[*RUNTIME, "transforms.fuse_moe.backend=torch", *extra])
+    layer = next(r for r in om.history if r.name == "fuse_moe").details["layers"][0]
+    assert layer["shared_experts"].startswith(words), layer
+    _check(om, hf)
+
+
+def test_fuse_moe_keeps_a_16_bit_shared_expert_of_fp8_experts(tmp_path):
+    """Experts FP8, the shared MLP left bf16 in the checkpoint: they do not stack; kept, with the reason."""
+    cfg = _config("deepseek_v3")
+    shared = tuple(f"model.layers.1.mlp.shared_experts.{p}" for p in ("gate_proj", "up_proj", "down_proj"))
+    ref = write_fp8_checkpoint(build_tiny_model(cfg), tmp_path, BlockFP8Format(32, 32), skip=shared)
+    hf = reference_hf_model(build_tiny_model(cfg, seed=1), ref)
+    om = optimize(str(tmp_path), overrides=[*RUNTIME, "transforms.fuse_moe.backend=torch"])
+    layer = next(r for r in om.history if r.name == "fuse_moe").details["layers"][0]
+    assert layer["shared_experts"] == ("kept the model's shared MLP: the experts are FP8 and the shared MLP's "
+                                       "weights are not: they do not stack"), layer
+    _check(om, hf)
+
+
+def _shard_refusal(model_arg, overrides):
+    """Run the pipeline as rank 0 of 2 on a weightless skeleton; the ShardError and the model."""
     from autodeploy_mla.api import build_config
     from autodeploy_mla.custom_ops import Target
+    from autodeploy_mla.models.skeleton import build_skeleton, is_placeholder
+    from autodeploy_mla.runtime.artifacts import TensorParallel
+    from autodeploy_mla.transforms.context import BuildContext
+    from autodeploy_mla.transforms.pass_manager import run_pipeline
+    from autodeploy_mla.transforms.shard import ShardError
 
-    ckpt, _ = ds3_32
-    cfg, pipe = build_config(str(ckpt), None, [*RUNTIME, "transforms.shard.enabled=true"])
-    model = build_eager_model(cfg.model, CPU, torch.float32)
+    cfg, pipe = build_config(model_arg, None, [*RUNTIME, *overrides, "transforms.shard.enabled=true"])
+    model = build_skeleton(cfg.model, CPU, torch.float32)
     ctx = BuildContext(cfg, model, CPU, torch.float32, Target.detect(CPU, 4), TensorParallel(2, 0, "g"))
-    with pytest.raises(ShardError, match=r"FP8 linears / experts .* not implemented yet"):
+    with pytest.raises(ShardError) as e:
         run_pipeline(ctx, pipe)
+    # refused at planning: no pass after shard ran, every weight is still a placeholder (none read)
+    assert [r.name for r in ctx.history][-1] == "match_mla"
+    assert all(is_placeholder(p) for p in model.parameters() if p.numel() > 1)
+    return str(e.value)
 
 
-def test_fuse_gemms_reports_fp8_groups_it_keeps(ds3_32):
+def test_tensor_parallel_split_inside_an_fp8_block_is_refused(ds3_32):
+    """Heads of 24 + 16 query rows: rank 0 of 2 would keep q_b_proj rows [0, 80), and 80 falls inside
+    the 32-row block [64, 96). Refused naming the tensor, the boundary, the block and what works."""
+    ckpt, _ = ds3_32
+    msg = _shard_refusal(str(ckpt), [])
+    assert "FP8 weight model.model.layers.0.self_attn.q_b_proj.weight [160, 48]" in msg, msg
+    assert "rows [0, 80)" in msg and "boundary 80 falls inside the block of rows [64, 96)" in msg, msg
+    assert "multiple of the block (32)" in msg and "block-aligned and divide the head count 4: 1." in msg, msg
+
+
+def test_tensor_parallel_fp8_mlp_split_inside_a_block_is_refused():
+    """Attention splits on blocks, the dense MLP's intermediate 96 does not (48 per rank): refused with
+    the replicate alternative named."""
+    cfg = {**_config("deepseek_v3"), "hidden_size": 64, "qk_nope_head_dim": 16, "qk_rope_head_dim": 16,
+           "v_head_dim": 16, "intermediate_size": 96, "moe_intermediate_size": 64,
+           "quantization_config": BlockFP8Format(32, 32).to_quantization_config()}
+    msg = _shard_refusal(None, [f"model.hf_config={json.dumps(cfg)}", "model.init=hashed"])
+    assert "model.model.layers.0.mlp.gate_proj.weight [96, 64]" in msg and "boundary 48" in msg, msg
+    assert "transforms.shard.mlp=replicate" in msg, msg
+
+
+def _fuse_gemms_groups(om) -> list[dict]:
+    return next(r for r in om.history if r.name == "fuse_gemms").details["groups"]
+
+
+def test_fuse_gemms_keeps_fp8_groups_whose_blocks_would_straddle(ds3_32):
+    """q_a_proj (48 rows) and kv_a_proj_with_mqa (56) both end inside a 32-row block: kept, the
+    report says why; the gated MLPs (96 and 128 rows: whole blocks) fuse."""
     ckpt, _ = ds3_32
     om = optimize(str(ckpt), overrides=RUNTIME)
-    rec = next(r for r in om.history if r.name == "fuse_gemms")
-    kept = [g for g in rec.details["groups"] if "FP8" in g["reason"]]
-    assert any(any(m.endswith("q_a_proj") for m in g["members"]) for g in kept)
-    assert any(any(m.endswith("gate_proj") for m in g["members"]) for g in kept)
+    groups = _fuse_gemms_groups(om)
+    qa = next(g for g in groups if any(m.endswith("q_a_proj") for m in g["members"]))
+    assert "fused_weight" not in qa and "do not end on a block_n (32) boundary" in qa["reason"], qa
+    assert "q_a_proj (N 48)" in qa["reason"] and "kv_a_proj_with_mqa (N 56)" in qa["reason"], qa
+    mlps = [g for g in groups if any(m.endswith("gate_proj") for m in g["members"])]
+    assert len(mlps) == 2 and all(g.get("block") == [32, 32] and "FP8" in g["reason"] for g in mlps), mlps
+
+
+@pytest.fixture(scope="module")
+def ds3_fusable(tmp_path_factory):
+    """q_lora_rank 64 (two whole 32-blocks) + kv_a 56 rows (partial, goes last): fusable."""
+    cfg = {**_config("deepseek_v3"), "q_lora_rank": 64}
+    out = tmp_path_factory.mktemp("ds3_fusable")
+    ref = write_fp8_checkpoint(build_tiny_model(cfg), out, BlockFP8Format(32, 32))
+    return out, reference_hf_model(build_tiny_model(cfg, seed=1), ref)
+
+
+def test_fuse_gemms_fuses_fp8_linears_into_one_fp8_linear(ds3_fusable):
+    """q_a + kv_a and gate + up of FP8 checkpoints become one fp8_block_linear each (weights and
+    scale rows concatenated); greedy tokens stay HF's with the dequantized weights."""
+    from autodeploy_mla.custom_ops.fp8.linear import FP8_LINEAR
+
+    ckpt, hf = ds3_fusable
+    om = optimize(str(ckpt), overrides=[*RUNTIME, "transforms.resolve_fp8_linear.enabled=false"])
+    groups = _fuse_gemms_groups(om)
+    fused = [g for g in groups if "fused_weight" in g]
+    assert len(fused) == len(groups) == 4, groups  # 2 x (q_a + kv_a), the dense and the shared gate + up
+    qa = [g for g in fused if g["members"][-1].endswith("kv_a_proj_with_mqa")]
+    assert len(qa) == 2 and all(g["members"][0].endswith("q_a_proj") and g["out_features"] == [64, 56] for g in qa)
+    assert all("FP8" in g["reason"] and g["block"] == [32, 32] for g in fused)
+    gm = om.gm
+    scale = gm.get_parameter(qa[0]["fused_scale"])
+    assert gm.get_parameter(qa[0]["fused_weight"]).shape == (120, 200) and scale.shape == (4, 7)  # 2 + ceil(56/32)
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is FP8_LINEAR
+             and n.args[1].target == qa[0]["fused_weight"]]
+    assert len(nodes) == 1 and nodes[0].args[2].target == qa[0]["fused_scale"]
+    _check(om, hf)
+    _weights_stay_fp8(om)
 
 
 def test_hashed_fp8_init_is_fp8_and_sliceable():

@@ -36,6 +36,10 @@ class ProbeJob:
     #: Also generate with these sampling parameters (e.g. temperature, top_k; no seed: the global RNG,
     #: which the launcher seeds identically on every rank) -> result["sampled"].
     sampling: Optional[dict[str, Any]] = None
+    #: Also return the values of the graph's weights (CPU copies; tiny models only) -> result["weight_values"]:
+    #: what a test compares with the slices of the whole model. FP8 weights come back as their uint8 bit
+    #: patterns (torch 2.13 cannot unpickle a float8 tensor: its storage has no dtype).
+    weight_values: bool = False
 
 
 def rank_overrides() -> list[str]:
@@ -70,12 +74,15 @@ def probe_rank(rank: int, jobs: Sequence[ProbeJob]) -> dict[str, dict[str, Any]]
         first_logits = [om.prefill_logits(list(p))[-1].float().cpu() for p in job.prompts]
         rec = next((r for r in om.history if r.name == "shard"), None)
         load = next((r for r in om.history if r.name == "load_weights"), None)
-        weights = {}
+        weights, values = {}, {}
         for n in om.gm.graph.nodes:
             if n.op == "get_attr":
                 t = module_tensor(om.gm, n.target)
                 if isinstance(t, torch.Tensor):
                     weights[n.target] = (tuple(t.shape), is_placeholder(t))
+                    if job.weight_values:
+                        v = t.detach().cpu().clone()
+                        values[n.target] = v.view(torch.uint8) if v.dtype == torch.float8_e4m3fn else v
         rep = om.report()
         out[job.name] = {
             "rank": rank,
@@ -93,6 +100,7 @@ def probe_rank(rank: int, jobs: Sequence[ProbeJob]) -> dict[str, dict[str, Any]]
             "all_reduce_ops": sorted({str(n.target) for n in om.gm.graph.nodes if n.meta.get("tp_collective")}),
             "tp_all_reduce": om.runner.tp_all_reduce,
             "weights": weights,
+            "weight_values": values if job.weight_values else None,
             "skeleton": is_skeleton(om.eager_model),
             "env": {k: os.environ.get(k) for k in MULTICAST_OFF_ENV},
             "device": str(om.device),

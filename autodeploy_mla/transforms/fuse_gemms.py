@@ -17,6 +17,15 @@ cast (the MoE router's fp32 gate), is used elsewhere (tied), differs in dtype/de
 mixes bias and no bias, or when a view downstream of a member would not accept the sliced output's
 strides (checked on the graph's fake values before anything is rewritten).
 
+Block-FP8 linears (`fp8_block_linear`) that share an input fuse the same way into one
+`fp8_block_linear`: weights and `weight_scale_inv` grids concatenated along the rows, with the
+members' common (block_n, block_k). That is exact when every member but the last ends on a
+block_n boundary — a member's rows then never share a scale block with the next member's — so the
+members whose N is a multiple of block_n go first and at most one other (DeepSeek-V3's
+kv_a_proj_with_mqa: 576 rows) goes last; a group with two such members, or with different block
+sizes, is kept and the report says which members and why. FP8 and 16-bit linears never fuse
+together.
+
 Runs in FUSE, after `shard` and `load_weights`: it sees each rank's real slices.
 """
 
@@ -32,7 +41,7 @@ from torch.fx import GraphModule, Node
 from torch.utils._pytree import tree_map
 
 from .context import BuildContext
-from .fp8_graph import is_fp8_linear
+from .fp8_graph import FP8_LINEAR, fp8_linear_parts, is_fp8_linear
 from .fx_utils import ASSERT_METADATA, aten, is_op, module_path, module_tensor, val
 from .registry import PassOptions, PassResult, Stage, register_pass
 
@@ -56,17 +65,26 @@ class _Member:
     weight: Node  # get_attr
     bias: Optional[Node]  # get_attr or None
     out_features: int
+    scale: Optional[Node] = None  # FP8: the weight_scale_inv get_attr
+    block: Optional[tuple[int, int]] = None  # FP8: (block_n, block_k)
 
 
 def _member(node: Node) -> _Member:
-    w = node.args[1]
-    b = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+    scale, block = None, None
+    if is_fp8_linear(node):
+        parts = fp8_linear_parts(node)
+        w, b, scale, block = parts.weight, parts.bias, parts.scale, (int(parts.block_n), int(parts.block_k))
+    else:
+        w = node.args[1]
+        b = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
     name = module_path(node)
     if not (isinstance(w, Node) and w.op == "get_attr"):
         raise _Refused(f"{name}: its weight is computed ({getattr(w, 'target', w)}), not a parameter")
     if b is not None and not (isinstance(b, Node) and b.op == "get_attr"):
         raise _Refused(f"{name}: its bias is computed, not a parameter")
-    for p in (w, b):
+    if scale is not None and not (isinstance(scale, Node) and scale.op == "get_attr"):
+        raise _Refused(f"{name}: its weight_scale_inv is computed, not a parameter")
+    for p in (w, b, scale):
         if p is None:
             continue
         uses = [u for n in p.graph.find_nodes(op="get_attr", target=p.target) for u in n.users
@@ -77,7 +95,25 @@ def _member(node: Node) -> _Member:
     wv = val(w)
     if wv is None or wv.dim() != 2 or not all(isinstance(s, int) for s in wv.shape):
         raise _Refused(f"{name}: weight has no static 2-D shape")
-    return _Member(node, w, b, int(wv.shape[0]))
+    return _Member(node, w, b, int(wv.shape[0]), scale, block)
+
+
+def _fp8_order(members: list[_Member]) -> list[_Member]:
+    """FP8 members in an order whose concatenated scale grid is exact (module doc): those whose N is
+    a multiple of block_n first, at most one other last; _Refused otherwise."""
+    blocks = {m.block for m in members}
+    if len(blocks) != 1:
+        raise _Refused("FP8 linears with different block sizes: "
+                       + ", ".join(f"{module_path(m.node)} {list(m.block or ())}" for m in members))
+    bn = members[0].block[0]  # type: ignore[index]
+    whole = [m for m in members if m.out_features % bn == 0]
+    partial = [m for m in members if m.out_features % bn]
+    if len(partial) > 1:
+        raise _Refused(
+            "FP8 linears " + ", ".join(f"{module_path(m.node)} (N {m.out_features})" for m in partial)
+            + f" do not end on a block_n ({bn}) boundary: concatenated, their last scale block would also cover "
+            "the next member's rows; at most one such member (placed last) can join")
+    return whole + partial
 
 
 def _check_views(start: Node, value: torch.Tensor, mode: Any) -> None:
@@ -132,6 +168,9 @@ def _concat_params(gm: GraphModule, members: list[_Member], attr: str, parent: s
 
 def _fuse(gm: GraphModule, members: list[_Member], order: dict[Node, int]) -> dict[str, Any]:
     graph = gm.graph
+    fp8 = members[0].scale is not None
+    if fp8:
+        members = _fp8_order(members)
     x = members[0].node.args[0]
     first = min((m.node for m in members), key=order.__getitem__)
     wvals = [val(m.weight) for m in members]
@@ -157,10 +196,15 @@ def _fuse(gm: GraphModule, members: list[_Member], order: dict[Node, int]) -> di
     parent, stem = _fused_name(members)
     w_target = _concat_params(gm, members, "weight", parent, stem + "_weight")
     b_target = _concat_params(gm, members, "bias", parent, stem + "_bias") if members[0].bias is not None else None
+    s_target = _concat_params(gm, members, "scale", parent, stem + "_weight_scale_inv") if fp8 else None
     with graph.inserting_before(first):
         w = graph.get_attr(w_target)
         b = graph.get_attr(b_target) if b_target else None
-        fused = graph.call_function(_LINEAR, (x, w, b) if b is not None else (x, w))
+        if fp8:
+            sc = graph.get_attr(s_target)  # type: ignore[arg-type]
+            fused = graph.call_function(FP8_LINEAR, (x, w, sc, b, *members[0].block))  # type: ignore[misc]
+        else:
+            fused = graph.call_function(_LINEAR, (x, w, b) if b is not None else (x, w))
     fused.meta.update({k: first.meta[k] for k in ("nn_module_stack", "stack_trace") if k in first.meta})
     fused.meta["val"] = fused_val
     for m, (a, e), s in zip(members, bounds, slices):
@@ -170,21 +214,25 @@ def _fuse(gm: GraphModule, members: list[_Member], order: dict[Node, int]) -> di
         sl.meta["val"] = s
         m.node.replace_all_uses_with(sl)
         graph.erase_node(m.node)
-        for p in (m.weight, m.bias):
+        for p in (m.weight, m.bias, m.scale):
             if p is not None and not p.users:
                 graph.erase_node(p)
-    return {"fused_weight": w_target, "out_features": [m.out_features for m in members],
-            "in_features": int(wvals[0].shape[1]), "dtype": str(wvals[0].dtype).replace("torch.", "")}
+    out = {"fused_weight": w_target, "out_features": [m.out_features for m in members],
+           "in_features": int(wvals[0].shape[1]), "dtype": str(wvals[0].dtype).replace("torch.", "")}
+    if fp8:
+        out.update({"fused_scale": s_target, "block": list(members[0].block)})  # type: ignore[arg-type]
+        out["members"] = [module_path(m.node) for m in members]  # the concatenation order
+    return out
 
 
 @register_pass("fuse_gemms", PassOptions, stage=Stage.FUSE, requires=("export",), refresh_shapes="missing")
 def fuse_gemms(ctx: BuildContext, opts: PassOptions) -> PassResult:
     gm = ctx.gm
     assert gm is not None
-    groups: dict[Node, list[Node]] = defaultdict(list)
+    groups: dict[tuple[Node, bool], list[Node]] = defaultdict(list)  # (input, FP8?) -> linears
     for n in gm.graph.nodes:
-        if is_op(n, {_LINEAR}) and isinstance(n.args[0], Node):
-            groups[n.args[0]].append(n)
+        if is_op(n, {_LINEAR, FP8_LINEAR}) and isinstance(n.args[0], Node):
+            groups[(n.args[0], is_fp8_linear(n))].append(n)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}  # original nodes keep their relative order
     report: list[dict[str, Any]] = []
     fused = 0
@@ -203,19 +251,12 @@ def fuse_gemms(ctx: BuildContext, opts: PassOptions) -> PassResult:
                 raise _Refused("; ".join(excluded))
             entry["members"] = [module_path(m.node) for m in members]
             entry.update(_fuse(gm, members, order))
-            entry["reason"] = f"{len(members)} linears on one input -> one GEMM"
+            kind = " FP8 (weights and block scales concatenated)" if members[0].scale is not None else ""
+            entry["reason"] = f"{len(members)}{kind} linears on one input -> one GEMM"
             fused += 1
         except _Refused as exc:
             entry["reason"] = f"kept: {exc}"
         report.append(entry)
-    fp8_groups: dict[Node, list[Node]] = defaultdict(list)
-    for n in gm.graph.nodes:
-        if is_fp8_linear(n) and isinstance(n.args[0], Node):
-            fp8_groups[n.args[0]].append(n)
-    for nodes in (g for g in fp8_groups.values() if len(g) > 1):
-        report.append({"members": [module_path(n) for n in nodes],
-                       "reason": "kept: FP8 linears (concatenating block-FP8 weights and their scale grids is not "
-                                 "implemented; it needs every member but the last to end on a block_n boundary)"})
     if not report:
         return PassResult("no linears share an input", {"groups": []})
     kept = len(report) - fused

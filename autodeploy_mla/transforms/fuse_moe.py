@@ -29,6 +29,8 @@ stacked weights are one new tensor of E + 1 experts; the experts' and the shared
 become views of it (the HF model keeps working). Two or more shared experts' worth (DeepSeek-V2-Lite)
 would need copies (their rows interleave differently), so those stay the model's MLP, with the
 reason in the report.
+FP8 experts stack an FP8 shared expert the same way, its scale rows with its weights (same block
+size, gate/up rows on block_n boundaries; `fuse_shared`).
 
 Backends: `triton` (custom_ops/moe: fused layout + two GEMM kernels), `torch` (the dense reference,
 for tests), `auto`: triton where it runs (CUDA SM80+ for 16-bit, or the interpreter), otherwise the
@@ -47,7 +49,7 @@ from torch.fx import GraphModule, Node
 
 from ..custom_ops.moe.backends import resolve_moe_backend
 from .context import BuildContext
-from .fp8_graph import fp8_weight_source
+from .fp8_graph import FP8_LINEAR, fp8_linear_parts, fp8_weight_source
 from .fx_utils import (ASSERT_METADATA, CASTS, RESHAPES, aten, erase_dead_region, grouped_mm_ops, is_op,
                        module_path, module_tensor, shape, skip, val)
 from .registry import PassOptions, PassResult, Stage, register_pass
@@ -346,13 +348,23 @@ _SLICE = aten.slice.Tensor
 
 
 @dataclass
+class _Proj:
+    """A bias-free projection's parameters: the weight get_attr, and for an FP8 linear its scale grid's
+    get_attr and (block_n, block_k)."""
+
+    weight: Node
+    scale: Optional[Node] = None
+    block: Optional[tuple[int, int]] = None
+
+
+@dataclass
 class SharedMatch:
     """A shared expert MLP added to a fused experts op's output."""
 
     add: Node  # routed.view(...) + shared
     routed: Node  # the add's argument that carries the fused op's output
-    up_params: list[tuple[Node, int, int]]  # (get_attr, first row, rows) of [gate; up] in the shared MLP's weights
-    down: Node  # get_attr of the [H, I] down weight
+    up_params: list[tuple[_Proj, int, int]]  # (projection, first row, rows) of [gate; up] in the shared MLP
+    down: _Proj  # the [H, I] down projection
 
 
 def _params(node: Any) -> Node:
@@ -361,11 +373,16 @@ def _params(node: Any) -> Node:
     return node
 
 
-def _linear_weight(node: Any, x: Node, what: str) -> Node:
-    """The weight get_attr of `node` = linear(x, W) without bias."""
+def _linear_weight(node: Any, x: Node, what: str) -> _Proj:
+    """The parameters of `node` = linear(x, W) or fp8_block_linear(x, W, scale) without bias."""
+    if is_op(node, {FP8_LINEAR}):
+        parts = fp8_linear_parts(node)
+        if parts.x is not x or parts.bias is not None:
+            raise _NoMatch(f"the shared MLP's {what} is not a bias-free FP8 linear of the MoE input")
+        return _Proj(_params(parts.weight), _params(parts.scale), (int(parts.block_n), int(parts.block_k)))
     if not (is_op(node, {_LINEAR}) and node.args[0] is x and (len(node.args) < 3 or node.args[2] is None)):
         raise _NoMatch(f"the shared MLP's {what} is not a bias-free linear of the MoE input")
-    return _params(node.args[1])
+    return _Proj(_params(node.args[1]))
 
 
 def _wider(width: Any, i: int) -> str:
@@ -374,8 +391,8 @@ def _wider(width: Any, i: int) -> str:
             "interleave differently from the stacked experts')")
 
 
-def _half(node: Any, x: Node, i: int, which: int) -> tuple[Node, int]:
-    """(weight get_attr, first row) of the gate (which=0) or up (1) projection `node`: its own linear, or
+def _half(node: Any, x: Node, i: int, which: int) -> tuple[_Proj, int]:
+    """(projection, first row) of the gate (which=0) or up (1) projection `node`: its own linear, or
     a slice of fuse_gemms' fused [gate; up] linear."""
     if is_op(node, {_SLICE}) and node.args[1] in (-1, 2) and len(node.args) >= 4:
         start, end = node.args[2], node.args[3]
@@ -383,8 +400,8 @@ def _half(node: Any, x: Node, i: int, which: int) -> tuple[Node, int]:
             raise _NoMatch(_wider(end - start, i))
         return _linear_weight(node.args[0], x, "fused gate/up projection"), start
     w = _linear_weight(node, x, ("gate", "up")[which] + " projection")
-    if shape(w)[0] != i:
-        raise _NoMatch(_wider(shape(w)[0], i))
+    if shape(w.weight)[0] != i:
+        raise _NoMatch(_wider(shape(w.weight)[0], i))
     return w, 0
 
 
@@ -406,7 +423,7 @@ def match_shared(fused: Node, m: ExpertsMatch) -> SharedMatch:
     other = add.args[1] if add.args[0] is routed else add.args[0]
     down_lin = skip(other, CASTS)
     x_in = skip(m.x, RESHAPES | CASTS)
-    if not is_op(down_lin, {_LINEAR}):
+    if not is_op(down_lin, {_LINEAR, FP8_LINEAR}):
         raise _NoMatch("what is added to the experts' output is not a linear (shared MLP down projection)")
     mul = down_lin.args[0]
     down_w = _linear_weight(down_lin, mul, "down projection")
@@ -424,8 +441,9 @@ def match_shared(fused: Node, m: ExpertsMatch) -> SharedMatch:
         raise _NoMatch("the shared MLP reads the tokens in another dtype than the experts")
     gw, g0 = _half(gate, x_sh, m.inter, 0)
     uw, u0 = _half(up, x_sh, m.inter, 1)
-    if shape(down_w) != (m.hidden, m.inter):
-        raise _NoMatch(f"the shared MLP's down weight is {shape(down_w)}, the experts' [{m.hidden}, {m.inter}]")
+    if shape(down_w.weight) != (m.hidden, m.inter):
+        raise _NoMatch(f"the shared MLP's down weight is {shape(down_w.weight)}, the experts' "
+                       f"[{m.hidden}, {m.inter}]")
     for n in (act, mul, down_lin, *([other] if other is not down_lin else [])):
         if len(_users(n)) != 1:
             raise _NoMatch(f"a shared MLP node ({n.name}) is used outside the MLP")
@@ -448,50 +466,107 @@ def _repoint(gm: GraphModule, old: torch.Tensor, new: torch.Tensor) -> None:
             t.data = flat[off:off + t.numel()].view(t.shape)
 
 
+def _shared_fp8_rows(sh: SharedMatch, block: tuple[int, int]) -> None:
+    """_NoMatch unless the FP8 shared MLP's weights stack with FP8 experts of `block`: all three FP8 in
+    that block size, and its gate and up rows starting on block_n boundaries (their scale rows are then
+    whole rows of the grid, as the experts' [gate; up] grid has them)."""
+    projs = [p for p, _, _ in sh.up_params] + [sh.down]
+    if any(p.scale is None for p in projs):
+        raise _NoMatch("the experts are FP8 and the shared MLP's weights are not: they do not stack")
+    if any(p.block != block for p in projs):
+        raise _NoMatch(f"the shared MLP's FP8 blocks {sorted({p.block for p in projs})} differ from the experts' "
+                       f"{list(block)}: their scale grids do not stack")
+    bn = block[0]
+    for p, start, rows in sh.up_params:
+        if start % bn or rows % bn:
+            raise _NoMatch(f"the shared MLP's gate/up rows [{start}, {start + rows}) of {p.weight.target} do not "
+                           f"start and end on block_n ({bn}) boundaries: their scale rows do not stack")
+
+
 def fuse_shared(gm: GraphModule, m: ExpertsMatch, fused: Node, sh: SharedMatch) -> str:
     """Append the shared MLP's weights to the fused op's as expert E, route every token to it with
-    weight 1, and drop the MLP and its add. Returns the stacked weights' parameter names."""
+    weight 1, and drop the MLP and its add. Returns the stacked weights' parameter names.
+
+    FP8 experts (`<backend>_moe_experts_fp8(x, ids, weights, w_up, w_up_scale, w_down, w_down_scale,
+    block_n, block_k, act)`): the shared MLP's FP8 weights and their scale rows are stacked the same
+    way (same block size; gate and up rows on block_n boundaries): exact, a block's scale travels with it."""
     g = gm.graph
-    w_up_node, w_down_node = fused.args[3], fused.args[4]
-    if not (w_up_node.op == "get_attr" and w_down_node.op == "get_attr"):
+    fp8 = fused.target not in _OPS.values()  # else one of the FP8 MoE ops (fp8_moe_op)
+    # positions of the stacked parameters in the op's arguments: [w_up, w_down] or [w_up, scale, w_down, scale]
+    pos = [3, 4, 5, 6] if fp8 else [3, 4]
+    nodes = [fused.args[i] for i in pos]
+    if not all(isinstance(n, Node) and n.op == "get_attr" for n in nodes):
         raise _NoMatch("the experts' weights are not plain [E, out, in] parameters")
-    up_t, down_t = module_tensor(gm, str(w_up_node.target)), module_tensor(gm, str(w_down_node.target))
+    stacked = [module_tensor(gm, str(n.target)) for n in nodes]
     (gw, g0, i), (uw, u0, _) = sh.up_params
-    gate_t, upw_t, sh_down = (module_tensor(gm, str(n.target)) for n in (gw, uw, sh.down))
-    if gw is uw and not (g0 == 0 and u0 == i and gate_t.shape[0] == 2 * i):
-        raise _NoMatch(f"the shared MLP's fused projection is not [gate; up] ({gate_t.shape[0]} rows, gate at "
-                       f"{g0}, up at {u0})")
-    if not all(t.is_contiguous() for t in (up_t, down_t, gate_t, upw_t, sh_down)):
-        raise _NoMatch("the experts' or the shared MLP's weights are not contiguous")
-    if any(t.dtype != up_t.dtype or t.device != up_t.device for t in (gate_t, upw_t, sh_down)):
-        raise _NoMatch("the shared MLP's weights differ in dtype or device from the experts'")
-    e = up_t.shape[0]
-    sh_up = torch.cat([gate_t[g0:g0 + i].detach(), upw_t[u0:u0 + i].detach()], 0)
-    ext_up = torch.cat([up_t.detach(), sh_up.unsqueeze(0)], 0)
-    ext_down = torch.cat([down_t.detach(), sh_down.detach().unsqueeze(0)], 0)
-    # the old tensors and every view of them (HF parameters, fuse_gemms' members) now view the stack
-    _repoint(gm, up_t, ext_up[:e])
-    _repoint(gm, down_t, ext_down[:e])
-    _repoint(gm, sh_down, ext_down[e])
-    if gw is uw:
-        _repoint(gm, gate_t, ext_up[e])
+    if fp8:
+        block = (int(fused.args[7]), int(fused.args[8]))
+        _shared_fp8_rows(sh, block)
+        bn = block[0]
+        # (weight-or-scale tensor, row scale): weights by rows, scales by block rows
+        groups = [(lambda p: p.weight, 1), (lambda p: p.scale, bn)]
     else:
-        _repoint(gm, gate_t, ext_up[e, :i])
-        _repoint(gm, upw_t, ext_up[e, i:])
-    parent = str(w_up_node.target).rpartition(".")[0]
+        if any(p.scale is not None for p in (gw, uw, sh.down)):
+            raise _NoMatch("the shared MLP's weights are FP8 and the experts' are not: they do not stack")
+        groups = [(lambda p: p.weight, 1)]
+    same_fused = gw.weight is uw.weight
+    gate_rows = module_tensor(gm, str(gw.weight.target)).shape[0]
+    if same_fused and not (g0 == 0 and u0 == i and gate_rows == 2 * i):
+        raise _NoMatch(f"the shared MLP's fused projection is not [gate; up] ({gate_rows} rows, gate at "
+                       f"{g0}, up at {u0})")
+    # per group (weights, then FP8 scales): the experts' up and down stacks and the shared MLP's three parts
+    parts = []
+    for j, (get, rs) in enumerate(groups):
+        up_t, down_t = stacked[j], stacked[len(groups) + j]
+        gate_t, upw_t, sh_down = (module_tensor(gm, str(get(p).target)) for p in (gw, uw, sh.down))
+        parts.append((up_t, down_t, gate_t, upw_t, sh_down, rs))
+    every = [t for p in parts for t in p[:5]]
+    if not all(t.is_contiguous() for t in every):
+        raise _NoMatch("the experts' or the shared MLP's weights are not contiguous")
+    for up_t, down_t, gate_t, upw_t, sh_down, _ in parts:
+        if any(t.dtype != up_t.dtype or t.device != up_t.device for t in (gate_t, upw_t, sh_down)):
+            raise _NoMatch("the shared MLP's weights differ in dtype or device from the experts'")
+    e = stacked[0].shape[0]
+    ext: list[torch.Tensor] = []  # [ext_up, ext_down] per group
+    for up_t, down_t, gate_t, upw_t, sh_down, rs in parts:
+        gi, ga, ua = i // rs, g0 // rs, u0 // rs
+        sh_up = torch.cat([gate_t[ga:ga + gi].detach(), upw_t[ua:ua + gi].detach()], 0)
+        if sh_up.shape != up_t.shape[1:] or sh_down.shape != down_t.shape[1:]:
+            raise _NoMatch(f"the shared MLP's stacked shapes {list(sh_up.shape)}, {list(sh_down.shape)} differ from "
+                           f"one expert's {list(up_t.shape[1:])}, {list(down_t.shape[1:])}")
+        ext_up = torch.cat([up_t.detach(), sh_up.unsqueeze(0)], 0)
+        ext_down = torch.cat([down_t.detach(), sh_down.detach().unsqueeze(0)], 0)
+        # the old tensors and every view of them (HF parameters, fuse_gemms' members) now view the stack
+        _repoint(gm, up_t, ext_up[:e])
+        _repoint(gm, down_t, ext_down[:e])
+        _repoint(gm, sh_down, ext_down[e])
+        if same_fused:
+            _repoint(gm, gate_t, ext_up[e])
+        else:
+            _repoint(gm, gate_t, ext_up[e, :gi])
+            _repoint(gm, upw_t, ext_up[e, gi:])
+        ext += [ext_up, ext_down]
+    parent = str(nodes[0].target).rpartition(".")[0]
     owner = gm.get_submodule(parent) if parent else gm
+    stems = (["w_up_with_shared", "w_down_with_shared"] if not fp8 else
+             ["w_up_with_shared", "w_down_with_shared", "w_up_scale_with_shared", "w_down_scale_with_shared"])
     names = []
-    for stem, t in (("w_up_with_shared", ext_up), ("w_down_with_shared", ext_down)):
+    for stem, t in zip(stems, ext):
         owner.register_parameter(stem, torch.nn.Parameter(t, requires_grad=False))
         names.append(f"{parent}.{stem}" if parent else stem)
     ids, wts = fused.args[1], fused.args[2]
     with g.inserting_before(fused):
-        up_ext, down_ext = g.get_attr(names[0]), g.get_attr(names[1])
+        attrs = dict(zip(stems, (g.get_attr(n) for n in names)))
         col_i = g.call_function(_SLICE, (ids, 1, 0, 1))
         col_w = g.call_function(_SLICE, (wts, 1, 0, 1))
         ids_ext = g.call_function(aten.cat.default, ([ids, g.call_function(aten.full_like.default, (col_i, e))], 1))
         w_ext = g.call_function(aten.cat.default, ([wts, g.call_function(aten.full_like.default, (col_w, 1.0))], 1))
-    fused.args = (fused.args[0], ids_ext, w_ext, up_ext, down_ext, *fused.args[5:])
+    if fp8:
+        weights = (attrs["w_up_with_shared"], attrs["w_up_scale_with_shared"], attrs["w_down_with_shared"],
+                   attrs["w_down_scale_with_shared"])
+    else:
+        weights = (attrs["w_up_with_shared"], attrs["w_down_with_shared"])
+    fused.args = (fused.args[0], ids_ext, w_ext, *weights, *fused.args[pos[-1] + 1:])
     # the add's own metadata checks go with it (a check of [T, H] on the routed view would still hold,
     # but stays simpler erased)
     sh.add.replace_all_uses_with(sh.routed, delete_user_cb=lambda u: not is_op(u, {ASSERT_METADATA}))
@@ -554,9 +629,9 @@ def fuse_moe(ctx: BuildContext, opts: FuseMoEOptions) -> PassResult:
                                    "dequantizes the experts each step and runs the grouped GEMMs)")
                 entry["backend"] = backend = None
             else:
-                rewrite_fp8(gm, m, op, fp8)
+                node = rewrite_fp8(gm, m, op, fp8)
                 fused += 1
-                entry["shared_experts"] = "kept the model's shared MLP: FP8 experts (shared-expert fusion stacks 16-bit weights)"
+                entry["shared_experts"] = _fuse_shared_entry(gm, m, node, opts.shared_experts)
         elif backend is not None:
             node = rewrite(gm, m, backend)
             fused += 1

@@ -34,6 +34,16 @@ The pass is graph-only: the world size, rank and process-group name come from th
 resolved once by `optimize()` (distributed/env.py); the pass reads neither the environment nor the
 disk. The pass manager re-propagates shapes after it (declared `refresh_shapes`).
 
+Block-FP8 weights (`fp8_block_linear` nodes, FP8 experts and kv_b_proj behind
+`fp8_block_dequantize`) are sliced with their `weight_scale_inv` grids: the same dim, in blocks
+(column-parallel: the weight's rows and the scale's block rows; row-parallel: columns of both;
+experts: the stacked [E, ...] grids likewise). Every rank boundary must fall on a block multiple,
+so each rank's weight is again whole [block_n, block_k] blocks and the nodes' block arguments stay
+true; a boundary inside a block is refused, naming the tensor, the boundary and the block
+(`_Plan.add_weight`). A kv_b_proj already dequantized (real weights: match_mla folded it) is a
+16-bit parameter and is sliced like one; a skeleton's is dequantized from the rank's FP8 slice by
+load_weights.
+
 Head counts that world_size does not divide are refused (all layers are checked before anything
 changes). An MLP whose intermediate size world_size does not divide stays replicated (reported).
 """
@@ -58,6 +68,7 @@ from .sparse_export import TORCH_MLA_SPARSE
 from ..models.checkpoint import ShardSpec
 from ..runtime.artifacts import TensorParallel
 from .context import BuildContext
+from .fp8_graph import fp8_linear_parts
 from .fx_utils import (ASSERT_METADATA, CASTS, RESHAPES, TORCH_MLA, aten, grouped_mm_ops, is_op, module_path,
                        module_tensor, set_module_tensor)
 from .fx_utils import shape as _shape
@@ -118,6 +129,8 @@ _CASTS = CASTS
 _ACTIVATIONS = {aten.silu.default, aten.gelu.default, aten.relu.default, aten.sigmoid.default,
                 aten.tanh.default}
 _LINEAR = aten.linear.default
+#: linears to the planner: 16-bit, and block-FP8 (weight [out, in] with its scale grid beside it)
+_LINEARS = {_LINEAR, FP8_LINEAR}
 _ASSERT = ASSERT_METADATA
 
 
@@ -160,15 +173,26 @@ class _WeightRef:
 
     attr: Node
     axes: list[int]  # argument axis -> parameter axis
+    #: an FP8 weight's block-scale grid (a get_attr) and (block_n, block_k): sliced with the weight
+    scale: Optional[Node] = None
+    block: Optional[tuple[int, int]] = None
 
 
 def _trace_weight(arg: Any) -> Optional[_WeightRef]:
+    """The parameter behind a matmul's weight argument, through casts, transposes and (FP8 weights)
+    the block dequantization of a parameter and its scale grid."""
     chain: list[Node] = []
     node = arg
+    scale: Optional[Node] = None
+    block: Optional[tuple[int, int]] = None
     while isinstance(node, Node) and node.op == "call_function":
         if node.target in _CASTS or node.target in (aten.transpose.int, aten.permute.default, aten.t.default):
             chain.append(node)
             node = node.args[0]
+        elif node.target is FP8_DEQUANTIZE and isinstance(node.args[1], Node) and node.args[1].op == "get_attr":
+            scale, block = node.args[1], (int(node.args[2]), int(node.args[3]))  # same shape: axes unchanged
+            node = node.args[0]
+            break
         else:
             return None
     if not (isinstance(node, Node) and node.op == "get_attr"):
@@ -183,7 +207,7 @@ def _trace_weight(arg: Any) -> Optional[_WeightRef]:
             axes = [axes[int(i) % ndim] for i in op.args[1]]
         elif op.target is aten.t.default:
             axes = axes[::-1]
-    return _WeightRef(node, axes)
+    return _WeightRef(node, axes, scale, block)
 
 
 @dataclass
@@ -200,8 +224,17 @@ class _Matmul:
 
     @classmethod
     def of(cls, node: Node, grouped: set[Any]) -> Optional["_Matmul"]:
-        if not (_is(node, {_LINEAR}) or _is(node, grouped)) or len(node.args) < 2:
+        if not (_is(node, _LINEARS) or _is(node, grouped)) or len(node.args) < 2:
             return None
+        if node.target is FP8_LINEAR:  # weight [out, in] and its scale grid, both parameters
+            parts = fp8_linear_parts(node)
+            if not all(isinstance(a, Node) and a.op == "get_attr" for a in (parts.weight, parts.scale)):
+                return None
+            if parts.bias is not None and not (isinstance(parts.bias, Node) and parts.bias.op == "get_attr"):
+                return None
+            shp = _shape(parts.weight)
+            ref = _WeightRef(parts.weight, [0, 1], parts.scale, (int(parts.block_n), int(parts.block_k)))
+            return cls(node, ref, 0, 1, int(shp[0]), int(shp[1]), parts.bias)
         ref = _trace_weight(node.args[1])
         if ref is None:
             return None
@@ -255,6 +288,45 @@ class _Plan:
         self.specs[target] = spec
         self.owners[target] = user
 
+    def add_weight(self, ref: _WeightRef, spec: ShardSpec, user: Node, hint: str = "",
+                   heads: Optional[int] = None) -> None:
+        """`add` for a weight, and for an FP8 weight its block-scale grid too: the same dim, in blocks.
+
+        A rank keeps whole scale blocks only: every boundary of its slice must be a multiple of the
+        block along that dim (block_n for rows, block_k for columns), so that the rank's weight is
+        again a grid of whole [block_n, block_k] blocks and `fp8_block_linear`'s block arguments still
+        describe it. A boundary inside a block is refused (ShardError naming the tensor, the boundary
+        and the block) — at planning time, before any weight is sliced or read. Published FP8 models
+        (DeepSeek-V3/R1/V3.2, Kimi-K2: 128-blocks) split on block multiples at TP 2/4/8. `heads`: the
+        head count a valid world size must also divide (attention weights), for the error's advice."""
+        if ref.scale is not None and ref.block is not None:
+            shape = [int(x) for x in _shape(ref.attr)]
+            ndim = len(shape)
+            d = spec.dim % ndim
+            blk = ref.block[0] if d == ndim - 2 else ref.block[1] if d == ndim - 1 else 1
+            what = "rows" if d == ndim - 2 else "columns" if d == ndim - 1 else f"dim {d}"
+            for a, b in spec.ranges:
+                bad = a if a % blk else b if (b - a) % blk else None
+                if bad is None:
+                    continue
+                part, lo = b - a, bad // blk * blk
+                total = part * self.world
+                ok = [w for w in range(1, total + 1) if total % w == 0 and (total // w) % blk == 0
+                      and (heads is None or heads % w == 0)]
+                raise ShardError(
+                    f"shard: FP8 weight {ref.attr.target} {shape} (scale blocks [{ref.block[0]}, {ref.block[1]}]): "
+                    f"with world_size={self.world} rank {self.rank} would keep {what} [{a}, {b}) ({spec.rule}), and "
+                    f"the boundary {bad} falls inside the block of {what} [{lo}, {lo + blk}), whose one scale would "
+                    f"be split between two ranks. Tensor parallelism over block-FP8 weights needs every rank "
+                    f"boundary on a multiple of the block ({blk}); world sizes that keep this tensor's slices "
+                    f"block-aligned{' and divide the head count ' + str(heads) if heads else ''}: "
+                    f"{', '.join(map(str, ok))}{hint}."
+                )
+            ranges = tuple((a // blk, -(-b // blk)) for a, b in spec.ranges)
+            self.add(str(ref.scale.target), ShardSpec(spec.dim, ranges, f"{spec.rule} (block scales)", spec.zero),
+                     user)
+        self.add(str(ref.attr.target), spec, user)
+
 
 def _other_consumer(attr: Node, owner: Node) -> Optional[Node]:
     """A node other than `owner` that consumes `attr` (through casts/transposes), if any."""
@@ -265,7 +337,7 @@ def _other_consumer(attr: Node, owner: Node) -> Optional[Node]:
         if u in seen or u is owner or _is(u, {_ASSERT}):
             continue
         seen.add(u)
-        if _is(u, _CASTS | {aten.transpose.int, aten.permute.default, aten.t.default}):
+        if _is(u, _CASTS | {aten.transpose.int, aten.permute.default, aten.t.default, FP8_DEQUANTIZE}):
             stack.extend(u.users)
             continue
         return u
@@ -282,7 +354,7 @@ def _walk_back_to_matmuls(starts: list[Node], grouped: set[Any]) -> tuple[set[No
         if n in seen:
             continue
         seen.add(n)
-        if _is(n, {_LINEAR}) or _is(n, grouped):
+        if _is(n, _LINEARS) or _is(n, grouped):
             found.add(n)
             continue
         if n.op in ("get_attr", "placeholder"):
@@ -358,13 +430,13 @@ def _plan_attention(gm: GraphModule, plan: _Plan, grouped: set[Any]) -> None:
                 f"{len(q_mms)} ({', '.join(x.name for x in q_mms) or 'none'}); cannot split the heads"
             )
         q = _Matmul.of(next(iter(q_mms)), grouped)
-        if q is None or q.node.target is not _LINEAR or q.out_size != n * (dn + dr):
+        if q is None or q.node.target not in _LINEARS or q.out_size != n * (dn + dr):
             raise ShardError(
                 f"shard: {layer}: the query projection {next(iter(q_mms)).name} should be a linear with "
                 f"N*(Dn+Dr)={n * (dn + dr)} outputs"
             )
         q_range = plan.rng(n * (dn + dr))
-        plan.add(q.weight.attr.target, ShardSpec(q.out_axis, (q_range,), "heads: query rows"), q.node)
+        plan.add_weight(q.weight, ShardSpec(q.out_axis, (q_range,), "heads: query rows"), q.node, heads=n)
         if q.bias is not None:
             plan.add(q.bias.target, ShardSpec(0, (q_range,), "heads: query bias"), q.node)
         q_path = _descendants_within(q.node, between)
@@ -373,7 +445,9 @@ def _plan_attention(gm: GraphModule, plan: _Plan, grouped: set[Any]) -> None:
         w = _trace_weight(m.args[4])
         if w is None:
             raise ShardError(f"shard: {layer}: kv_b_proj_weight of torch_mla is not a model weight")
-        plan.add(w.attr.target, ShardSpec(w.axes[0], (plan.rng(n * (dn + dv)),), "heads: kv_b_proj rows"), m)
+        plan.add_weight(w, ShardSpec(w.axes[0], (plan.rng(n * (dn + dv)),), "heads: kv_b_proj rows"), m,
+                        "; kv_b_proj is only used dequantized: with a checkpoint, transforms.shard.load=full "
+                        "dequantizes it whole before slicing (any head boundary)", heads=n)
 
         # o_proj: the one linear reached forward from the attention output
         o_path: set[Node] = set()
@@ -383,7 +457,7 @@ def _plan_attention(gm: GraphModule, plan: _Plan, grouped: set[Any]) -> None:
             u = stack.pop()
             if u in o_path or u in o_mm:
                 continue
-            if _is(u, {_LINEAR}):
+            if _is(u, _LINEARS):
                 o_mm.append(u)
             elif _is(u, _PASSTHROUGH) or _is(u, {_ASSERT}):
                 o_path.add(u)
@@ -395,7 +469,8 @@ def _plan_attention(gm: GraphModule, plan: _Plan, grouped: set[Any]) -> None:
         o = _Matmul.of(o_mm[0], grouped) if len(o_mm) == 1 else None
         if o is None or o.in_size != n * dv:
             raise ShardError(f"shard: {layer}: expected one o_proj linear with N*Dv={n * dv} inputs after torch_mla")
-        plan.add(o.weight.attr.target, ShardSpec(o.in_axis, (plan.rng(n * dv),), "heads: o_proj columns"), o.node)
+        plan.add_weight(o.weight, ShardSpec(o.in_axis, (plan.rng(n * dv),), "heads: o_proj columns"), o.node,
+                        heads=n)
         if o.bias is not None:
             plan.add(o.bias.target, ShardSpec(0, ((0, int(_shape(o.bias)[0])),), "o_proj bias (rank 0)",
                                               zero=plan.rank != 0), o.node)
@@ -410,6 +485,11 @@ def _plan_attention(gm: GraphModule, plan: _Plan, grouped: set[Any]) -> None:
         )
 
 
+def _family(node: Node) -> Any:
+    """Matmuls that can form one MLP: every linear (16-bit or FP8) is one family, a grouped op its own."""
+    return _LINEAR if node.target in _LINEARS else node.target
+
+
 def _gated_inputs(down: Node, grouped: set[Any]) -> Optional[tuple[str, list[Node]]]:
     """The up-projection side of an MLP down projection: ('separate', [gate, up]),
     ('fused', [gate_up]) or ('plain', [up]); None when `down` is not an MLP down projection."""
@@ -421,8 +501,8 @@ def _gated_inputs(down: Node, grouped: set[Any]) -> Optional[tuple[str, list[Nod
         if not _is(a, _ACTIVATIONS):
             return None
         g = _skip(a.args[0], _CASTS)
-        if (_is(g, {_LINEAR}) or _is(g, grouped)) and (_is(b, {_LINEAR}) or _is(b, grouped)):
-            if _skip(g.args[0], _CASTS) is _skip(b.args[0], _CASTS) and g.target == b.target == down.target:
+        if (_is(g, _LINEARS) or _is(g, grouped)) and (_is(b, _LINEARS) or _is(b, grouped)):
+            if _skip(g.args[0], _CASTS) is _skip(b.args[0], _CASTS) and _family(g) == _family(b) == _family(down):
                 return "separate", [g, b]
             return None
         if _is(g, {operator.getitem}) and _is(b, {operator.getitem}) and g.args[0] is b.args[0]:
@@ -437,19 +517,19 @@ def _gated_inputs(down: Node, grouped: set[Any]) -> Optional[tuple[str, list[Nod
             else:
                 return None
             z = _skip(z, _CASTS)
-            if (_is(z, {_LINEAR}) or _is(z, grouped)) and z.target == down.target:
+            if (_is(z, _LINEARS) or _is(z, grouped)) and _family(z) == _family(down):
                 return "fused", [z]
         return None
     if _is(x, _ACTIVATIONS):
         u = _skip(x.args[0], _CASTS)
-        if _is(u, {_LINEAR}) and down.target is _LINEAR:
+        if _is(u, _LINEARS) and down.target in _LINEARS:
             return "plain", [u]
     return None
 
 
 def _plan_mlps(gm: GraphModule, plan: _Plan, opts: "ShardOptions", grouped: set[Any], taken: set[Node]) -> None:
     for node in list(gm.graph.nodes):
-        if node in taken or not (_is(node, {_LINEAR}) or _is(node, grouped)):
+        if node in taken or not (_is(node, _LINEARS) or _is(node, grouped)):
             continue
         found = _gated_inputs(node, grouped)
         if found is None:
@@ -459,7 +539,7 @@ def _plan_mlps(gm: GraphModule, plan: _Plan, opts: "ShardOptions", grouped: set[
         up_mms = [_Matmul.of(u, grouped) for u in ups]
         if down is None or any(u is None for u in up_mms):
             continue
-        experts = node.target is not _LINEAR
+        experts = node.target not in _LINEARS
         layer = _layer_of(node)
         inter = down.in_size
         mode = opts.experts if experts else opts.mlp
@@ -474,13 +554,15 @@ def _plan_mlps(gm: GraphModule, plan: _Plan, opts: "ShardOptions", grouped: set[
             taken.update([node, *ups])
             continue
         r = plan.rng(inter)
+        hint = (f"; or keep these {what} replicated: transforms.shard."
+                f"{'experts' if experts else 'mlp'}=replicate")
         for u in up_mms:
             assert u is not None
             ranges = (r, plan.rng(inter, inter)) if kind == "fused" else (r,)
-            plan.add(u.weight.attr.target, ShardSpec(u.out_axis, ranges, f"{what}: column-parallel"), u.node)
+            plan.add_weight(u.weight, ShardSpec(u.out_axis, ranges, f"{what}: column-parallel"), u.node, hint)
             if u.bias is not None:
                 plan.add(u.bias.target, ShardSpec(0, ranges, f"{what}: column bias"), u.node)
-        plan.add(down.weight.attr.target, ShardSpec(down.in_axis, (r,), f"{what}: row-parallel"), node)
+        plan.add_weight(down.weight, ShardSpec(down.in_axis, (r,), f"{what}: row-parallel"), node, hint)
         if down.bias is not None:
             plan.add(down.bias.target, ShardSpec(0, ((0, int(_shape(down.bias)[0])),), f"{what}: row bias (rank 0)",
                                                  zero=plan.rank != 0), node)
@@ -562,12 +644,6 @@ def shard(ctx: BuildContext, opts: ShardOptions) -> PassResult:
     if not any(_is(n, {TORCH_MLA, TORCH_MLA_SPARSE}) for n in gm.graph.nodes):
         raise ShardError("shard: the graph has no torch_mla node; run match_mla first (shard goes between "
                          "match_mla and insert_cached_mla_attention)")
-    fp8 = [module_path(n) for n in gm.graph.nodes if _is(n, {FP8_LINEAR, FP8_DEQUANTIZE})]
-    if fp8:  # refused before any change: a linear left whole would silently compute on every rank
-        raise ShardError(
-            f"shard: {len(fp8)} FP8 linears / experts ({fp8[0]}, ...) — tensor parallelism over block-FP8 "
-            "weights (slicing weights and their block scales together) is not implemented yet; run the FP8 "
-            "checkpoint on one process (transforms.shard.enabled=false, world size 1). docs/fp8_weights.md")
     grouped = grouped_mm_ops()
     plan = _Plan(world.world_size, world.rank)
     _plan_attention(gm, plan, grouped)  # raises before any change on a bad world size
