@@ -24,8 +24,9 @@ import torch
 
 from ..fp8.act_quant import AMAX_FLOOR, FP8_MAX, act_quant, act_quant_reference
 from ..fp8.emulation import dequantize_activations
+from ..fp8.format import dequantize
 from ..triton_helpers import interpreting
-from .ops import ACTIVATIONS, HAS_TRITON, TRITON_IMPORT_ERROR, _sum_over_topk, expert_layout
+from .ops import HAS_TRITON, TRITON_IMPORT_ERROR, check_moe_shapes, _sum_over_topk, expert_layout
 from .tuning import moe_config
 
 FP8 = torch.float8_e4m3fn
@@ -44,24 +45,12 @@ def check_moe_fp8_inputs(name: str, x: torch.Tensor, topk_ids: torch.Tensor, top
                          w_up: torch.Tensor, w_up_scale: torch.Tensor, w_down: torch.Tensor, w_down_scale: torch.Tensor,
                          block_n: int, block_k: int, activation: str) -> tuple[int, int, int, int, int]:
     """(T, k, E, H, I) of a valid call; ValueError naming the offending tensor otherwise."""
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"{name}: activation {activation!r} unsupported; supported: {', '.join(ACTIVATIONS)}")
     if block_n < 1 or block_k < 1:
         raise ValueError(f"{name}: block size ({block_n}, {block_k}) must be positive")
-    if x.dim() != 2 or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"{name}: x must be [T, H] fp32/bf16/fp16, got {tuple(x.shape)} {x.dtype}")
-    t, h = x.shape
-    if topk_ids.dim() != 2 or topk_ids.shape[0] != t or topk_weights.shape != topk_ids.shape:
-        raise ValueError(f"{name}: topk_ids and topk_weights must both be [T={t}, k], got "
-                         f"{tuple(topk_ids.shape)} and {tuple(topk_weights.shape)}")
-    if topk_ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"{name}: topk_ids must be int32/int64, got {topk_ids.dtype}")
-    if w_up.dim() != 3 or w_up.shape[2] != h or w_up.shape[1] % 2:
-        raise ValueError(f"{name}: w_up must be [E, 2I, H={h}], got {tuple(w_up.shape)}")
-    e, two_i, _ = w_up.shape
-    i = two_i // 2
-    if tuple(w_down.shape) != (e, h, i):
-        raise ValueError(f"{name}: w_down must be [E={e}, H={h}, I={i}], got {tuple(w_down.shape)}")
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"{name}: x must be fp32/bf16/fp16, got {x.dtype}")
+    t, k_top, e, h, i = check_moe_shapes(name, x, topk_ids, topk_weights, w_up, w_down, activation)
+    two_i = 2 * i
     for wname, w in (("w_up", w_up), ("w_down", w_down)):
         if w.dtype != FP8:
             raise ValueError(f"{name}: {wname} must be float8_e4m3fn, got {w.dtype}")
@@ -70,15 +59,13 @@ def check_moe_fp8_inputs(name: str, x: torch.Tensor, topk_ids: torch.Tensor, top
         if tuple(s.shape) != want or s.dtype != torch.float32:
             raise ValueError(f"{name}: {sname} must be float32 [E, ceil({rows}/{block_n}), ceil({cols}/{block_k})] = "
                              f"{list(want)}, got {s.dtype} {list(s.shape)}")
-    return t, topk_ids.shape[1], e, h, i
+    return t, k_top, e, h, i
 
 
 def dequantize_experts(w: torch.Tensor, scale: torch.Tensor, block_n: int, block_k: int,
                        dtype: torch.dtype) -> torch.Tensor:
-    """[E, N, K] `dtype` from stacked FP8 experts and their [E, NB, KB] block scales."""
-    n, k = w.shape[1:]
-    s = scale.repeat_interleave(block_n, 1)[:, :n].repeat_interleave(block_k, 2)[:, :, :k]
-    return (w.float() * s).to(dtype)
+    """[E, N, K] `dtype` from stacked FP8 experts and their [E, NB, KB] block scales (format.dequantize)."""
+    return dequantize(w, scale, (block_n, block_k), dtype)
 
 
 # ----------------------------------------------------------------------------- reference

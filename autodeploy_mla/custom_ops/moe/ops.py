@@ -45,6 +45,16 @@ ACTIVATIONS = ("silu",)
 def check_moe_inputs(name: str, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                      w_up: torch.Tensor, w_down: torch.Tensor, activation: str) -> tuple[int, int, int, int, int]:
     """(T, k, E, H, I) of a valid call; ValueError naming the offending shape otherwise."""
+    dims = check_moe_shapes(name, x, topk_ids, topk_weights, w_up, w_down, activation)
+    if not (x.dtype == w_up.dtype == w_down.dtype):
+        raise ValueError(f"{name}: x, w_up and w_down must share a dtype, got {x.dtype}, {w_up.dtype}, "
+                         f"{w_down.dtype}")
+    return dims
+
+
+def check_moe_shapes(name: str, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                     w_up: torch.Tensor, w_down: torch.Tensor, activation: str) -> tuple[int, int, int, int, int]:
+    """The shapes every MoE experts op takes (16-bit and FP8 alike): (T, k, E, H, I), or ValueError."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"{name}: activation {activation!r} unsupported; supported: {', '.join(ACTIVATIONS)}")
     if x.dim() != 2:
@@ -61,9 +71,6 @@ def check_moe_inputs(name: str, x: torch.Tensor, topk_ids: torch.Tensor, topk_we
     i = two_i // 2
     if tuple(w_down.shape) != (e, h, i):
         raise ValueError(f"{name}: w_down must be [E={e}, H={h}, I={i}], got {tuple(w_down.shape)}")
-    if not (x.dtype == w_up.dtype == w_down.dtype):
-        raise ValueError(f"{name}: x, w_up and w_down must share a dtype, got {x.dtype}, {w_up.dtype}, "
-                         f"{w_down.dtype}")
     return t, topk_ids.shape[1], e, h, i
 
 
