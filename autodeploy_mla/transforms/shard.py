@@ -73,7 +73,10 @@ from .fx_utils import (ASSERT_METADATA, CASTS, RESHAPES, TORCH_MLA, aten, groupe
                        module_tensor, set_module_tensor)
 from .fx_utils import shape as _shape
 from .fx_utils import skip as _skip
+from .fx_utils import val
 from .registry import PassOptions, PassResult, Stage, register_pass
+from ..custom_ops.moe.backends import resolve_moe_backend
+from ..custom_ops.moe.expert_parallel import EP_MOE_EXPERTS
 
 #: The collectives the sharded graph may hold (custom_ops/tp_all_reduce.py): the one-shot op, or the
 #: functional all-reduce + wait; all name their process group by string (the graph holds no Python object).
@@ -91,8 +94,17 @@ class ShardOptions(PassOptions):
     )
     rank: Optional[int] = Field(None, ge=0, description="this rank; null: from torch.distributed or RANK")
     mlp: Literal["tensor", "replicate"] = Field("tensor", description="dense and shared-expert MLPs")
-    experts: Literal["tensor", "replicate"] = Field(
-        "tensor", description="MoE routed experts: tensor-parallel inside each expert, or replicated"
+    experts: Literal["tensor", "replicate", "expert"] = Field(
+        "tensor", description="MoE routed experts: tensor-parallel inside each expert, replicated, or "
+        "expert-parallel (each rank holds num_experts / world_size whole experts; tokens dispatched to them)"
+    )
+    ep_collective: Literal["all_to_all", "allgather_reducescatter"] = Field(
+        "all_to_all", description="experts: expert — how the (token, expert) pairs reach their experts: "
+        "all-to-all dispatch + combine, or all-gather + reduce-scatter (custom_ops/moe/expert_parallel.py)"
+    )
+    expert_backend: Literal["auto", "triton", "torch"] = Field(
+        "auto", description="experts: expert — the per-rank experts op: triton (the fused kernels), torch "
+        "(the reference), auto: triton where fuse_moe's auto would pick it (CUDA), else torch"
     )
     load: Literal["slices", "full"] = Field(
         "slices",
@@ -263,7 +275,7 @@ class _Plan:
     mla_nodes: list[tuple[Node, MLADims]] = field(default_factory=list)
     owners: dict[str, Node] = field(default_factory=dict)  # target -> the matmul it was planned for
     report: dict[str, list[dict[str, Any]]] = field(
-        default_factory=lambda: {"attention": [], "mlp": [], "replicated": []}
+        default_factory=lambda: {"attention": [], "mlp": [], "replicated": [], "experts": []}
     )
 
     def rng(self, size: int, offset: int = 0) -> tuple[int, int]:
@@ -527,7 +539,9 @@ def _gated_inputs(down: Node, grouped: set[Any]) -> Optional[tuple[str, list[Nod
     return None
 
 
-def _plan_mlps(gm: GraphModule, plan: _Plan, opts: "ShardOptions", grouped: set[Any], taken: set[Node]) -> None:
+def _plan_mlps(gm: GraphModule, plan: _Plan, opts: "ShardOptions", grouped: set[Any], taken: set[Node],
+               unmatched: Optional[dict[str, str]] = None) -> None:
+    unmatched = unmatched or {}
     for node in list(gm.graph.nodes):
         if node in taken or not (_is(node, _LINEARS) or _is(node, grouped)):
             continue
@@ -544,13 +558,19 @@ def _plan_mlps(gm: GraphModule, plan: _Plan, opts: "ShardOptions", grouped: set[
         inter = down.in_size
         mode = opts.experts if experts else opts.mlp
         what = "experts" if experts else "mlp"
+        fallback = ""
+        if mode == "expert":  # a region the expert-parallel planner did not recognise (its reason kept)
+            mode = "tensor"
+            fallback = f"; experts=expert but not an experts region it recognises ({unmatched.get(layer, '?')})"
         sizes = [u.out_size for u in up_mms]  # type: ignore[union-attr]
         if (kind == "fused" and sizes != [2 * inter]) or (kind != "fused" and any(s != inter for s in sizes)):
             plan.report["replicated"].append({"layer": layer, "what": what, "why": "projection sizes do not match"})
             continue
         if mode == "replicate" or inter % plan.world:
             why = "configured" if mode == "replicate" else f"intermediate size {inter} not divisible by {plan.world}"
-            plan.report["replicated"].append({"layer": layer, "what": what, "why": why})
+            plan.report["replicated"].append({"layer": layer, "what": what, "why": why + fallback})
+            if experts:
+                plan.report["experts"].append({"layer": layer, "layout": "replicate", "why": why + fallback})
             taken.update([node, *ups])
             continue
         r = plan.rng(inter)
@@ -572,6 +592,129 @@ def _plan_mlps(gm: GraphModule, plan: _Plan, opts: "ShardOptions", grouped: set[
             {"layer": layer, "what": what, "kind": kind, "intermediate": f"{inter} -> {inter // plan.world}",
              "down": down.weight.attr.target}
         )
+        if experts:
+            plan.report["experts"].append(
+                {"layer": layer, "layout": "tensor", "intermediate": f"{inter} -> {inter // plan.world}",
+                 "why": ("configured (experts: tensor)" if not fallback else "tensor-parallel instead" + fallback)
+                 + ": every rank holds every expert's 1/world of the intermediate size; one all-reduce"})
+
+
+# ----------------------------------------------------------------------------- expert parallelism
+@dataclass
+class _EPLayer:
+    """One MoE layer planned expert-parallel: its matched experts region and how the op will run."""
+
+    match: Any  # fuse_moe.ExpertsMatch
+    fp8: Optional[tuple]  # fuse_moe.fp8_experts(match): (w_up, w_up_scale, w_down, w_down_scale, bn, bk) get_attrs
+    backend: str
+    entry: dict[str, Any]
+
+
+def _plan_expert_parallel(gm: GraphModule, plan: _Plan, opts: "ShardOptions", grouped: set[Any], taken: set[Node],
+                          ctx: BuildContext) -> tuple[list[_EPLayer], dict[str, str]]:
+    """`experts: expert`: every routed-experts region (transformers' grouped_mm forward, matched as
+    fuse_moe matches it) keeps this rank's contiguous block of E/W experts — weights and FP8 scale
+    grids sliced along the expert dim, so checkpoints and `init: hashed` give only those experts —
+    and will become one `ep_moe_experts` node. The router stays as it is (replicated: every rank
+    routes the same tokens). Returns the layers and, per layer not recognised, why (those stay
+    tensor-parallel). Raises before any change when W does not divide E."""
+    from .fuse_moe import _NoMatch, fp8_experts, match_experts
+
+    layers: list[_EPLayer] = []
+    unmatched: dict[str, str] = {}
+    bad: list[str] = []
+    for sort in [n for n in gm.graph.nodes if _is(n, {aten.sort.default, aten.sort.stable})]:
+        try:
+            m = match_experts(sort, grouped)
+        except _NoMatch as exc:
+            unmatched[_layer_of(sort)] = str(exc)
+            continue
+        if m.num_experts % plan.world:
+            bad.append(f"{_layer_of(m.out)} (E={m.num_experts})")
+        layers.append(_EPLayer(m, fp8_experts(m), "", {}))
+    if bad:
+        counts = sorted({lay.match.num_experts for lay in layers})
+        heads = [d.num_heads for _, d in plan.mla_nodes] or [1]
+        ok = [w for w in range(1, max(counts) + 1)
+              if all(e % w == 0 for e in counts) and all((h * plan.world) % w == 0 for h in heads)]
+        raise ShardError(
+            f"shard: experts=expert with world_size={plan.world}: the routed expert count of {', '.join(bad)} is "
+            f"not divisible by {plan.world}; expert parallelism gives each rank E / world_size whole experts. "
+            f"World sizes that divide the experts and the heads: {', '.join(map(str, ok))}; or set "
+            "transforms.shard.experts=tensor (each expert split by its intermediate size)."
+        )
+    for lay in layers:
+        m = lay.match
+        local = m.num_experts // plan.world
+        lo, hi = plan.rank * local, (plan.rank + 1) * local
+        users = {}
+        for w_arg in (m.w_up, m.w_down):
+            user = next(n for n in m.region if _is(n, grouped) and n.args[1] is w_arg)
+            ref = _trace_weight(w_arg)
+            if ref is None:
+                raise ShardError(f"shard: {_layer_of(m.out)}: the experts' weight {w_arg.name} is not a model weight; "
+                                 "set transforms.shard.experts=tensor or replicate")
+            plan.add_weight(ref, ShardSpec(ref.axes[0], ((lo, hi),), f"experts: expert-parallel [{lo}, {hi})"), user)
+            users[user] = ref
+        taken.update(users)
+        wv = val(m.w_up)
+        dtype = wv.dtype if wv is not None else None
+        if opts.expert_backend == "torch":
+            backend, why = "torch", "expert_backend: torch (the reference op)"
+        else:
+            found, why = resolve_moe_backend("experts", opts.expert_backend, ctx.target.device, dtype=dtype)
+            backend = found or "torch"
+            if found is None:  # fuse_moe would keep the model's experts here; EP needs an op: the reference
+                why = "torch reference (auto takes the Triton kernels on CUDA only)"
+        lay.backend = backend
+        lay.entry = {
+            "layer": _layer_of(m.out), "layout": "expert", "experts": f"{m.num_experts} -> {local} per rank",
+            "local_experts": [lo, hi], "collective": opts.ep_collective, "tokens": "replicated",
+            "backend": backend, "weights": f"fp8 blocks [{lay.fp8[4]}, {lay.fp8[5]}]" if lay.fp8 else "16-bit",
+            "why": (f"configured (experts: expert); {m.num_experts} experts / {plan.world} ranks; routing replicated "
+                    f"(every rank routes the same tokens: attention is tensor-parallel), each rank dispatches "
+                    f"its 1/{plan.world} of the tokens by {opts.ep_collective} and all-gathers the outputs; "
+                    f"per-rank experts op: {why}"),
+        }
+        plan.report["experts"].append(lay.entry)
+    return layers, unmatched
+
+
+def _rewrite_expert_parallel(gm: GraphModule, plan: _Plan, layers: list[_EPLayer], group: str,
+                             collective: str) -> None:
+    """Each planned region -> ep_moe_experts(x, ids, weights, w_up, w_down, scales?, E, rank, W, group, ...)
+    on this rank's (already sliced) expert weights; the region's ops go."""
+    from .fuse_moe import _weight_out_in
+    from .fx_utils import erase_dead_region
+
+    g = gm.graph
+    for lay in layers:
+        m = lay.match
+        x = m.x
+        if lay.fp8 is not None:
+            wu, su, wd, sd, bn, bk = lay.fp8
+            wdtype = val(x).dtype if val(x) is not None else None
+        else:
+            wu, wd = _weight_out_in(g, m.w_up), _weight_out_in(g, m.w_down)
+            su = sd = None
+            bn = bk = 0
+            wdtype = val(m.w_up).dtype if val(m.w_up) is not None else None
+        with g.inserting_before(m.out):
+            if wdtype is not None and val(x) is not None and val(x).dtype != wdtype:
+                x = g.call_function(aten.to.dtype, (x, wdtype))
+            node = g.call_function(EP_MOE_EXPERTS, (x, m.topk_ids, m.topk_weights, wu, wd, su, sd, m.num_experts,
+                                                    plan.rank, plan.world, group, collective, "replicated", 0,
+                                                    lay.backend, bn, bk, "silu"))
+            result = node
+            out_dtype = val(m.out).dtype if val(m.out) is not None else None
+            if out_dtype is not None and wdtype is not None and out_dtype != wdtype:
+                result = g.call_function(aten.to.dtype, (node, out_dtype))
+        node.meta["nn_module_stack"] = m.out.meta.get("nn_module_stack", {})
+        node.meta["ep_layout"] = dict(lay.entry)
+        m.out.replace_all_uses_with(result)
+        erase_dead_region(g, m.region)
+    if layers:
+        g.eliminate_dead_code()  # the regions' index arithmetic and the FP8 dequantize nodes
 
 
 # ----------------------------------------------------------------------------- rewriting
@@ -648,7 +791,11 @@ def shard(ctx: BuildContext, opts: ShardOptions) -> PassResult:
     plan = _Plan(world.world_size, world.rank)
     _plan_attention(gm, plan, grouped)  # raises before any change on a bad world size
     taken = {x for x in plan.owners.values()}
-    _plan_mlps(gm, plan, opts, grouped, taken)
+    ep_layers: list[_EPLayer] = []
+    unmatched: dict[str, str] = {}
+    if opts.experts == "expert":  # raises before any change when world_size does not divide E
+        ep_layers, unmatched = _plan_expert_parallel(gm, plan, opts, grouped, taken, ctx)
+    _plan_mlps(gm, plan, opts, grouped, taken, unmatched)
 
     # 1. weights -> this rank's slices (or placeholders of that shape, for load_weights to fill)
     weights = _slice_weights(gm, plan)
@@ -657,9 +804,11 @@ def shard(ctx: BuildContext, opts: ShardOptions) -> PassResult:
         shape = list(node.args[1])
         shape[idx] = value
         node.args = (node.args[0], shape, *node.args[2:])
-    # 3. all-reduce where partial sums meet replicated values
+    # 3. expert-parallel MoE regions -> ep_moe_experts (complete outputs: no all-reduce after them)
+    _rewrite_expert_parallel(gm, plan, ep_layers, world.group, opts.ep_collective)
+    # 4. all-reduce where partial sums meet replicated values
     n_ar = _insert_all_reduces(gm, plan.partial, world.group, opts.all_reduce)
-    # 4. per-node dims (the manager re-propagates shapes after the pass; cache insertion checks both agree)
+    # 5. per-node dims (the manager re-propagates shapes after the pass; cache insertion checks both agree)
     for m, dims in plan.mla_nodes:
         m.meta["mla_dims"] = dims
     ctx.artifacts.shard_specs = dict(plan.specs)
@@ -669,7 +818,9 @@ def shard(ctx: BuildContext, opts: ShardOptions) -> PassResult:
     n_att, n_mlp = len(rep["attention"]), len(rep["mlp"])
     heads = rep["attention"][0]["heads"] if rep["attention"] else "-"
     summary = (f"world {world.world_size} rank {world.rank}: {n_att} MLA layers (heads {heads}), {n_mlp} MLP/expert "
-               f"blocks split, {len(rep['replicated'])} replicated, {n_ar} all-reduces"
+               f"blocks split, {len(rep['replicated'])} replicated, "
+               + (f"{len(ep_layers)} MoE layers expert-parallel ({opts.ep_collective}), " if ep_layers else "")
+               + f"{n_ar} all-reduces"
                + (f" (one-shot up to {opts.one_shot_max_bytes} B)" if opts.all_reduce == "one_shot" else ""))
     details = {"world_size": world.world_size, "rank": world.rank, "all_reduces": n_ar,
                "all_reduce": opts.all_reduce, "weights": weights, **rep,

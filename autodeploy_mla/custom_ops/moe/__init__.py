@@ -9,3 +9,4 @@ from .ops import torch_moe_experts, triton_moe_experts  # noqa: F401
 from .tuning import MoEConfig, moe_config  # noqa: F401
 from .backends import MOE_BACKENDS, resolve_moe_backend  # noqa: F401
 from .fp8 import fused_moe_fp8, moe_experts_fp8_emulated, torch_moe_experts_fp8, triton_moe_experts_fp8  # noqa: F401
+from .expert_parallel import EP_MOE_EXPERTS, ep_moe_experts  # noqa: F401
