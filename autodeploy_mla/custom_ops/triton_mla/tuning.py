@@ -351,7 +351,7 @@ class IndexScoresConfig:
 def index_scores_config(heads: int, dim: int, dtype: torch.dtype, compiled: bool) -> IndexScoresConfig:
     """The config for `heads` index heads of width `dim` over a `dtype` index cache. The interpreter
     (CPU tests) gets small tiles and one tile per program, so the masks at every edge are exercised.
-    16-bit caches: the H200 sweep `python -m benchmarks.kernels.sweep_index_scores` (2026-11-29, 7dc5d0c;
+    16-bit caches: the H200 sweep `python -m benchmarks.kernels.sweep_index_scores` (2026-11-29, 9b71c1d;
     DeepSeek-V3.2 indexer, 64 heads x 128, bf16, batch 64 x 32k, docs/benchmarks/index_scores_sweep.md):
     16 heads per MMA, 128-key tiles, one tile per program, 4 warps, 2 stages: 233 us = 1.81x the byte
     floor (keys read once + scores written), against 304 us for 64 x 64 x 2 tiles and ~375 us for the
