@@ -99,6 +99,12 @@ def _local_experts(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, w_up: 
     return experts_op(backend)(x, ids, wts, w_up, w_down, activation)
 
 
+def _local_ids(ids: torch.Tensor, rank: int, local: int) -> torch.Tensor:
+    """Expert ids as this rank's local indices; -1 for another rank's expert (and for padding, -1 already)."""
+    mine = (ids >= rank * local) & (ids < (rank + 1) * local)
+    return torch.where(mine, ids - rank * local, torch.full_like(ids, -1))
+
+
 def _all_to_all(t: torch.Tensor, world: int, group: str) -> torch.Tensor:
     """Equal blocks of dim 0 to every rank (static splits: no host sync)."""
     rows = t.shape[0] // world
@@ -165,9 +171,7 @@ def ep_moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
             sl = slice(rank * c, (rank + 1) * c)
             mine = _dispatch_combine(xp[sl], ip[sl], wp[sl], local, w, g, run)
         else:  # every rank has every token already: the all-gather is skipped
-            mine_ids = torch.where(ip >= rank * local, ip - rank * local, torch.full_like(ip, -1))
-            mine_ids = torch.where(mine_ids < local, mine_ids, torch.full_like(ip, -1))
-            mine = _wait(_F.reduce_scatter_tensor(run(xp, mine_ids, wp).contiguous(), "sum", w, g))
+            mine = _wait(_F.reduce_scatter_tensor(run(xp, _local_ids(ip, rank, local), wp).contiguous(), "sum", w, g))
         return _wait(_F.all_gather_into_tensor(mine.contiguous(), w, g))[:t].contiguous()
     c = capacity or t
     xp, ip, wp = pad(c)
@@ -176,8 +180,8 @@ def ep_moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     xa = _wait(_F.all_gather_into_tensor(xp.contiguous(), w, g))
     ia = _wait(_F.all_gather_into_tensor(ip.contiguous(), w, g))
     wa = _wait(_F.all_gather_into_tensor(wp.contiguous(), w, g))
-    mine_ids = torch.where((ia >= rank * local) & (ia < (rank + 1) * local), ia - rank * local, torch.full_like(ia, -1))
-    return _wait(_F.reduce_scatter_tensor(run(xa, mine_ids, wa).contiguous(), "sum", w, g))[:t].contiguous()
+    return _wait(_F.reduce_scatter_tensor(run(xa, _local_ids(ia, rank, local), wa).contiguous(), "sum", w,
+                                          g))[:t].contiguous()
 
 
 @ep_moe_experts.register_fake
