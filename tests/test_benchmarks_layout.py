@@ -213,3 +213,17 @@ def test_every_archived_result_is_in_the_archive_index():
 def test_documents_link_their_figures_to_the_index(doc):
     """README and docs/*.md quote results with a link to the index (the one place numbers are kept)."""
     assert "benchmarks/README.md" in (ROOT / doc).read_text(), f"{doc} does not link docs/benchmarks/README.md"
+
+
+@pytest.mark.parametrize("script", [p for p in python_files(BENCH) if LIB not in p.parents and p.name != "__init__.py"],
+                         ids=lambda p: str(p.relative_to(BENCH)))
+def test_every_script_prints_its_help(script, monkeypatch, capsys):
+    """`--help` parses and formats on any machine (a stray `%` in a help string once broke one)."""
+    import runpy
+
+    module = ".".join(script.relative_to(ROOT).with_suffix("").parts)
+    monkeypatch.setattr(sys, "argv", [module, "--help"])
+    with pytest.raises(SystemExit) as done:
+        runpy.run_module(module, run_name="__main__")
+    assert done.value.code == 0, capsys.readouterr()
+    assert "usage:" in capsys.readouterr().out

@@ -12,12 +12,11 @@ Shape: DeepSeek-V3 TP8 (N 16, R 512, Dr 64), batch 64 x kv 4096, page 64 (docs/b
 
 from __future__ import annotations
 
+import argparse
 import collections
 import re
-import sys
 
 import torch
-
 
 from benchmarks.lib import (
     Case,
@@ -31,9 +30,13 @@ from benchmarks.lib import triton_kernels as K
 SHOWN = ("cvt", "wgmma", "mma", "ld.shared", "st.shared", "ldmatrix", "stmatrix", "cp.async", "prmt", "shfl")
 
 
-def main(argv: list[str]) -> int:
+def main() -> None:
+    ap = argparse.ArgumentParser(description="the heads-on-N decode kernel for Nsight Compute / compiled-code counts")
+    ap.add_argument("caches", nargs="*", choices=("bf16", "fp8"), help="cache dtypes to launch on")
+    ap.add_argument("--asm", action="store_true", help="print registers, spills, shared memory and PTX counts")
+    args = ap.parse_args()
     dims = MLADims(16, 128, 64, 128, 512)
-    for tag in [a for a in argv if a in ("bf16", "fp8")]:
+    for tag in args.caches:
         case = Case(dims, [(4095, 1)] * 64, torch.bfloat16, "cuda", seed=1)
         if tag == "fp8":
             case.cache = case.cache.to(FP8_DTYPE)
@@ -41,7 +44,7 @@ def main(argv: list[str]) -> int:
         for _ in range(3):
             run()
         torch.cuda.synchronize()
-    if "--asm" in argv:
+    if args.asm:
         entry = next(iter(K.absorbed_attn_heads_on_n_kernel.device_caches.values()))
         cache = entry[0] if isinstance(entry, tuple) else entry
         for key, kern in cache.items():
@@ -49,8 +52,7 @@ def main(argv: list[str]) -> int:
             shown = {k: v for k, v in sorted(ops.items(), key=lambda kv: -kv[1]) if any(s in k for s in SHOWN)}
             print(f"{str(key)[:110]}...\n  registers {kern.n_regs}, spills {kern.n_spills}, shared "
                   f"{kern.metadata.shared} B\n  PTX: {shown}")
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    main()

@@ -479,6 +479,9 @@ def main(argv: Optional[list[str]] = None) -> None:
         print(f"=== {args.model} {phase}", flush=True)
         data["phases"][phase] = run_child(args, raw, phase, work)
         gc.collect()
+        # saved after every phase: a call that runs out of time keeps the phases it finished
+        args.out.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(data, indent=1))
     if args.model == "v2_lite":
         summarize(data)
         ref, fp8 = data["phases"].get("dequant", {}), data["phases"].get("fp8", {})

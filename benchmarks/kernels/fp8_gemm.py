@@ -246,7 +246,7 @@ def main(argv=None) -> None:
     ap.add_argument("--prefill-t", type=ints, default=[2048, 8192])
     ap.add_argument("--decode-t", type=ints, default=[1, 16, 64])
     ap.add_argument("--mid-t", type=ints, default=[128, 256, 512],
-                    help="T between decode and prefill: where cublas_triton's switch to cuBLAS belongs (% of FP8 peak)")
+                    help="T between decode and prefill: where cublas_triton's switch to cuBLAS belongs (%% of FP8 peak)")
     ap.add_argument("--rep-ms", type=float, default=25)
     ap.add_argument("--flush", default="read", choices=("zero", "read"))
     ap.add_argument("--no-bf16", dest="bf16", action="store_false", help="skip the cuBLAS bf16 reference rows")

@@ -18,14 +18,18 @@ Results: docs/benchmarks/archive/moe_prefill_gemms_ncu_2026-11-26.md.
 
 from __future__ import annotations
 
+import argparse
 import os
-import sys
 
 import torch
 
 
-
 def main() -> None:
+    ap = argparse.ArgumentParser(description="GLM-4.7-Flash's MoE prefill GEMMs over five block tables "
+                                 "(NCU=1: one launch per table, for Nsight Compute)")
+    ap.add_argument("t", nargs="?", type=int, default=2048, help="tokens")
+    ap.add_argument("extra", nargs="?", type=int, default=16, help="the 64+16 table's experts with two blocks")
+    args = ap.parse_args()
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     from benchmarks.lib import moe_kernels as K
@@ -33,8 +37,7 @@ def main() -> None:
     from benchmarks.lib import moe_config
 
     e, k, h, i = 64, 4, 2048, 1536
-    t = int(sys.argv[1]) if len(sys.argv) > 1 else 2048
-    extra = int(sys.argv[2]) if len(sys.argv) > 2 else 16
+    t, extra = args.t, args.extra
     ncu = bool(os.environ.get("NCU"))
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(t)
