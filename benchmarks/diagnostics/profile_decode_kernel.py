@@ -32,9 +32,11 @@ SHOWN = ("cvt", "wgmma", "mma", "ld.shared", "st.shared", "ldmatrix", "stmatrix"
 
 def main() -> None:
     ap = argparse.ArgumentParser(description="the heads-on-N decode kernel for Nsight Compute / compiled-code counts")
-    ap.add_argument("caches", nargs="*", choices=("bf16", "fp8"), help="cache dtypes to launch on")
+    ap.add_argument("caches", nargs="*", help="cache dtypes to launch on: bf16 and/or fp8")
     ap.add_argument("--asm", action="store_true", help="print registers, spills, shared memory and PTX counts")
     args = ap.parse_args()
+    if set(args.caches) - {"bf16", "fp8"}:
+        ap.error(f"caches {args.caches}: each must be bf16 or fp8")
     dims = MLADims(16, 128, 64, 128, 512)
     for tag in args.caches:
         case = Case(dims, [(4095, 1)] * 64, torch.bfloat16, "cuda", seed=1)
