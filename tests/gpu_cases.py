@@ -118,8 +118,6 @@ SLOW: dict[str, str] = {
     "test_fp8_kernels_gpu.py::test_gpu_linear_backends_match_the_emulation[deepseek_v2_lite-scaled_mm]": "V3 kept",
     "test_fp8_kernels_gpu.py::test_gpu_moe_fp8_matches_the_emulation": "full-size FP8 expert stacks (up to 17 GB) per family",
     "test_fp8_kernels_gpu.py::test_gpu_fp8_ops_replay_in_cuda_graphs": "Triton compiles of both ops",
-    "test_fp8_kernels_gpu.py::test_gpu_fused_quant_gemm_is_act_quant_then_the_gemm[deepseek_v3]":
-        "V2-Lite's small linears (the case the fusion is for) stay",
 }
 
 #: test function (file::name) -> expected seconds of its default cases on a fresh H200
@@ -163,7 +161,6 @@ ESTIMATE_S: dict[str, int] = {
     "test_sparse_attention.py::test_gpu_flashinfer_sparse_ops_equal_the_reference": 15,
     "test_fp8_kernels_gpu.py::test_gpu_act_quant_matches_the_reference": 3,  # one compile
     "test_fp8_kernels_gpu.py::test_gpu_linear_backends_match_the_emulation": 4,  # cuBLAS, DeepSeek-V3 shapes
-    "test_fp8_kernels_gpu.py::test_gpu_fused_quant_gemm_is_act_quant_then_the_gemm": 3,  # V2-Lite: two tile configs
     # every case slow (SLOW names them)
     "test_startup.py::test_gpu_inductor_groups_compile_at_most_twice_and_requests_pay_no_capture": 0,
     "test_real_rope.py::test_gpu_v2_rewritten_under_inductor_matches_hf_bf16": 0,

@@ -38,9 +38,11 @@ def test_act_quant_kernel_equals_the_reference_bit_for_bit(dtype):
     x[1, :128] = 0  # an all-zero group: zeros, not NaN
     x[2, 5] = 1000.0  # one large value: the rest of its group lands in e4m3's small range
     x[3] *= 1e-3
+    x[4, 7], x[4, 8] = -1e-6, 1e-6  # round to zero: -0 (0x80) and +0, as torch's cast (the H200 once gave +0 for both)
     q, s = act_quant_reference(x, 128)
     qk, sk = act_quant(x, 128)
     assert torch.equal(bits(q), bits(qk)) and torch.equal(s, sk)
+    assert bits(qk)[4, 7] == 0x80 and bits(qk)[4, 8] == 0
     assert not s.isnan().any() and (bits(q[1, :128]) == 0).all()
     qt, st = act_quant(x, 128, "t")  # the token-major scale layout cuBLAS wants, written directly
     assert st.shape == (7, 3) and st.stride() == (1, 7) and torch.equal(st, s) and torch.equal(bits(qt), bits(q))

@@ -119,23 +119,3 @@ def test_gpu_fp8_ops_replay_in_cuda_graphs():
         torch.cuda.synchronize()
         assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1]), t
 
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("family", ["deepseek_v2_lite", "deepseek_v3"])
-def test_gpu_fused_quant_gemm_is_act_quant_then_the_gemm(family):
-    """Decode sizes quantize the activations inside the GEMM: the codes and scales it used are act_quant's
-    bit for bit, and its output is the emulation's (compiled: FP8 tensor-core sums)."""
-    from autodeploy_mla.custom_ops.fp8.gemm_triton import w8a8_fused_quant_gemm
-
-    for shape in linear_shapes(family, FP8_FAMILIES[family]):
-        w, s = random_block_weight((shape.n, shape.k), BLOCK, BLOCK, "cuda", seed=shape.n)
-        for t in (1, 64):
-            x = torch.randn(t, shape.k, device="cuda", dtype=torch.bfloat16) * 3
-            x[0, 5] = 900.0  # one group with a large amax
-            q = torch.empty(t, shape.k, device="cuda", dtype=torch.float8_e4m3fn)
-            sc = torch.empty(t, shape.k // BLOCK, device="cuda", dtype=torch.float32)
-            y = w8a8_fused_quant_gemm(x, w, s, None, BLOCK, BLOCK, codes=(q, sc))
-            q_ref, s_ref = act_quant_reference(x, BLOCK)
-            where = f"{shape.name} {shape.n}x{shape.k} T={t}"
-            assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(sc, s_ref), where
-            assert rel(y, w8a8_block_linear_emulated(x, w, s, None, BLOCK, BLOCK, torch.float32)) < 1e-2, where

@@ -7,9 +7,8 @@ Same run, same process:
   measure_peaks);
 - dense linears (benchmarks.lib.fp8_shapes: every FP8 linear of a decoder layer as the graph runs it)
   at prefill T in {2048, 8192}, decode T in {1, 16, 64} and the T in between {128, 256, 512} (`mid`:
-  where `cublas_triton` should switch from Triton to cuBLAS, unmeasured so far): each FP8 linear backend (its op, as the
-  graph calls it: activation quantization included; at decode sizes Triton's is inside the GEMM, and
-  `triton[unfused]` is the separate act_quant launch + GEMM for comparison) and cuBLAS bf16 (`F.linear` on a bf16 weight of
+  where `cublas_triton` switches from Triton to cuBLAS): each FP8 linear backend (its op, as the
+  graph calls it: activation quantization included) and cuBLAS bf16 (`F.linear` on a bf16 weight of
   the same shape) for reference. Prefill rows report TFLOP/s and % of the FP8 peak (target >= 70%),
   decode rows GB/s over weight + activation + output bytes and % of the copy bandwidth (target >= 80%);
 - MoE decode (T in {1, 16, 64}): triton_moe_experts_fp8 over random top-k routing vs its byte floor
@@ -93,9 +92,6 @@ def linear_rows(args, dev, target, peaks) -> list[dict[str, Any]]:
                     op = fp8_linear_op(name)
                     variants.append((name, (lambda op=op: op(x, w, s, None, BLOCK, BLOCK)) if chk.ok else None,
                                      "" if chk.ok else f"refused: {chk.reason}"))
-                if "triton" in args.backends and phase == "decode":  # the fused activation quantization's gain
-                    variants.append(("triton[unfused]", lambda: triton_block_linear(x, w, s, None, BLOCK, BLOCK,
-                                                                                    fuse_quant=False), ""))
                 if args.tune and "triton" in args.backends:
                     for cfg_t in TUNE_CONFIGS:
                         k_tiles = shape.k // BLOCK

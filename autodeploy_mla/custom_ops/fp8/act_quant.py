@@ -86,7 +86,9 @@ if HAS_TRITON:
         bits = (raw + (0x7FFFF + ((raw >> 20) & 1))) & -1048576  # clear the low 20 mantissa bits, RNE
         normal = bits.to(tl.float32, bitcast=True)
         sub = tl.abs((v + 24576.0) - 24576.0)
-        sub = tl.where(raw < 0, -sub, sub)  # the sign bit kept for values that round to zero (-0, as torch)
+        # v's sign bit ORed in (a value that rounds to zero stays -0, as torch's cast keeps it): not `-sub`,
+        # which Triton lowers to 0 - sub, and 0 - 0 is +0 (the H200's codes differed from torch's there)
+        sub = (sub.to(tl.int32, bitcast=True) | (raw & -2147483648)).to(tl.float32, bitcast=True)
         return tl.where(tl.abs(v) < 0.015625, sub, normal)
 
     @triton.jit

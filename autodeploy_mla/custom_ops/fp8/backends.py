@@ -157,11 +157,9 @@ class CublasTritonFP8Linear:
         tri = TritonFP8Linear().check(node, target)
         if not tri.ok:
             return CheckResult(False, f"its Triton half refuses: {tri.reason}")
-        return CheckResult(True, f"cuBLAS block-scaled FP8 for T >= {CUBLAS_MIN_TOKENS} tokens, Triton W8A8 (activation "
-                                 "quantization in the GEMM) below: on the H200 cuBLAS ran prefill (T 2048/8192) ~2x "
-                                 "faster than Triton, Triton decode (T <= 64) as fast or faster and cuBLAS had no T = 1 "
-                                 "algorithm (docs/benchmarks/fp8_weights_kernels.md); the threshold between T 64 and "
-                                 f"2048 is unmeasured ({cub.reason})")
+        return CheckResult(True, f"cuBLAS block-scaled FP8 for T >= {CUBLAS_MIN_TOKENS} tokens, Triton W8A8 below: on the "
+                                 "H200 Triton was as fast or faster at T <= 64 and cuBLAS faster from T = 128, up to "
+                                 f"1.9x at T 2048 / 8192 (docs/benchmarks/fp8_weights_kernels.md; {cub.reason})")
 
 
 @dataclass(frozen=True)

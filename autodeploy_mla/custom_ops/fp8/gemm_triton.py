@@ -8,7 +8,10 @@ Design (DeepSeek-V3's recipe, on tensor cores):
   tile is also the "promotion" DeepSeek describes: Hopper's FP8 MMA accumulates with reduced
   precision, so partial sums are moved into fp32 every 128 columns of K at the latest.
 - The weight is read in its checkpoint layout [N, K] (K contiguous: the K-major B operand FP8 MMA
-  wants on SM90); the activations are quantized just before (act_quant.py), [M, K] row-major.
+  wants on SM90); the activations are quantized just before (act_quant.py), [M, K] row-major. A
+  variant that quantized them inside the GEMM (saving that launch at decode sizes) was measured on
+  the H200 and removed: every N tile redid its rows' division, which made it 1.5-8x slower than the
+  separate launch at T 1-64 (docs/benchmarks/fp8_weights_kernels.md).
 - Prefill sizes (M > 64): 128 x 128 output tiles, grouped launch order so consecutive programs share
   weight tiles in L2. Decode sizes (M <= 64): 16-64 row tiles and split-K so that even a layer with
   few output tiles puts every SM to streaming its share of the weight; the fp32 partial sums of the
@@ -28,7 +31,7 @@ from typing import Optional
 import torch
 
 from ..triton_helpers import interpreting, pow2
-from .act_quant import AMAX_FLOOR, FP8_MAX, act_quant
+from .act_quant import act_quant
 from .emulation import check_block_weight
 
 try:
@@ -44,10 +47,6 @@ except ImportError as e:  # pragma: no cover - exercised only without triton
 
 #: SMs assumed when sizing split-K off a GPU (interpreter tests): an H200's
 DEFAULT_SMS = 132
-#: rows up to which the activations are quantized inside the GEMM (decode sizes, `gemm_config`'s split-K range)
-FUSED_QUANT_MAX_M = 64
-#: the largest group the fused kernel quantizes in one K tile (the decode configs' K tile)
-FUSED_QUANT_MAX_GROUP = 128
 
 
 @dataclass(frozen=True)
@@ -81,24 +80,7 @@ def gemm_config(m: int, n: int, k: int, group_k: int, compiled: bool, num_sms: i
     return GemmConfig(bm, bn, bk, max(1, split), 8, warps, stages)
 
 
-def fused_quant_config(m: int, n: int, k: int, group_k: int, compiled: bool, num_sms: int = DEFAULT_SMS) -> GemmConfig:
-    """gemm_config with the K tile set to the quantization group (one tile of a row = one group)."""
-    if not compiled:
-        return GemmConfig(16, 32, group_k, 1, 4, 1, 1)
-    c = gemm_config(m, n, k, group_k, compiled, num_sms)
-    return GemmConfig(c.block_m, c.block_n, group_k, c.split_k, c.group_m, c.num_warps, c.num_stages)
-
-
-def fuses_quant(m: int, block_k: int, config: Optional[GemmConfig]) -> bool:
-    """Whether `triton_block_linear` quantizes the activations inside the GEMM: decode sizes
-    (m <= FUSED_QUANT_MAX_M), a group one K tile covers, and a launch config (if given) whose K tile
-    is that group. A function of shapes only: each CUDA-graph bucket takes one path for good."""
-    return (0 < m <= FUSED_QUANT_MAX_M and 16 <= block_k <= FUSED_QUANT_MAX_GROUP and not block_k & (block_k - 1)
-            and (config is None or config.block_k == block_k))
-
-
 if HAS_TRITON:
-    from .act_quant import round_to_e4m3
 
     @triton.jit
     def fp8_dot(a, b, INTERPRETED: tl.constexpr):
@@ -177,106 +159,11 @@ if HAS_TRITON:
         tl.store(C + offs, acc.to(C.dtype.element_ty), mask=mask)
 
 
-if HAS_TRITON:
-
-    @triton.jit
-    def w8a8_fused_quant_gemm_kernel(
-        X, W, WS, BIAS, C, Q, S,
-        M, N, K, split_k,
-        stride_xm, stride_wn, stride_wsn, stride_wsk, stride_cs, stride_cm, stride_qm, stride_sm,
-        GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_Q: tl.constexpr, INTERPRETED: tl.constexpr,
-        FP8_MAX_C: tl.constexpr, AMAX_FLOOR_C: tl.constexpr,
-    ):
-        """w8a8_block_gemm_kernel on 16-bit activations, each K tile (= one quantization group of
-        BLOCK_K columns) quantized per row in registers as act_quant_kernel does. STORE_Q: the programs
-        of the first N tile also write the codes and scales (Q [M, K], S [M, K / BLOCK_K]) for tests."""
-        pid = tl.program_id(0)
-        pid_k = tl.program_id(1)
-        num_n = tl.cdiv(N, BLOCK_N)
-        pid_m = pid // num_n
-        pid_n = pid % num_n
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        mmask = offs_m < M
-        nmask = offs_n < N
-        m64 = offs_m.to(tl.int64)
-        n64 = offs_n.to(tl.int64)
-        ar_k = tl.arange(0, BLOCK_K)
-        k_tiles = tl.cdiv(K, BLOCK_K)
-        per_split = tl.cdiv(k_tiles, split_k)
-        kt0 = pid_k * per_split
-        kt1 = tl.minimum(kt0 + per_split, k_tiles)
-        x_rows = X + m64[:, None] * stride_xm
-        w_cols = W + n64[None, :] * stride_wn
-        ws_cols = WS + (offs_n // GROUP_N).to(tl.int64) * stride_wsn
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for kt in range(kt0, kt1):
-            offs_k = kt * BLOCK_K + ar_k
-            kmask = offs_k < K
-            x = tl.load(x_rows + offs_k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
-            amax = tl.maximum(tl.max(tl.abs(x), axis=1), AMAX_FLOOR_C)
-            a_s = tl.math.div_rn(amax, tl.full([BLOCK_M], FP8_MAX_C, tl.float32))
-            q = tl.math.div_rn(x, a_s[:, None])
-            q = round_to_e4m3(tl.minimum(tl.maximum(q, -FP8_MAX_C), FP8_MAX_C))
-            a = q.to(W.dtype.element_ty)
-            if STORE_Q:
-                if pid_n == 0:
-                    tl.store(Q + m64[:, None] * stride_qm + offs_k[None, :], a, mask=mmask[:, None] & kmask[None, :])
-                    tl.store(S + m64 * stride_sm + kt, a_s, mask=mmask)
-            w = tl.load(w_cols + offs_k[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
-            w_s = tl.load(ws_cols + kt * stride_wsk, mask=nmask, other=0.0)
-            acc += fp8_dot(a, w, INTERPRETED) * a_s[:, None] * w_s[None, :]
-        cmask = mmask[:, None] & nmask[None, :]
-        if not SPLIT:
-            if HAS_BIAS:
-                acc += tl.load(BIAS + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
-            tl.store(C + m64[:, None] * stride_cm + offs_n[None, :], acc.to(C.dtype.element_ty), mask=cmask)
-        else:
-            tl.store(C + pid_k * stride_cs + m64[:, None] * stride_cm + offs_n[None, :], acc, mask=cmask)
-
-
 def _split_sum(c: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Tensor) -> None:
     m, n = out.shape
     block = 1024
     splitk_sum_kernel[(-(-m * n // block),)](c, bias if bias is not None else c, out, m, n, c.stride(0), c.shape[0],
                                              HAS_BIAS=bias is not None, BLOCK=block)
-
-
-def w8a8_fused_quant_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                          bias: Optional[torch.Tensor], block_n: int, block_k: int,
-                          config: Optional[GemmConfig] = None, codes: Optional[tuple[torch.Tensor, torch.Tensor]] = None
-                          ) -> torch.Tensor:
-    """[M, N] in x.dtype from 16-bit x [M, K] (K-contiguous): the activations quantized per row and
-    `block_k` group inside the GEMM (one launch; two with split-K: the partial sums' reduction).
-    `codes`: ([M, K] e4m3, [M, ceil(K / block_k)] fp32) the kernel also fills with the codes and scales
-    it used (tests compare them with act_quant bit for bit)."""
-    if not HAS_TRITON:
-        raise RuntimeError(f"the Triton FP8 GEMM needs triton ({TRITON_IMPORT_ERROR}); pip install 'triton>=3.4'")
-    m, k = x.shape
-    n = weight.shape[0]
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if m == 0 or n == 0:
-        return out
-    compiled = x.device.type == "cuda" and not interpreting()
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if compiled else DEFAULT_SMS
-    cfg = config or fused_quant_config(m, n, k, block_k, compiled, sms)
-    if cfg.block_k != block_k:
-        raise ValueError(f"w8a8_fused_quant_gemm: the K tile ({cfg.block_k}) must be the quantization group "
-                         f"({block_k}): one tile of a row is quantized as one group")
-    c = out if cfg.split_k == 1 else torch.empty(cfg.split_k, m, n, dtype=torch.float32, device=x.device)
-    q, s = codes if codes is not None else (out, out)  # not written unless STORE_Q
-    w8a8_fused_quant_gemm_kernel[(-(-m // cfg.block_m) * -(-n // cfg.block_n), cfg.split_k)](
-        x, weight, weight_scale, bias if bias is not None else weight_scale, c, q, s,
-        m, n, k, cfg.split_k,
-        x.stride(0), weight.stride(0), weight_scale.stride(0), weight_scale.stride(1),
-        c.stride(0) if cfg.split_k > 1 else 0, n, q.stride(0), s.stride(0),
-        GROUP_N=block_n, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        SPLIT=cfg.split_k > 1, HAS_BIAS=bias is not None, STORE_Q=codes is not None, INTERPRETED=interpreting(),
-        FP8_MAX_C=FP8_MAX, AMAX_FLOOR_C=AMAX_FLOOR, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if cfg.split_k > 1:
-        _split_sum(c, bias, out)
-    return out
 
 
 def w8a8_block_gemm(x_fp8: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -314,26 +201,18 @@ def w8a8_block_gemm(x_fp8: torch.Tensor, x_scale: torch.Tensor, weight: torch.Te
 
 
 def triton_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: Optional[torch.Tensor],
-                        block_n: int, block_k: int, config: Optional[GemmConfig] = None,
-                        fuse_quant: Optional[bool] = None) -> torch.Tensor:
-    """The whole W8A8 linear: quantize x ([..., K]) per token and block_k group, then the GEMM; at
-    decode sizes (`fuses_quant`; `fuse_quant` forces either way, benchmarks) inside the GEMM."""
+                        block_n: int, block_k: int, config: Optional[GemmConfig] = None) -> torch.Tensor:
+    """The whole W8A8 linear: quantize x ([..., K]) per token and block_k group (one act_quant launch),
+    then the GEMM."""
     check_block_weight("fp8_block_linear_triton", weight, weight_scale, block_n, block_k)
     if weight.stride(1) != 1:
         raise ValueError("fp8_block_linear_triton: the weight must be K-contiguous ([N, K] row-major), got strides "
                          f"{weight.stride()}")
     lead, k = x.shape[:-1], x.shape[-1]
-    x2 = x.reshape(-1, k)
-    fused = fuses_quant(x2.shape[0], block_k, config) if fuse_quant is None else fuse_quant
-    if fused:
-        y = w8a8_fused_quant_gemm(x2 if x2.stride(1) == 1 else x2.contiguous(), weight, weight_scale, bias, block_n,
-                                  block_k, config)
-    else:
-        xq, xs = act_quant(x2, block_k)
-        y = w8a8_block_gemm(xq, xs, weight, weight_scale, bias, block_n, block_k, x.dtype, config)
+    xq, xs = act_quant(x.reshape(-1, k), block_k)
+    y = w8a8_block_gemm(xq, xs, weight, weight_scale, bias, block_n, block_k, x.dtype, config)
     return y.reshape(*lead, weight.shape[0])
 
 
-__all__ = ["DEFAULT_SMS", "FUSED_QUANT_MAX_GROUP", "FUSED_QUANT_MAX_M", "GemmConfig", "HAS_TRITON",
-           "TRITON_IMPORT_ERROR", "fused_quant_config", "fuses_quant", "gemm_config", "triton_block_linear",
-           "w8a8_block_gemm", "w8a8_fused_quant_gemm"]
+__all__ = ["DEFAULT_SMS", "GemmConfig", "HAS_TRITON", "TRITON_IMPORT_ERROR", "gemm_config", "triton_block_linear",
+           "w8a8_block_gemm"]

@@ -16,9 +16,9 @@ with the reason instead of launching).
   bf16 activations itself (per token and 128 columns) and reads the checkpoint's [N/128, K/128] scales.
 - `cublas_triton`: per call, by the number of tokens T (x's rows, a shape: known on the host, no
   sync; each CUDA-graph bucket has one T, so a captured step always replays the same path):
-  `scaled_mm` for T >= CUBLAS_MIN_TOKENS, the Triton path (activation quantization inside the GEMM)
-  below. A node of the graph sees prefill and decode steps alike, so one backend per node has to be
-  good at both; on the H200 neither single kernel was (docs/benchmarks/fp8_weights_kernels.md).
+  `scaled_mm` for T >= CUBLAS_MIN_TOKENS, the Triton path below. A node of the graph sees prefill
+  and decode steps alike, so one backend per node has to be good at both; on the H200 neither
+  single kernel was (docs/benchmarks/fp8_weights_kernels.md).
 """
 
 from __future__ import annotations
@@ -35,11 +35,12 @@ from .gemm_triton import triton_block_linear
 
 #: the block both library backends (cuBLAS block scaling, FlashInfer SM90) are built for
 LIBRARY_BLOCK = (128, 128)
-#: `cublas_triton`: tokens from which cuBLAS runs. Measured on the H200 (fp8_weights_kernels.md,
-#: 2026-11-29): cuBLAS ~2x Triton at T 2048 / 8192, Triton equal or faster at T <= 64 (and cuBLAS had no
-#: algorithm at T = 1). The crossover between 64 and 2048 is NOT measured yet: 256 is a guess, and
-#: benchmarks/kernels/fp8_gemm.py times T 128 / 256 / 512 by default so the next run places it.
-CUBLAS_MIN_TOKENS = 256
+#: `cublas_triton`: tokens from which cuBLAS runs. Measured on the H200 (docs/benchmarks/fp8_weights_kernels.md,
+#: 2026-11-29, DeepSeek-V3 and V2-Lite shapes): at T <= 64 Triton (act_quant + GEMM) was as fast as cuBLAS or
+#: faster on every shape; from T = 128 cuBLAS was faster on all but the narrow ones (N <= 2112, where the two
+#: were within 3 us), up to 1.9x at T 2048 / 8192. 65 puts Triton's split-K decode configs (M <= 64) below
+#: and cuBLAS above.
+CUBLAS_MIN_TOKENS = 65
 
 
 def quantize_activations(x2: torch.Tensor, group: int, scale_major: ScaleMajor = "k") -> tuple[torch.Tensor, torch.Tensor]:
