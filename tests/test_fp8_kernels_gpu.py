@@ -40,7 +40,11 @@ def test_gpu_act_quant_matches_the_reference():
     q, s = act_quant_reference(x, BLOCK)
     for major in ("k", "t"):
         qk, sk = act_quant(x, BLOCK, major)
-        assert torch.equal(qk.view(torch.uint8), q.view(torch.uint8)) and torch.equal(sk, s), major
+        bad = (qk.view(torch.uint8) != q.view(torch.uint8)).nonzero()[:5].tolist()
+        detail = [(r, c, float(x[r, c]), float(s[r, c // BLOCK]), hex(int(qk.view(torch.uint8)[r, c])),
+                   hex(int(q.view(torch.uint8)[r, c]))) for r, c in bad]
+        assert not bad, f"{major}: codes differ at (row, col, x, scale, kernel, reference) {detail}"
+        assert torch.equal(sk, s), (major, (sk != s).nonzero()[:5].tolist())
 
 
 @pytest.mark.gpu

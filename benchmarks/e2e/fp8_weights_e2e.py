@@ -56,8 +56,9 @@ from typing import Any, Optional
 
 import torch
 
-from benchmarks.lib import (MISTRAL_SMALL_4_119B, V2_LITE, command, error_line, machine, pyplot, serving_bench,
-                            time_decode, time_decode_stream, time_prefill, time_prefill_stream)
+from benchmarks.lib import (MISTRAL_SMALL_4_119B, V2_LITE, command, error_line, machine, profile_decode,
+                            profile_prefill, pyplot, serving_bench, time_decode, time_decode_stream, time_prefill,
+                            time_prefill_stream)
 
 REPO = Path(__file__).resolve().parents[2]
 STEM = "fp8_weights_e2e"
@@ -120,6 +121,10 @@ def build(args: argparse.Namespace, phase: str):
     return optimize(None, build_config(args, phase), overrides=overrides)
 
 
+def args_of(data: dict[str, Any], key: str) -> Any:
+    return data.get("args", {}).get(key)
+
+
 def build_facts(om) -> dict[str, Any]:
     """Which backends the build resolved (attention, FP8 linears, MoE), from its pass reports."""
     facts: dict[str, Any] = {"attention": sorted({d.backend for d in om.ctx.artifacts.decisions})}
@@ -131,6 +136,11 @@ def build_facts(om) -> dict[str, Any]:
             facts["fp8_linears"] = counts
         elif rec.name in ("fuse_moe", "fuse_gemms") and rec.enabled:
             facts[rec.name] = rec.summary
+    pw = getattr(om.runner, "piecewise", None)
+    if pw is not None:  # how the steps run: a whole-graph decode CUDA graph, or pieces (and which failed)
+        facts["graphs"] = {"decode_graph": pw.decode_graph, "pieces": len(pw.report),
+                           "not_capturable": sum(1 for r in pw.report if r.get("not_capturable")),
+                           "failures": {k: str(v)[:200] for k, v in list(pw.failures.items())[:5]}}
     facts["parameters"] = sum(p.numel() for p in om.eager_model.parameters())
     facts["weight_gib"] = sum(p.numel() * p.element_size() for p in om.eager_model.parameters()) / 2**30
     return facts
@@ -214,6 +224,13 @@ def run_v2_phase(args: argparse.Namespace, phase: str, work: Path) -> dict[str, 
         out["prefill"] = {**pre, "tokens": args.prefill_tokens, "reps": args.prefill_reps,
                           "tokens_per_s": args.prefill_tokens / ms * 1e3}
         print(f"[{phase}] decode {out['decode']}, prefill {out['prefill']}", flush=True)
+        if args.profile and cuda:  # where a decode step's device time goes, kernel by kernel
+            out["decode_profile"] = profile_decode(om, args.batch, args.context)
+            out["prefill_profile"] = profile_prefill(om, args.prefill_tokens)
+            print(f"[{phase}] decode profile: {out['decode_profile']['kernel_ms']:.2f} ms of kernels, "
+                  f"{out['decode_profile']['kernels_per_step']:.0f} per step; top: " + "; ".join(
+                      f"{k['kernel'][:60]} {k['us']:.0f}us x{k['launches']:.0f}" for k in out["decode_profile"]["top"]),
+                  flush=True)
     if phase != "bf16" and not args.no_accuracy:
         out.update(accuracy_outputs(om, args, work / f"{phase}_outputs.pt"))
     out["peak_gib"] = _peak_gib()
@@ -360,6 +377,22 @@ def render(data: dict[str, Any], out: Path) -> None:
                       f"{acc['logit_rel_l2_mean']:.4g} / {acc['logit_rel_l2_max']:.4g} |"]
         elif data.get("accuracy_note"):
             lines += ["", data["accuracy_note"]]
+        profs = {f"{n} decode": r["decode_profile"] for n, r in data["phases"].items() if r.get("decode_profile")}
+        profs.update({f"{n} prefill": r["prefill_profile"] for n, r in data["phases"].items() if r.get("prefill_profile")})
+        if profs:
+            lines += ["", f"Step kernels (`--profile`: torch.profiler over 5 decode steps of batch {args_of(data, 'batch')} "
+                      f"at context {args_of(data, 'context')} and 3 prefills of {args_of(data, 'prefill_tokens')} tokens; "
+                      "µs and launches per step, the top kernels by time):", ""]
+            for name, pr in profs.items():
+                lines += [f"**{name}**: {pr['kernel_ms']:.2f} ms of kernels, {pr['kernels_per_step']:.0f} per step", "",
+                          "| kernel | µs | launches |", "|---|---:|---:|"]
+                lines += [f"| `{k['kernel'][:90]}` | {k['us']:.0f} | {k['launches']:.0f} |" for k in pr.get("top", [])]
+                lines.append("")
+        graphs = {n: r["graphs"] for n, r in data["phases"].items() if r.get("graphs")}
+        if graphs:
+            lines += ["", "How the steps ran: " + "; ".join(
+                f"{n}: decode graph {g['decode_graph']}, {g['pieces']} pieces, {g['not_capturable']} not capturable"
+                + (f", failures {g['failures']}" if g.get("failures") else "") for n, g in graphs.items())]
     else:
         r = data["phases"].get("serve", {})
         c, bench = r.get("cache", {}), r.get("bench", {})
@@ -435,6 +468,7 @@ def parse(argv: Optional[list[str]]) -> argparse.Namespace:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--seq-len", type=int, default=64, help="accuracy: length of the forced sequences")
     ap.add_argument("--no-accuracy", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="v2_lite: also profile decode steps (top kernels per phase)")
     ap.add_argument("--num-requests", type=int, default=64, help="mistral: bench requests")
     ap.add_argument("--prompt-len", default="256:2048", help="mistral: bench prompt lengths")
     ap.add_argument("--output-len", default="128", help="mistral: bench output lengths")

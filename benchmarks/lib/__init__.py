@@ -34,7 +34,7 @@ HELPERS: dict[str, str] = {
     **{n: f"benchmarks.lib.decode_row:{n}" for n in ("bench_decode", "TORCH_DECODE_MAX_TOKENS")},
     **{n: f"benchmarks.lib.model_steps:{n}" for n in (
         "step_stats", "fill_ours", "decode_step", "run_ours", "profile_kernels", "device_events", "time_decode",
-        "time_prefill", "time_prefill_stream", "time_decode_stream")},
+        "time_prefill", "time_prefill_stream", "time_decode_stream", "profile_decode", "profile_prefill")},
     **{n: f"benchmarks.lib.model_build:{n}" for n in (
         "MODELS", "build_hf", "VARIANT_PARTS", "POLICY_PARTS", "RUNTIME_PARTS", "variant_policies",
         "variant_transforms", "build_model")},

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -95,18 +95,51 @@ def run_ours(om, piecewise, batch: int, context: int, steps: int, warmup: int, p
     return res
 
 
-def profile_kernels(om, batch: int, pos: int, tok: list[int], steps: int = 5) -> dict[str, Any]:
-    """Sum of device-side event times (kernels, memcpy, memset) per step, from torch.profiler."""
+def profile_top(fn: Callable[[], Any], steps: int, top: int, device: torch.device) -> dict[str, Any]:
+    """torch.profiler over `fn()` (which runs `steps` steps): device-side event time (kernels, memcpy,
+    memset) per step, and the `top` kernel names by device time with their µs and launches per step."""
     from torch.profiler import ProfilerActivity, profile
 
-    sync(om.device)
+    sync(device)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for i in range(steps):
-            tok = decode_step(om.runner, batch, pos + i, tok).argmax(-1).tolist()
-        sync(om.device)
+        fn()
+        sync(device)
     events = device_events(prof)
     total_us = sum(us for _, us in events)
-    return {"kernel_ms": total_us / 1e3 / steps, "kernels_per_step": len(events) / steps}
+    res: dict[str, Any] = {"kernel_ms": total_us / 1e3 / steps, "kernels_per_step": len(events) / steps}
+    if top:
+        per: dict[str, list[float]] = {}
+        for name, us in events:
+            per.setdefault(name, []).append(us)
+        ranked = sorted(per.items(), key=lambda kv: -sum(kv[1]))[:top]
+        res["top"] = [{"kernel": name[:120], "us": sum(v) / steps, "launches": len(v) / steps} for name, v in ranked]
+    return res
+
+
+def profile_kernels(om, batch: int, pos: int, tok: list[int], steps: int = 5, top: int = 0) -> dict[str, Any]:
+    """profile_top over `steps` decode steps of `batch` sequences from position `pos`."""
+
+    def run() -> None:
+        t = tok
+        for i in range(steps):
+            t = decode_step(om.runner, batch, pos + i, t).argmax(-1).tolist()
+
+    return profile_top(run, steps, top, om.device)
+
+
+def profile_decode(om, batch: int, context: int, steps: int = 5, top: int = 25) -> dict[str, Any]:
+    """profile_kernels over `steps` decode steps of `batch` sequences at `context` cached tokens."""
+    fill_ours(om, batch, context, steps + 8)
+    try:
+        return profile_kernels(om, batch, context, [1] * batch, steps, top)
+    finally:
+        for sid in list(om.runner.allocator.owners()):
+            om.runner.allocator.free(sid)
+
+
+def profile_prefill(om, tokens: int, steps: int = 3, top: int = 25) -> dict[str, Any]:
+    """profile_top over `steps` fresh prefills of `tokens` tokens (time_prefill_stream's steps)."""
+    return profile_top(lambda: time_prefill_stream(om, tokens, steps), steps, top, om.device)
 
 
 def device_events(prof) -> list[tuple[str, float]]:
