@@ -58,7 +58,10 @@ def act_quant_reference(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor
     t, k = x.shape
     kb = num_groups(k, group)
     xf = torch.nn.functional.pad(x.float(), (0, kb * group - k)).view(t, kb, group)
-    scale = xf.abs().amax(-1).clamp_min(AMAX_FLOOR) / FP8_MAX
+    # divided by a tensor, not the Python number: CUDA torch divides by a scalar as a multiply by its
+    # rounded reciprocal (12.25 / 448 came out 1 ulp above 7/256 on the H200), CPU torch and the kernel
+    # divide exactly, and a scale 1 ulp off moves codes that sit on a rounding midpoint
+    scale = xf.abs().amax(-1).clamp_min(AMAX_FLOOR) / torch.tensor(FP8_MAX, dtype=torch.float32, device=x.device)
     q = (xf / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q.view(t, kb * group)[:, :k].contiguous(), scale
 
