@@ -39,8 +39,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from benchmarks.lib import (FP8_FAMILIES, FP8_LINEAR_BACKENDS, TINY, FP8LinearNode, GemmConfig, Target, command,
-                            error_line, expert_shape, fp8_linear_backend, ints, fp8_linear_op, fused_moe_fp8,
+from benchmarks.lib import (FP8_FAMILIES, FP8_LINEAR_BACKENDS, TINY, FP8LinearNode, GemmConfig, Target, add_fp8_peak,
+                            command, error_line, expert_shape, fp8_linear_backend, ints, fp8_linear_op, fused_moe_fp8,
                             linear_shapes, machine, measure_peaks, moe_experts_fp8_emulated, pyplot,
                             random_block_weight, time_us, triton_block_linear, w8a8_block_linear_emulated)
 
@@ -51,15 +51,6 @@ DEEPGEMM_H800 = {(64, 2112, 7168): (206, 1688), (128, 2112, 7168): (352, 1509), 
 TUNE_CONFIGS = [GemmConfig(bm, bn, 128, sk, 8, w, s) for bm, bn, w, s, sk in (
     (16, 64, 4, 4, 0), (16, 128, 4, 4, 0), (32, 64, 4, 4, 0), (64, 64, 4, 4, 0),
     (64, 128, 4, 4, 1), (128, 128, 8, 3, 1), (128, 128, 8, 4, 1), (128, 256, 8, 3, 1), (64, 256, 8, 4, 1))]
-
-
-def fp8_peak_tflops(dev: torch.device, n: int) -> float:
-    """Dense e4m3 x e4m3 -> bf16 rate of `torch._scaled_mm` with per-tensor scales (no block scaling)."""
-    a = torch.randn(n, n, device=dev).to(torch.float8_e4m3fn)
-    b = torch.randn(n, n, device=dev).to(torch.float8_e4m3fn).t()
-    one = torch.ones((), device=dev)
-    us, _ = time_us(lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16), graph=True, rep_ms=50)
-    return 2 * n**3 / (us * 1e-6) / 1e12
 
 
 def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
@@ -257,13 +248,7 @@ def main(argv=None) -> None:
         args.prefill_t, args.mid_t, args.decode_t, args.rep_ms = [64], [], [1, 3], 5  # backends that cannot run here: refused rows
     t0 = time.time()
     target = Target.detect(dev, 64)
-    peaks = measure_peaks(dev, quick=args.smoke)
-    peaks["fp8_n"] = 512 if args.smoke or dev.type != "cuda" else 8192
-    try:
-        peaks["fp8_tflops"] = fp8_peak_tflops(dev, peaks["fp8_n"]) if dev.type == "cuda" else peaks["matmul_tflops"]
-    except Exception as e:  # noqa: BLE001 - no FP8 matmul on this device: % of peak against bf16
-        print(f"FP8 peak not measured ({error_line(e)}); prefill % against the bf16 peak")
-        peaks["fp8_tflops"] = peaks["matmul_tflops"]
+    peaks = add_fp8_peak(measure_peaks(dev, quick=args.smoke), dev, args.smoke)  # no FP8 matmul: % of the bf16 peak
     print(f"peaks: FP8 {peaks['fp8_tflops']:.0f} TFLOP/s, bf16 {peaks['matmul_tflops']:.0f} TFLOP/s, copy "
           f"{peaks['copy_gb_s']:.0f} GB/s", flush=True)
     result = {"machine": machine(command(argv)), "commit": args.commit, "peaks": peaks,

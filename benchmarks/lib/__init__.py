@@ -26,7 +26,7 @@ HELPERS: dict[str, str] = {
     **{n: f"benchmarks.lib.timing:{n}" for n in (
         "COPY_TBS", "BF16_TFLOPS", "FLUSH_MODES", "do_bench", "time_us", "host_ms", "graph_time_ms", "median_ms",
         "sync")},
-    "measure_peaks": "benchmarks.lib.peaks:measure_peaks",
+    **{n: f"benchmarks.lib.peaks:{n}" for n in ("measure_peaks", "fp8_peak_tflops", "add_fp8_peak")},
     **{n: f"benchmarks.lib.records:{n}" for n in ("error_line", "command", "machine")},
     "ints": "benchmarks.lib.args:ints",
     **{n: f"benchmarks.lib.mla_case:{n}" for n in (

@@ -114,8 +114,10 @@ def moe_experts_fp8_emulated(x: torch.Tensor, topk_ids: torch.Tensor, topk_weigh
 def fused_moe_fp8(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_up: torch.Tensor,
                   w_up_scale: torch.Tensor, w_down: torch.Tensor, w_down_scale: torch.Tensor, block_n: int,
                   block_k: int, block_m: Optional[int] = None, down_n: Optional[int] = None,
-                  activation: str = "silu") -> torch.Tensor:
-    """The Triton W8A8 experts computation; `block_m` / `down_n` override the launch config (tests, benchmarks)."""
+                  activation: str = "silu", num_warps: Optional[int] = None,
+                  num_stages: Optional[int] = None) -> torch.Tensor:
+    """The Triton W8A8 experts computation. `block_m` / `down_n` / `num_warps` / `num_stages`: launch config
+    overrides (tests, benchmarks; None = the config's). The up kernel's tiles stay block_k x block_k."""
     if not HAS_TRITON or FK is None:
         raise RuntimeError(f"triton_moe_experts_fp8 needs triton ({TRITON_IMPORT_ERROR}); pip install 'triton>=3.4'")
     t, k, e, h, i = check_moe_fp8_inputs("triton_moe_experts_fp8", x, topk_ids, topk_weights, w_up, w_up_scale, w_down,
@@ -133,7 +135,7 @@ def fused_moe_fp8(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
     compiled = x.device.type == "cuda" and not interpreting()
     cfg = moe_config(n, e, h, i, x.dtype, compiled)
     cfg = type(cfg)(block_m or (cfg.block_m if compiled else 16), block_k, block_k, down_n or (128 if compiled else 32),
-                    block_k, cfg.num_warps, cfg.num_stages if compiled else 1)
+                    block_k, num_warps or cfg.num_warps, num_stages or (cfg.num_stages if compiled else 1))
     layout = expert_layout(topk_ids.reshape(-1), e, cfg)
     max_blocks = layout.block_expert.shape[0]
     slots = max_blocks * cfg.block_m
