@@ -84,6 +84,7 @@ PUBLIC: dict[str, str] = {
     "MoEConfig": f"{_OPS}.moe:MoEConfig",
     "fused_moe": f"{_OPS}.moe:fused_moe",
     "moe_config": f"{_OPS}.moe.tuning:moe_config",
+    "moe_fp8_config": f"{_OPS}.moe.tuning:moe_fp8_config",
     "moe_kernels": f"{_OPS}.moe.kernels",
     "expert_layout": f"{_OPS}.moe.ops:expert_layout",
     "RoutingSpec": f"{_OPS}.moe.routing:RoutingSpec",

@@ -1,7 +1,8 @@
 """Launch configs of the block-FP8 MoE experts op (`fused_moe_fp8`: up_fp8_kernel + down_fp8_kernel).
 
-The op's launch config comes from `moe_config`, tuned for the 16-bit kernels; at prefill the FP8 op is
-~3x slower than the 16-bit one (DeepSeek-V2-Lite, T=2048: up_fp8_kernel 833 us vs up_sorted_kernel 278 us).
+The op's launch config comes from `moe_fp8_config` (custom_ops/moe/tuning.py), set from this sweep: before
+it, the 16-bit op's config made the FP8 op ~2x slower than the 16-bit one at prefill (DeepSeek-V2-Lite,
+T=2048: 1058 vs 473 us).
 For each family (`--families`: E, top-k, H, I of benchmarks.lib's FP8_FAMILIES) and T (`--tokens`), on
 random uniform top-k routing and random 128 x 128 block-FP8 experts, same run, same process:
 - the FP8 op at its default config (row `default`) and at every config of the grid: block_m x num_warps x
@@ -30,7 +31,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from benchmarks.lib import (FP8_FAMILIES, TINY, add_fp8_peak, command, error_line, expert_shape, fused_moe,
-                            fused_moe_fp8, ints, machine, measure_peaks, moe_config, moe_experts_fp8_emulated, pyplot,
+                            fused_moe_fp8, ints, machine, measure_peaks, moe_experts_fp8_emulated, moe_fp8_config, pyplot,
                             random_block_weight, time_us)
 
 BLOCK = 128
@@ -74,7 +75,7 @@ def family_rows(args, dev, peaks, fam: str, cfg: dict[str, Any], done: Callable[
         bytes_us = (used * per_expert + 2 * t * ex.hidden * x.element_size()) / (peaks["copy_gb_s"] * 1e9) * 1e6
         flop_us = 2 * 3 * n * ex.hidden * ex.inter / (peaks["fp8_tflops"] * 1e12) * 1e6
         ref = moe_experts_fp8_emulated(x, ids, wts, wu, su, wd, sd, block, block)
-        d = moe_config(n, ex.experts, ex.hidden, ex.inter, dtype, dev.type == "cuda")
+        d = moe_fp8_config(n, ex.experts, ex.hidden, ex.inter, block, dev.type == "cuda")
         base = {"family": fam, "experts": ex.experts, "top_k": ex.top_k, "hidden": ex.hidden, "inter": ex.inter,
                 "t": t, "n_pairs": n, "experts_used": used, "bytes_floor_us": bytes_us, "flop_floor_us": flop_us}
         variants = [("bf16", "bf16 fused_moe (default)", {}, lambda: fused_moe(x, ids, wts, wu16, wd16))]
@@ -86,7 +87,7 @@ def family_rows(args, dev, peaks, fam: str, cfg: dict[str, Any], done: Callable[
         for kind, name, c, fn in variants:
             row = {**base, "kind": kind, "config": name, **c, "us": None, "note": ""}
             if kind == "default":
-                row["note"] = f"moe_config: bm{d.block_m} w{d.num_warps} s{d.num_stages}"
+                row["note"] = f"moe_fp8_config: bm{d.block_m} w{d.num_warps} s{d.num_stages} dn{d.down_n}"
             try:
                 y = fn()
                 row["rel_err"] = None if kind == "bf16" else rel_err(y, ref)

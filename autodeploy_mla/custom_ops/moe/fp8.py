@@ -17,6 +17,7 @@ block scales, DeepSeek-V3's checkpoint layout per expert:
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import MappingProxyType
 from typing import Optional
 
@@ -27,7 +28,7 @@ from ..fp8.emulation import dequantize_activations
 from ..fp8.format import dequantize
 from ..triton_helpers import interpreting
 from .ops import HAS_TRITON, TRITON_IMPORT_ERROR, check_moe_shapes, _sum_over_topk, expert_layout
-from .tuning import moe_config
+from .tuning import moe_fp8_config
 
 FP8 = torch.float8_e4m3fn
 
@@ -133,9 +134,9 @@ def fused_moe_fp8(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
     if n == 0:
         return x.new_zeros(t, h)
     compiled = x.device.type == "cuda" and not interpreting()
-    cfg = moe_config(n, e, h, i, x.dtype, compiled)
-    cfg = type(cfg)(block_m or (cfg.block_m if compiled else 16), block_k, block_k, down_n or (128 if compiled else 32),
-                    block_k, num_warps or cfg.num_warps, num_stages or (cfg.num_stages if compiled else 1))
+    cfg = moe_fp8_config(n, e, h, i, block_k, compiled)
+    cfg = replace(cfg, block_m=block_m or cfg.block_m, down_n=down_n or cfg.down_n, num_warps=num_warps or cfg.num_warps,
+                  num_stages=num_stages or cfg.num_stages)
     layout = expert_layout(topk_ids.reshape(-1), e, cfg)
     max_blocks = layout.block_expert.shape[0]
     slots = max_blocks * cfg.block_m

@@ -55,3 +55,23 @@ def moe_config(n_pairs: int, num_experts: int, hidden: int, inter: int, dtype: t
     # T=2048, equal at 1024; 64-row blocks (less padding) slower at every size, the best of them by
     # 2-16% (docs/moe.md)
     return MoEConfig(block_m=128, up_n=128, up_k=64, down_n=256, down_k=64, num_warps=8, num_stages=4, sorted_tma=True)
+
+
+def moe_fp8_config(n_pairs: int, num_experts: int, hidden: int, inter: int, block_k: int,
+                   compiled: bool) -> MoEConfig:
+    """The block-FP8 kernels' config (up_fp8_kernel / down_fp8_kernel): their up tile is always
+    block_k x block_k (its epilogue quantizes one activation group per tile) with two fp32 accumulators
+    (gate and up), so the 16-bit configs do not carry over. H200 sweep (benchmarks/moe/sweep_moe_fp8.py,
+    docs/benchmarks/moe_fp8_sweep.md, 2026-11-29): decode (T=64 of V2-Lite / GLM-4.7-Flash) 16-row
+    blocks, 4 warps, 4 stages beat every 32-128-row config (169 vs 196 us, 1.29x the byte floor);
+    prefill (T=2048) 64-row blocks, 8 warps, 3 stages, 128-column down tiles: 585 vs 1058 us (V2-Lite)
+    and 465 vs 867 us (GLM) against the 128-row 16-bit config it used before. The range in between
+    (8 < pairs per expert <= 48) is not swept: it keeps the 16-bit op's 64-row, 4-warp config."""
+    if not compiled:
+        return MoEConfig(block_m=16, up_n=block_k, up_k=block_k, down_n=32, down_k=block_k, num_warps=4, num_stages=1)
+    avg = n_pairs / max(1, num_experts)
+    if avg <= 8:
+        return MoEConfig(block_m=16, up_n=block_k, up_k=block_k, down_n=128, down_k=block_k, num_warps=4, num_stages=4)
+    if avg <= 48:
+        return MoEConfig(block_m=64, up_n=block_k, up_k=block_k, down_n=128, down_k=block_k, num_warps=4, num_stages=3)
+    return MoEConfig(block_m=64, up_n=block_k, up_k=block_k, down_n=128, down_k=block_k, num_warps=8, num_stages=3)
