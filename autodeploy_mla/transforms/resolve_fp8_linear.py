@@ -36,9 +36,9 @@ from .registry import PassOptions, PassResult, Stage, register_pass
 SOURCE = torch.ops.autodeploy.fp8_block_linear.default
 FP8LinearBackendName = Literal["auto", "torch", "triton", "scaled_mm", "cublas_triton", "flashinfer"]
 #: auto order per device class. cuBLAS block scaling and FlashInfer's block-scale GEMM are SM90-only.
-#: sm90 (H200, docs/benchmarks/fp8_weights_kernels.md, 2026-11-29): cuBLAS ~2x our Triton at prefill
-#: (T 2048/8192), Triton equal or faster at decode (T <= 64, and cuBLAS had no T = 1 algorithm), so
-#: `cublas_triton` (each by token count, from the shape) first; the T threshold is unmeasured.
+#: sm90 (H200, docs/benchmarks/fp8_weights_kernels.md, 2026-11-29): cuBLAS up to 1.9x our Triton from
+#: T = 128 (prefill T 2048/8192 included), Triton equal or faster at decode (T <= 64), so `cublas_triton`
+#: (each by token count, from the shape: cuBLAS from linear_ops.CUBLAS_MIN_TOKENS = 65) first.
 DEFAULT_PREFERENCE: dict[str, list[str]] = {
     "sm100": ["triton", "torch"],
     "sm90": ["cublas_triton", "scaled_mm", "triton", "flashinfer", "torch"],

@@ -231,6 +231,11 @@ def run_v2_phase(args: argparse.Namespace, phase: str, work: Path) -> dict[str, 
                   f"{out['decode_profile']['kernels_per_step']:.0f} per step; top: " + "; ".join(
                       f"{k['kernel'][:60]} {k['us']:.0f}us x{k['launches']:.0f}" for k in out["decode_profile"]["top"]),
                   flush=True)
+    pw = getattr(om.runner, "piecewise", None)
+    if pw is not None:  # how the timed steps ran: graph replays, eager fallbacks, bind misses, capture failures
+        out["step_modes"] = {"stats": dict(pw.stats), "capture": pw.capture_stats,
+                             "failures": {k: str(v)[:200] for k, v in list(pw.failures.items())[:5]}}
+        print(f"[{phase}] step modes {json.dumps(out['step_modes'])}", flush=True)
     if phase != "bf16" and not args.no_accuracy:
         out.update(accuracy_outputs(om, args, work / f"{phase}_outputs.pt"))
     out["peak_gib"] = _peak_gib()
