@@ -48,8 +48,12 @@ BLOCK = 128
 #: DeepGEMM README (Feb 2025), H800 SXM, FP8 W8A8 1x128 / 128x128 scaling: (M, N, K) -> (TFLOP/s, GB/s)
 DEEPGEMM_H800 = {(64, 2112, 7168): (206, 1688), (128, 2112, 7168): (352, 1509), (128, 4096, 7168): (533, 2221),
                  (128, 7168, 2048): (510, 2277)}
+#: `--tune`: split_k 0 = gemm_config's rule (enough programs for 2 per SM), 1 = one launch (no split-K
+#: sum kernel: at decode sizes the op is three launches, act_quant + GEMM + sum, and V2-Lite's linears
+#: took 11-24 us whatever their bytes; narrow N tiles give a single launch enough programs)
 TUNE_CONFIGS = [GemmConfig(bm, bn, 128, sk, 8, w, s) for bm, bn, w, s, sk in (
     (16, 64, 4, 4, 0), (16, 128, 4, 4, 0), (32, 64, 4, 4, 0), (64, 64, 4, 4, 0),
+    (16, 32, 4, 4, 1), (64, 32, 4, 4, 1), (16, 64, 4, 4, 1), (64, 64, 4, 4, 1),
     (64, 128, 4, 4, 1), (128, 128, 8, 3, 1), (128, 128, 8, 4, 1), (128, 256, 8, 3, 1), (64, 256, 8, 4, 1))]
 
 
