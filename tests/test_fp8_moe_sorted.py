@@ -36,7 +36,7 @@ def make(t, h, i, e, k, bn, bk, dtype, shared=False, seed=0):
     return x, ids.to(torch.int32), w, wu, su, wd, sd
 
 
-CASES = [  # t, h, i, e, k, bn, bk, shared
+CASES = [  # t, h, i, e, k, bn, bk, shared; the 1st and 4th have whole tiles (the kernels' unmasked EVEN loops)
     (23, 64, 64, 8, 2, 32, 32, False),  # 46 pairs in 16-row blocks, two experts without rows
     (13, 96, 48, 12, 6, 32, 32, False),  # top-6; I=48: a partial intermediate group (the gate/up tile half empty)
     (19, 80, 64, 4, 2, 16, 32, True),  # shared expert (19 rows); H=80: a partial K block; bn < bk

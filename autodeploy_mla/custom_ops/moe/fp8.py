@@ -199,7 +199,7 @@ def _sorted_gemms(xq, xs, w_up, w_up_scale, w_down, w_down_scale, wts, layout, m
         w_up_scale.stride(2), mid_q.stride(0), mid_s.stride(0),
         GROUP_N=block_n, GROUP_K=block_k, BLOCK_M=bm, BLOCK_N=block_k, BLOCK_K=block_k, NUM_PROGRAMS=progs,
         MID_DTYPE=_TL_DTYPE[dtype], FP8_MAX_C=FP8_MAX, AMAX_FLOOR_C=AMAX_FLOOR, INTERPRETED=interp,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        EVEN=h % block_k == 0 and i % block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     pair_out = torch.empty(n, h, dtype=dtype, device=xq.device)
     progs = _programs(xq.device, max_blocks * -(-h // cfg.down_n))
     FK.down_fp8_sorted_kernel[(progs,)](
@@ -208,7 +208,8 @@ def _sorted_gemms(xq, xs, w_up, w_up_scale, w_down, w_down_scale, wts, layout, m
         mid_q.stride(0), mid_s.stride(0), w_down.stride(0), w_down.stride(1), w_down_scale.stride(0),
         w_down_scale.stride(1), w_down_scale.stride(2), pair_out.stride(0),
         GROUP_N=block_n, GROUP_K=block_k, BLOCK_M=bm, BLOCK_N=cfg.down_n, BLOCK_K=block_k, NUM_PROGRAMS=progs,
-        INTERPRETED=interp, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        INTERPRETED=interp, EVEN=i % block_k == 0 and h % cfg.down_n == 0, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
     return pair_out
 
 

@@ -173,6 +173,7 @@ def up_fp8_sorted_kernel(
     GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     MID_DTYPE: tl.constexpr, FP8_MAX_C: tl.constexpr, AMAX_FLOOR_C: tl.constexpr, INTERPRETED: tl.constexpr,
+    EVEN: tl.constexpr,
 ):
     """up_fp8_kernel's result over sorted rows: OUTQ[slot, n], OUTS[slot, group] = quant(act(xs[slot] . W[e, n]) *
     (xs[slot] . W[e, N + n])), xs given as sorted codes XQ [slots, K] and scales XS [slots, K / GROUP_K].
@@ -183,7 +184,8 @@ def up_fp8_sorted_kernel(
     the gate and up halves need not share a scale block; one product per K step, rescaled by the activation
     scale per row, added into one fp32 accumulator, split into its halves for the epilogue, which is
     up_fp8_kernel's (silu(gate) * up, rounded to MID_DTYPE, quantized per row over the tile: BLOCK_N ==
-    GROUP_K, one activation group). Every slot of a used block is written (padding slots hold zeros)."""
+    GROUP_K, one activation group). Every slot of a used block is written (padding slots hold zeros).
+    EVEN: K % BLOCK_K == 0 and N % BLOCK_N == 0 (the real models' dims): the K loop's loads go unmasked."""
     n_tiles_n = tl.cdiv(N, BLOCK_N)
     total = tl.load(NUM_BLOCKS) * n_tiles_n
     offs_m = tl.arange(0, BLOCK_M)
@@ -205,12 +207,18 @@ def up_fp8_sorted_kernel(
         as_ptr = XS + s64 * stride_xst
         acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            kmask = offs_k < K - k0
-            a = tl.load(a_ptr, mask=kmask[None, :], other=0.0)
-            w = tl.load(w_ptr, mask=kmask[:, None] & cmask[None, :], other=0.0)
             kb = k0 // GROUP_K
+            if EVEN:
+                a = tl.load(a_ptr)
+                w = tl.load(w_ptr)
+                w_s = tl.load(ws_ptr + kb * stride_wsk)
+            else:
+                kmask = offs_k < K - k0
+                a = tl.load(a_ptr, mask=kmask[None, :], other=0.0)
+                w = tl.load(w_ptr, mask=kmask[:, None] & cmask[None, :], other=0.0)
+                w_s = tl.load(ws_ptr + kb * stride_wsk, mask=cmask, other=0.0)
             a_s = tl.load(as_ptr + kb)[:, None]
-            acc += fp8_dot(a, w, INTERPRETED) * a_s * tl.load(ws_ptr + kb * stride_wsk, mask=cmask, other=0.0)[None, :]
+            acc += fp8_dot(a, w, INTERPRETED) * a_s * w_s[None, :]
             a_ptr += BLOCK_K
             w_ptr += BLOCK_K
         gate, up = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, BLOCK_N]), [0, 2, 1]))
@@ -233,10 +241,11 @@ def down_fp8_sorted_kernel(
     stride_at, stride_ast, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk, stride_ot,
     GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
-    INTERPRETED: tl.constexpr,
+    INTERPRETED: tl.constexpr, EVEN: tl.constexpr,
 ):
     """down_fp8_kernel persistent (tiles as up_fp8_sorted_kernel): OUT[pair, n] = weight[pair] * (A[slot] . W[e, n]),
-    A the sorted FP8 intermediate (codes AQ, scales AS; every slot of a used block written by the up kernel)."""
+    A the sorted FP8 intermediate (codes AQ, scales AS; every slot of a used block written by the up kernel).
+    EVEN: as up_fp8_sorted_kernel's."""
     n_tiles_n = tl.cdiv(N, BLOCK_N)
     total = tl.load(NUM_BLOCKS) * n_tiles_n
     offs_k = tl.arange(0, BLOCK_K)
@@ -254,12 +263,17 @@ def down_fp8_sorted_kernel(
         as_ptr = AS + s64 * stride_ast
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            kmask = offs_k < K - k0
-            a = tl.load(a_ptr, mask=kmask[None, :], other=0.0)
-            w = tl.load(w_ptr, mask=kmask[:, None] & nmask[None, :], other=0.0)
             kb = k0 // GROUP_K
+            if EVEN:
+                a = tl.load(a_ptr)
+                w = tl.load(w_ptr)
+                w_s = tl.load(ws_ptr + kb * stride_wsk)
+            else:
+                kmask = offs_k < K - k0
+                a = tl.load(a_ptr, mask=kmask[None, :], other=0.0)
+                w = tl.load(w_ptr, mask=kmask[:, None] & nmask[None, :], other=0.0)
+                w_s = tl.load(ws_ptr + kb * stride_wsk, mask=nmask, other=0.0)
             a_s = tl.load(as_ptr + kb)
-            w_s = tl.load(ws_ptr + kb * stride_wsk, mask=nmask, other=0.0)
             acc += fp8_dot(a, w, INTERPRETED) * a_s[:, None] * w_s[None, :]
             a_ptr += BLOCK_K
             w_ptr += BLOCK_K
