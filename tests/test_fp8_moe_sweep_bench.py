@@ -1,6 +1,7 @@
 """The FP8 MoE launch-config sweep's own plumbing on the CPU (`--smoke`: tiny shapes, Triton interpreted):
 every row has a time or the error that stopped it, the FP8 rows match the fp32 emulation, and the
-tables (best per size, every config per size) and the JSON are written."""
+tables (best per size, every config per size) and the JSON are written; the sorted-rows path
+(`persistent_sorted`) has its own rows."""
 
 from __future__ import annotations
 
@@ -14,13 +15,15 @@ def test_smoke_run_writes_every_row_and_the_best_per_size(tmp_path):
     res = json.loads((tmp_path / "moe_fp8_sweep.json").read_text())
     rows = res["rows"]
     assert res["peaks"]["fp8_tflops"] > 0 and res["machine"]["command"]
-    assert {(r["t"], r["kind"]) for r in rows} == {(t, k) for t in (5, 24) for k in ("bf16", "default", "grid")}
+    assert {(r["t"], r["kind"]) for r in rows} == {(t, k) for t in (5, 24) for k in ("bf16", "default", "grid", "sorted")}
     assert all(r["us"] is not None and r["bytes_floor_us"] > 0 and r["flop_floor_us"] > 0 for r in rows)
     fp8 = [r for r in rows if r["kind"] != "bf16"]
     assert all(r["rel_err"] < 1e-5 and r["x_bf16"] > 0 and r["x_floor"] > 0 for r in fp8)  # fp32: the emulation
     assert {r["config"] for r in rows if r["kind"] == "grid"} == {"bm16 w4 s1 dn32", "bm32 w4 s1 dn32"}
+    assert {r["config"] for r in rows if r["kind"] == "sorted"} == {"sorted bm16 w4 s1 dn32", "sorted bm16 w4 s1 dn64"}
     md = (tmp_path / "moe_fp8_sweep.md").read_text()
     assert "## Best config per size" in md and "| tiny | 5 | " in md and "| tiny | 24 | " in md
+    assert "| sorted bm16 w4 s1 dn" in md  # the best sorted config per size, and its rows
     assert "## tiny (E 4, top-2, H 128, I 64), T=24" in md
 
 
@@ -28,9 +31,10 @@ def test_a_config_that_fails_is_a_row_with_its_error(tmp_path, monkeypatch):
     # 48 columns per down tile: tl.arange needs a power of two, so the down kernel fails to build
     monkeypatch.setattr(sweep_moe_fp8, "SMOKE_GRID", {"block_m": (16,), "num_warps": (4,), "num_stages": (1,),
                                                       "down_n": (48,)})
-    sweep_moe_fp8.main(["--smoke", "--no-bf16", "--out", str(tmp_path)])
+    sweep_moe_fp8.main(["--smoke", "--no-bf16", "--no-sorted", "--out", str(tmp_path)])
     rows = json.loads((tmp_path / "moe_fp8_sweep.json").read_text())["rows"]
     bad = [r for r in rows if r["kind"] == "grid"]
     assert bad and all(r["us"] is None and r["note"] for r in bad)
     assert all(r["us"] is not None for r in rows if r["kind"] == "default")
+    assert not any(r["kind"] == "sorted" for r in rows)
     assert "bm16 w4 s1 dn48" in (tmp_path / "moe_fp8_sweep.md").read_text()

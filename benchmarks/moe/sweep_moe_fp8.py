@@ -8,6 +8,10 @@ random uniform top-k routing and random 128 x 128 block-FP8 experts, same run, s
 - the FP8 op at its default config (row `default`) and at every config of the grid: block_m x num_warps x
   num_stages x down_n (the up kernel's tiles stay block_k x block_k: its epilogue quantizes one activation
   group per tile); a config that fails to compile or launch (shared memory) is a row with the error;
+- the sorted-rows persistent path (`persistent_sorted=True`, rows `sorted`: the activations' FP8 codes and
+  scales copied into expert order once, persistent up / down GEMMs, gate and up in one product; opt-in until
+  this sweep has measured it) at every config of SORTED_GRID, so one run compares it with the gathered
+  kernels (`--no-sorted` / `--no-grid` leave either out);
 - the 16-bit op (`fused_moe`, its default config) on the same routing with bf16 experts of the same shape;
 - floors: bytes (FP8 weights + scales of the experts routed to, activations in and out, over the copy
   bandwidth) and FLOPs (2 x 3 x pairs x H x I over the FP8 peak, `add_fp8_peak`), both measured here;
@@ -16,6 +20,7 @@ Device time: CUDA-graph replay medians with L2 emptied before each run (`--flush
 
     python -m benchmarks.moe.sweep_moe_fp8 --out /tmp/moe_fp8 --commit $(git rev-parse --short HEAD)
     python -m benchmarks.moe.sweep_moe_fp8 --quick --out /tmp/moe_fp8   # V2-Lite and GLM, T 512 and 2048
+    python -m benchmarks.moe.sweep_moe_fp8 --quick --no-grid --out /tmp/moe_fp8   # default vs sorted vs bf16
     TRITON_INTERPRET=1 python -m benchmarks.moe.sweep_moe_fp8 --smoke --out /tmp/moe_fp8_smoke   # CPU, tiny
 """
 
@@ -37,6 +42,10 @@ from benchmarks.lib import (FP8_FAMILIES, TINY, add_fp8_peak, command, error_lin
 BLOCK = 128
 GRID = {"block_m": (32, 64, 128), "num_warps": (4, 8), "num_stages": (2, 3, 4), "down_n": (64, 128)}
 SMOKE_GRID = {"block_m": (16, 32), "num_warps": (4,), "num_stages": (1,), "down_n": (32,)}
+#: the sorted-rows path (`persistent_sorted=True`): prefill-sized row blocks; 128-row blocks put a [128, 256]
+#: fp32 accumulator (gate and up) in the up kernel, 256-column down tiles are the 16-bit op's prefill choice
+SORTED_GRID = {"block_m": (64, 128), "num_warps": (4, 8), "num_stages": (3, 4), "down_n": (128, 256)}
+SMOKE_SORTED_GRID = {"block_m": (16,), "num_warps": (4,), "num_stages": (1,), "down_n": (32, 64)}
 KEYS = tuple(GRID)
 
 
@@ -48,9 +57,13 @@ def label(c: dict[str, int]) -> str:
     return f"bm{c['block_m']} w{c['num_warps']} s{c['num_stages']} dn{c['down_n']}"
 
 
-def grid(smoke: bool) -> list[dict[str, int]]:
-    g = SMOKE_GRID if smoke else GRID
+def grid(smoke: bool, sorted_rows: bool = False) -> list[dict[str, int]]:
+    g = (SMOKE_SORTED_GRID if smoke else SORTED_GRID) if sorted_rows else (SMOKE_GRID if smoke else GRID)
     return [dict(zip(KEYS, vals)) for vals in itertools.product(*g.values())]
+
+
+def sorted_label(c: dict[str, int]) -> str:
+    return "sorted " + label(c)
 
 
 Rows = list[dict[str, Any]]
@@ -82,7 +95,10 @@ def family_rows(args, dev, peaks, fam: str, cfg: dict[str, Any], done: Callable[
         variants = variants if args.bf16 else []
         variants.append(("default", "default", {}, lambda: fused_moe_fp8(x, ids, wts, wu, su, wd, sd, block, block)))
         variants += [("grid", label(c), c, lambda c=c: fused_moe_fp8(x, ids, wts, wu, su, wd, sd, block, block, **c))
-                     for c in grid(args.smoke)]
+                     for c in (grid(args.smoke) if args.grid else [])]
+        variants += [("sorted", sorted_label(c), c, lambda c=c: fused_moe_fp8(x, ids, wts, wu, su, wd, sd, block, block,
+                                                                                persistent_sorted=True, **c))
+                     for c in (grid(args.smoke, sorted_rows=True) if args.sorted else [])]
         case, bf16_us = [], None
         for kind, name, c, fn in variants:
             row = {**base, "kind": kind, "config": name, **c, "us": None, "note": ""}
@@ -114,9 +130,10 @@ def _num(v: Optional[float], fmt: str) -> str:
     return "" if v is None else fmt.format(v)
 
 
-def best(rows: list[dict[str, Any]], tol: float) -> Optional[dict[str, Any]]:
-    """The fastest FP8 row (default or grid) whose error is within `tol`."""
-    ok = [r for r in rows if r["kind"] != "bf16" and r["us"] is not None and (r.get("rel_err") or 0) <= tol]
+def best(rows: list[dict[str, Any]], tol: float, kinds: tuple[str, ...] = ("default", "grid", "sorted")
+         ) -> Optional[dict[str, Any]]:
+    """The fastest FP8 row of `kinds` (default, grid, sorted) whose error is within `tol`."""
+    ok = [r for r in rows if r["kind"] in kinds and r["us"] is not None and (r.get("rel_err") or 0) <= tol]
     return min(ok, key=lambda r: r["us"]) if ok else None
 
 
@@ -136,20 +153,24 @@ def write(out: Path, result: dict[str, Any]) -> None:
              f"{result.get('commit') or '?'}.", "",
              f"Peaks measured in this run: FP8 {p['fp8_tflops']:.0f} TFLOP/s (scaled_mm per-tensor, n={p['fp8_n']}), "
              f"copy {p['copy_gb_s']:.0f} GB/s. Floor = max(bytes floor, FLOP floor); grid: block_m x warps x stages "
-             f"x down_n (bm/w/s/dn), the up tiles block_k x block_k. Best: the fastest FP8 row with rel err <= "
-             f"{tol:g}.",
+             f"x down_n (bm/w/s/dn), the up tiles block_k x block_k; `sorted`: the sorted-rows persistent path "
+             f"(persistent_sorted=True) at those configs. Best: the fastest FP8 row with rel err <= {tol:g}; best "
+             "sorted: the fastest sorted row.",
              "", "## Best config per size", "",
-             "| family | T | used / E | default us | best config | best us | x default | bf16 us | best x bf16 | "
-             "bytes floor us | FLOP floor us | best x floor |",
-             "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| family | T | used / E | default us | best config | best us | x default | best sorted | sorted us | "
+             "sorted x default | bf16 us | best x bf16 | bytes floor us | FLOP floor us | best x floor |",
+             "|---|---:|---:|---:|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     groups = cases(result)
     for (fam, t), rs in groups.items():
         b, dflt = best(rs, tol), next((r for r in rs if r["kind"] == "default"), {})
+        bs = best(rs, tol, ("sorted",))
         bf = next((r for r in rs if r["kind"] == "bf16"), {})
         r0 = rs[0]
         lines.append(f"| {fam} | {t} | {r0['experts_used']} / {r0['experts']} | {_num(dflt.get('us'), '{:.1f}')} | "
                      f"{b['config'] if b else 'none'} | {_num(b and b['us'], '{:.1f}')} | "
                      f"{_num(b and dflt.get('us') and b['us'] / dflt['us'], '{:.2f}')} | "
+                     f"{bs['config'] if bs else 'none'} | {_num(bs and bs['us'], '{:.1f}')} | "
+                     f"{_num(bs and dflt.get('us') and bs['us'] / dflt['us'], '{:.2f}')} | "
                      f"{_num(bf.get('us'), '{:.1f}')} | {_num(b and b.get('x_bf16'), '{:.2f}')} | "
                      f"{r0['bytes_floor_us']:.1f} | {r0['flop_floor_us']:.1f} | "
                      f"{_num(b and b.get('x_floor'), '{:.2f}')} |")
@@ -157,7 +178,8 @@ def write(out: Path, result: dict[str, Any]) -> None:
         r0 = rs[0]
         lines += ["", f"## {fam} (E {r0['experts']}, top-{r0['top_k']}, H {r0['hidden']}, I {r0['inter']}), T={t}", "",
                   "| config | us | x bf16 | x max(floor) | rel err | note |", "|---|---:|---:|---:|---:|---|"]
-        order = sorted(rs, key=lambda r: (("bf16", "default", "grid").index(r["kind"]), r["us"] is None, r["us"] or 0))
+        order = sorted(rs, key=lambda r: (("bf16", "default", "grid", "sorted").index(r["kind"]), r["us"] is None,
+                                          r["us"] or 0))
         lines += [f"| {r['config']} | {_num(r['us'], '{:.1f}')} | {_num(r['x_bf16'], '{:.2f}')} | "
                   f"{_num(r.get('x_floor'), '{:.2f}')} | {_num(r.get('rel_err'), '{:.1e}')} | {r['note']} |"
                   for r in order]
@@ -170,13 +192,15 @@ def write(out: Path, result: dict[str, Any]) -> None:
     for ax, fam in zip(axes[0], fams):
         ts = sorted(t for f, t in groups if f == fam)
         pick = {"default": lambda rs: next((r for r in rs if r["kind"] == "default"), None),
-                "best": lambda rs: best(rs, tol), "bf16": lambda rs: next((r for r in rs if r["kind"] == "bf16"), None)}
+                "best gathered": lambda rs: best(rs, tol, ("default", "grid")),
+                "best sorted": lambda rs: best(rs, tol, ("sorted",)),
+                "bf16": lambda rs: next((r for r in rs if r["kind"] == "bf16"), None)}
         for j, (name, fn) in enumerate(pick.items()):
             vals = [(fn(groups[(fam, t)]) or {}).get("us") or 0 for t in ts]
-            ax.bar([i + 0.27 * j for i in range(len(ts))], vals, 0.27, label=name)
+            ax.bar([i + 0.2 * j for i in range(len(ts))], vals, 0.2, label=name)
         floors = [max(groups[(fam, t)][0]["bytes_floor_us"], groups[(fam, t)][0]["flop_floor_us"]) for t in ts]
-        ax.scatter([i + 0.27 for i in range(len(ts))], floors, marker="_", s=400, color="k", label="floor")
-        ax.set_xticks([i + 0.27 for i in range(len(ts))], [f"T={t}" for t in ts])
+        ax.scatter([i + 0.3 for i in range(len(ts))], floors, marker="_", s=400, color="k", label="floor")
+        ax.set_xticks([i + 0.3 for i in range(len(ts))], [f"T={t}" for t in ts])
         ax.set_yscale("log")
         ax.set_ylabel("us")
         ax.set_title(fam)
@@ -197,6 +221,10 @@ def main(argv=None) -> int:
     ap.add_argument("--flush", default="read", choices=("zero", "read"))
     ap.add_argument("--err-tol", type=float, default=5e-2, help="rel err above which a config cannot be the best")
     ap.add_argument("--no-bf16", dest="bf16", action="store_false", help="skip the 16-bit reference rows")
+    ap.add_argument("--no-grid", dest="grid", action="store_false",
+                    help="skip the gathered kernels' grid (the default config row stays)")
+    ap.add_argument("--no-sorted", dest="sorted", action="store_false",
+                    help="skip the sorted-rows path's rows (persistent_sorted=True at SORTED_GRID's configs)")
     ap.add_argument("--commit", default="", help="recorded in the report")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, 2 configs (CPU: TRITON_INTERPRET=1)")
     args = ap.parse_args(argv)
@@ -212,7 +240,8 @@ def main(argv=None) -> int:
     peaks = add_fp8_peak(measure_peaks(dev, quick=args.smoke), dev, args.smoke)
     print(f"peaks: FP8 {peaks['fp8_tflops']:.0f} TFLOP/s, copy {peaks['copy_gb_s']:.0f} GB/s", flush=True)
     result = {"machine": machine(command(argv)), "commit": args.commit, "peaks": peaks, "err_tol": args.err_tol,
-              "grid": SMOKE_GRID if args.smoke else GRID, "rows": []}
+              "grid": SMOKE_GRID if args.smoke else GRID,
+              "sorted_grid": SMOKE_SORTED_GRID if args.smoke else SORTED_GRID, "rows": []}
     def done(case: list[dict[str, Any]]) -> None:  # written after every (family, T): a run cut short keeps them
         result["rows"] += case
         result["seconds"] = time.time() - t0

@@ -116,9 +116,11 @@ def fused_moe_fp8(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
                   w_up_scale: torch.Tensor, w_down: torch.Tensor, w_down_scale: torch.Tensor, block_n: int,
                   block_k: int, block_m: Optional[int] = None, down_n: Optional[int] = None,
                   activation: str = "silu", num_warps: Optional[int] = None,
-                  num_stages: Optional[int] = None) -> torch.Tensor:
-    """The Triton W8A8 experts computation. `block_m` / `down_n` / `num_warps` / `num_stages`: launch config
-    overrides (tests, benchmarks; None = the config's). The up kernel's tiles stay block_k x block_k."""
+                  num_stages: Optional[int] = None, persistent_sorted: Optional[bool] = None) -> torch.Tensor:
+    """The Triton W8A8 experts computation. `block_m` / `down_n` / `num_warps` / `num_stages` /
+    `persistent_sorted`: launch config overrides (tests, benchmarks; None = the config's). The up kernel's
+    tiles stay block_k x block_k. `persistent_sorted`: the rows' FP8 codes and scales copied into expert order
+    once, then persistent GEMMs over them (`_sorted_gemms`; opt-in until measured, moe_fp8_config)."""
     if not HAS_TRITON or FK is None:
         raise RuntimeError(f"triton_moe_experts_fp8 needs triton ({TRITON_IMPORT_ERROR}); pip install 'triton>=3.4'")
     t, k, e, h, i = check_moe_fp8_inputs("triton_moe_experts_fp8", x, topk_ids, topk_weights, w_up, w_up_scale, w_down,
@@ -136,13 +138,18 @@ def fused_moe_fp8(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
     compiled = x.device.type == "cuda" and not interpreting()
     cfg = moe_fp8_config(n, e, h, i, block_k, compiled)
     cfg = replace(cfg, block_m=block_m or cfg.block_m, down_n=down_n or cfg.down_n, num_warps=num_warps or cfg.num_warps,
-                  num_stages=num_stages or cfg.num_stages)
+                  num_stages=num_stages or cfg.num_stages,
+                  persistent_sorted=cfg.persistent_sorted if persistent_sorted is None else persistent_sorted)
     layout = expert_layout(topk_ids.reshape(-1), e, cfg)
     max_blocks = layout.block_expert.shape[0]
     slots = max_blocks * cfg.block_m
     xq, xs = act_quant(x, block_k)
     mid_q = torch.empty(slots, i, dtype=FP8, device=x.device)
     mid_s = torch.empty(slots, -(-i // block_k), dtype=torch.float32, device=x.device)
+    if cfg.persistent_sorted:
+        pair_out = _sorted_gemms(xq, xs, w_up, w_up_scale, w_down, w_down_scale, topk_weights.reshape(-1), layout,
+                                 mid_q, mid_s, cfg, n, k, h, i, block_n, block_k, x.dtype)
+        return _sum_over_topk(pair_out, t, k, h)
     FK.up_fp8_kernel[(-(-i // block_k), max_blocks)](
         xq, xs, w_up, w_up_scale, layout.sorted_pairs, layout.block_expert, mid_q, mid_s, n, h, i,
         xq.stride(0), xs.stride(0), w_up.stride(0), w_up.stride(1), w_up_scale.stride(0), w_up_scale.stride(1),
@@ -159,6 +166,51 @@ def fused_moe_fp8(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
         GROUP_N=block_n, GROUP_K=block_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_n, BLOCK_K=block_k,
         INTERPRETED=interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return _sum_over_topk(pair_out, t, k, h)
+
+
+#: programs of a persistent FP8 GEMM under the interpreter: fewer than its tiles, so that the CPU tests walk
+#: several tiles per program (on a GPU: one per SM)
+INTERPRETED_PROGRAMS = 3
+
+
+def _programs(device: torch.device, tiles: int) -> int:
+    if device.type != "cuda" or interpreting():
+        return max(1, min(INTERPRETED_PROGRAMS, tiles))
+    return max(1, min(torch.cuda.get_device_properties(device).multi_processor_count, tiles))
+
+
+def _sorted_gemms(xq, xs, w_up, w_up_scale, w_down, w_down_scale, wts, layout, mid_q, mid_s, cfg, n: int, k: int,
+                  h: int, i: int, block_n: int, block_k: int, dtype: torch.dtype) -> torch.Tensor:
+    """[n, H] per-pair outputs through the sorted-rows path: the quantized rows (codes + scales) copied into
+    expert order (gather_fp8_kernel), then the persistent up and down GEMMs over them, both walking the
+    blocks in use (`layout.num_blocks`, read on the device: no host sync, CUDA-graph safe)."""
+    bm = cfg.block_m
+    max_blocks = layout.block_expert.shape[0]
+    slots, kb = max_blocks * bm, xs.shape[1]
+    xq_s = torch.empty(slots, h, dtype=FP8, device=xq.device)
+    xs_s = torch.empty(slots, kb, dtype=torch.float32, device=xq.device)
+    FK.gather_fp8_kernel[(max_blocks, kb)](xq, xs, layout.sorted_pairs, layout.block_expert, xq_s, xs_s, n, h, kb,
+                                           xq.stride(0), xs.stride(0), TOP_K=k, BLOCK_M=bm, GROUP_K=block_k)
+    interp = interpreting()
+    progs = _programs(xq.device, max_blocks * -(-i // block_k))
+    FK.up_fp8_sorted_kernel[(progs,)](
+        xq_s, xs_s, w_up, w_up_scale, layout.block_expert, layout.num_blocks, mid_q, mid_s, h, i,
+        xq_s.stride(0), xs_s.stride(0), w_up.stride(0), w_up.stride(1), w_up_scale.stride(0), w_up_scale.stride(1),
+        w_up_scale.stride(2), mid_q.stride(0), mid_s.stride(0),
+        GROUP_N=block_n, GROUP_K=block_k, BLOCK_M=bm, BLOCK_N=block_k, BLOCK_K=block_k, NUM_PROGRAMS=progs,
+        MID_DTYPE=_TL_DTYPE[dtype], FP8_MAX_C=FP8_MAX, AMAX_FLOOR_C=AMAX_FLOOR, INTERPRETED=interp,
+        EVEN=h % block_k == 0 and i % block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    pair_out = torch.empty(n, h, dtype=dtype, device=xq.device)
+    progs = _programs(xq.device, max_blocks * -(-h // cfg.down_n))
+    FK.down_fp8_sorted_kernel[(progs,)](
+        mid_q, mid_s, w_down, w_down_scale, layout.sorted_pairs, layout.block_expert, layout.num_blocks, wts,
+        pair_out, n, i, h,
+        mid_q.stride(0), mid_s.stride(0), w_down.stride(0), w_down.stride(1), w_down_scale.stride(0),
+        w_down_scale.stride(1), w_down_scale.stride(2), pair_out.stride(0),
+        GROUP_N=block_n, GROUP_K=block_k, BLOCK_M=bm, BLOCK_N=cfg.down_n, BLOCK_K=block_k, NUM_PROGRAMS=progs,
+        INTERPRETED=interp, EVEN=i % block_k == 0 and h % cfg.down_n == 0, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
+    return pair_out
 
 
 @torch.library.custom_op("autodeploy::triton_moe_experts_fp8", mutates_args=())

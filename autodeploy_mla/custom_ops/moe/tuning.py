@@ -23,6 +23,9 @@ class MoEConfig:
     num_warps: int = 4
     num_stages: int = 3
     sorted_tma: bool = False  # prefill: rows copied into expert order first, GEMM operands by TMA descriptor
+    # FP8 op only (fused_moe_fp8): activation codes + scales copied into expert order, persistent up / down
+    # GEMMs by pointer loads (fp8_kernels.up_fp8_sorted_kernel / down_fp8_sorted_kernel); the 16-bit op ignores it
+    persistent_sorted: bool = False
 
     def align_chunk(self, e_p2: int) -> int:
         """Pairs per layout program: a [CHUNK, E] one-hot tile of ~8K elements."""
@@ -66,7 +69,11 @@ def moe_fp8_config(n_pairs: int, num_experts: int, hidden: int, inter: int, bloc
     blocks, 4 warps, 4 stages beat every 32-128-row config (169 vs 196 us, 1.29x the byte floor);
     prefill (T=2048) 64-row blocks, 8 warps, 3 stages, 128-column down tiles: 585 vs 1058 us (V2-Lite)
     and 465 vs 867 us (GLM) against the 128-row 16-bit config it used before. The range in between
-    (8 < pairs per expert <= 48) is not swept: it keeps the 16-bit op's 64-row, 4-warp config."""
+    (8 < pairs per expert <= 48) is not swept: it keeps the 16-bit op's 64-row, 4-warp config.
+
+    `persistent_sorted` (rows copied into expert order, persistent GEMMs, gate and up in one product: the
+    16-bit op's prefill design, fp8_kernels.up_fp8_sorted_kernel) stays off at every size: opt-in until
+    measured (`fused_moe_fp8(..., persistent_sorted=True)`; the sweep's `sorted` rows compare it)."""
     if not compiled:
         return MoEConfig(block_m=16, up_n=block_k, up_k=block_k, down_n=32, down_k=block_k, num_warps=4, num_stages=1)
     avg = n_pairs / max(1, num_experts)
