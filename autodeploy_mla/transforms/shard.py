@@ -17,6 +17,12 @@ Every rank runs the same pass on its own copy of the graph and keeps its own sli
   imbalance between ranks, and the exported static `grouped_mm` graph stays as it is.
 - Embedding, norms, router, lm_head: replicated.
 
+`attention: data` (data-parallel attention, docs/parallel_layouts.md): the MLA blocks keep every head
+and weight (each rank runs its own sequences over its own cache), no all-reduce; routed experts are
+expert-parallel from each rank's own tokens (`ep_moe_experts`, tokens local, capacity
+runtime.max_num_tokens) and dense/shared MLPs replicated — other `experts` / `mlp` values are refused
+(`check_data_parallel_options`). The runtime steps the ranks in lock-step (runtime/data_parallel.py).
+
 Partial sums (outputs of the row-parallel matmuls) are followed through ops that are linear in
 them (views, casts, gathers, routing-weight products, the sum over top-k experts, the sum of the
 routed and shared experts) and all-reduced once where they meet a replicated value (the residual

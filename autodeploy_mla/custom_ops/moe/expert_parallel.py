@@ -34,7 +34,7 @@ that reads the counts could skip them — left for the GPU work).
   its chunk of `ceil(T/W)` rows (rows past T are padding with no pairs), so the pairs are dispatched
   once, not W times; the chunks' outputs are all-gathered, so every rank returns all T rows. With
   `allgather_reducescatter` the first all-gather is skipped (every rank already has every token).
-- `local` (data-parallel attention, later): x is this rank's own tokens; `capacity` is the per-rank
+- `local` (data-parallel attention, `shard.attention: data`): x is this rank's own tokens; `capacity` is the per-rank
   token bound every rank pads to (0: every rank passes the same T). A rank with no tokens (T=0)
   still calls the op and takes part in every collective with padding only — an idle rank never
   blocks the others.
