@@ -228,3 +228,26 @@ def test_engine_lockstep_idles_while_a_peer_works(overlap):
     GenerationEngine(runner2, PageAllocator(64, 4), overlap=overlap, prefix_caching=False).run(
         [[1, 2, 3]], SamplingParams(max_new_tokens=2, ignore_eos=True))
     assert runner2.idle == 0 and runner2.forwards == 2
+
+
+def _dp4_rank(rank: int) -> dict:
+    om = optimize("glm_4_7_flash", overrides=[*RUNTIME, *DP, *rank_overrides()])
+    tokens = om.generate([list(p) for p in PROMPTS], max_new_tokens=NEW)
+    dp = dict(om.last_generation["data_parallel"])
+    one = om.generate([list(PROMPTS[0])], max_new_tokens=NEW)
+    return {"tokens": tokens, "dp": dp, "one": one, "idle": om.last_generation["data_parallel"]["idle_steps"]}
+
+
+@pytest.mark.slow
+def test_four_ranks_equal_one_process(request, single):
+    """World 4 (2 experts per rank), GLM-4.7-Flash: five prompts over four ranks, then one prompt
+    (three ranks idle). ~35 s more on 2 CPU cores (the file stays under a minute without it): --slow only."""
+    if not request.config.getoption("--slow"):
+        pytest.skip("4 CPU ranks: ~35 s more on a 2-core host; run with --slow")
+    ranks = spawn(_dp4_rank, 4, all_results=True)
+    shares = partition_by_tokens([len(p) + NEW for p in PROMPTS], 4)
+    for r, res in enumerate(ranks):
+        assert res["tokens"] == single["glm_4_7_flash"], r
+        assert res["dp"]["my_requests"] == shares[r]
+        assert res["one"] == [single["glm_4_7_flash"][0]]
+        assert (res["idle"] > 0) == (r != 0)
