@@ -40,10 +40,14 @@ NEW = 4
 FAMILIES = ("deepseek_v3", "glm_4_7_flash")
 
 
-def _dp_rank(rank: int, families: Sequence[str]) -> dict:
+def _dp_rank(rank: int, families: Sequence[str], ds3_ckpt: str) -> dict:
     """Per family: build data-parallel, generate every prompt (partitioned), one prompt only (the
-    other ranks idle), and rank 0 alone through a non-overlapped engine (the others pass nothing)."""
-    out = {}
+    other ranks idle), and rank 0 alone through a non-overlapped engine (the others pass nothing).
+    Then DeepSeek-V3 from a checkpoint read by slices: every prompt."""
+    om = optimize(ds3_ckpt, overrides=[*RUNTIME, *DP, *rank_overrides()])
+    load = next(r for r in om.history if r.name == "load_weights").details
+    out: dict = {"ckpt": {"tokens": om.generate([list(p) for p in PROMPTS], max_new_tokens=NEW), "load": load}}
+    del om
     for family in families:
         om = optimize(family, overrides=[*RUNTIME, *DP, *rank_overrides()])
         tokens = om.generate([list(p) for p in PROMPTS], max_new_tokens=NEW)
@@ -66,8 +70,12 @@ def _dp_rank(rank: int, families: Sequence[str]) -> dict:
 
 
 @pytest.fixture(scope="module")
-def two_ranks():
-    return spawn(_dp_rank, 2, FAMILIES, all_results=True)
+def two_ranks(tmp_path_factory):
+    """The world-2 runs, and a tiny DeepSeek-V3 checkpoint (the config's seeded random weights)."""
+    path = tmp_path_factory.mktemp("dp") / "ds3"
+    cfg = load_config(model_config_path("deepseek_v3"), overrides=RUNTIME)
+    build_model(cfg.model, torch.device("cpu"), torch.float32).save_pretrained(path)
+    return spawn(_dp_rank, 2, FAMILIES, str(path), all_results=True)
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +98,15 @@ def test_two_ranks_equal_one_process(two_ranks, single):
             assert r["dp_all"]["requests_per_rank"] == [3, 2]
             assert r["dp_all"]["my_requests"] == shares[r["rank"]]
             assert r["dp_all"]["lockstep_syncs"] > 0
+
+
+def test_checkpoint_read_by_slices(two_ranks, single):
+    """DeepSeek-V3 from a checkpoint (`load: slices`): each rank reads the attention whole and only
+    its experts (less than the whole model); tokens == one process of the same weights."""
+    for res in two_ranks:
+        assert res["ckpt"]["tokens"] == single["deepseek_v3"]
+        load = res["ckpt"]["load"]
+        assert 0 < load["bytes_read"] < load["full_model_bytes"]
 
 
 def test_uneven_split_idle_rank_steps_with_the_others(two_ranks, single):
