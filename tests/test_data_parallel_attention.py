@@ -268,3 +268,25 @@ def test_four_ranks_equal_one_process(request, single):
         assert res["dp"]["my_requests"] == shares[r]
         assert res["one"] == [single["glm_4_7_flash"][0]]
         assert (res["idle"] > 0) == (r != 0)
+
+
+def test_engine_lockstep_cancel_on_one_rank():
+    """A request cancelled on this rank finishes at once (pages back); the rank keeps stepping (idle)
+    in lock-step while the other rank works, and returns with it."""
+    runner = _FakeRunner()
+    lock = _FakeLockstep(busy=8)
+    alloc = PageAllocator(64, 4)
+    eng = GenerationEngine(runner, alloc, overlap=True, prefix_caching=False, lockstep=lock)
+    free = alloc.num_free
+    cancelled = []
+
+    def on_tokens(new):
+        for rid, _ in new:
+            if rid == 0 and not cancelled:
+                cancelled.append(eng.cancel(rid))
+
+    reqs = eng.run([[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=6, ignore_eos=True), on_tokens)
+    assert cancelled == [True] and reqs[0].finish_reason == "cancelled" and len(reqs[0].generated) == 1
+    assert reqs[1].finish_reason == "length" and len(reqs[1].generated) == 6
+    assert eng.idle_steps > 0 and lock.syncs == len(eng.steps) + eng.idle_steps + 1 and not eng.peers_busy
+    assert alloc.num_free == free
