@@ -38,6 +38,8 @@ DP = ["transforms.shard.attention=data", "transforms.shard.experts=expert", "tra
 PROMPTS = [[5, 9, 200, 17], [3, 3, 8, 1, 90, 2, 7, 7, 7, 100, 11], [42], [8, 1, 2, 3, 4, 5, 6, 7, 9], [77, 6]]
 NEW = 4
 FAMILIES = ("deepseek_v3", "glm_4_7_flash")
+#: the experts' collective per family in the world-2 runs: both schemes take local tokens
+COLLECTIVE = {"deepseek_v3": "all_to_all", "glm_4_7_flash": "allgather_reducescatter"}
 
 
 def _dp_rank(rank: int, families: Sequence[str], ds3_ckpt: str) -> dict:
@@ -49,7 +51,8 @@ def _dp_rank(rank: int, families: Sequence[str], ds3_ckpt: str) -> dict:
     out: dict = {"ckpt": {"tokens": om.generate([list(p) for p in PROMPTS], max_new_tokens=NEW), "load": load}}
     del om
     for family in families:
-        om = optimize(family, overrides=[*RUNTIME, *DP, *rank_overrides()])
+        om = optimize(family, overrides=[*RUNTIME, *DP, f"transforms.shard.ep_collective={COLLECTIVE[family]}",
+                                         *rank_overrides()])
         tokens = om.generate([list(p) for p in PROMPTS], max_new_tokens=NEW)
         dp_all = dict(om.last_generation["data_parallel"])
         one = om.generate([list(PROMPTS[1])], max_new_tokens=NEW)
@@ -86,7 +89,8 @@ def single():
 
 
 def test_two_ranks_equal_one_process(two_ranks, single):
-    """World 2, fp32, tiny DeepSeek-V3 and GLM-4.7-Flash: the requests are split across the ranks by
+    """World 2, fp32, tiny DeepSeek-V3 (all-to-all) and GLM-4.7-Flash (all-gather + reduce-scatter):
+    the requests are split across the ranks by
     tokens, each rank generates its share, and every rank returns all tokens in prompt order, equal
     to one process's greedy tokens."""
     shares = partition_by_tokens([len(p) + NEW for p in PROMPTS], 2)
@@ -137,6 +141,7 @@ def test_report_names_the_layout(two_ranks):
                                           and "attention: data" in e["why"] for e in d["attention"])
             entry, = d["experts"]
             assert entry["layout"] == "expert" and entry["tokens"] == "local" and entry["capacity"] == 8
+            assert entry["collective"] == COLLECTIVE[family]
             assert "routing local" in entry["why"]
             assert r["ep_nodes"] == [("local", 8)]
             assert r["all_reduces"] == 0 and d["all_reduces"] == 0
