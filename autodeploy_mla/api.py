@@ -176,7 +176,8 @@ class OptimizedModel:
         default runtime.overlap, runtime.prefix_caching)."""
         rt = self.config.runtime
         tp = self.runner.compiled.tp
-        lockstep = Lockstep(tp.group, tp.world_size, self.device) if tp is not None and tp.data_parallel else None
+        lockstep = (Lockstep(tp.world_size, self.runner.dp_host_group) if tp is not None and tp.data_parallel
+                    else None)
         return GenerationEngine(self.runner, self.runner.allocator, vocab_size=self.vocab_size,
                                 eos_token_ids=self.eos_token_ids, overlap=rt.overlap if overlap is None else overlap,
                                 prefix_caching=rt.prefix_caching if prefix_caching is None else prefix_caching,

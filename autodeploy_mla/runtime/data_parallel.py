@@ -6,8 +6,11 @@ that skipped a step would leave the others waiting in a collective. So the ranks
 
 - `Lockstep.agree`: once per engine step, before launching it, every rank says whether it has a
   batch to run and whether it has any work left (waiting, running, or a step in flight); one
-  all-reduce (max) of those two flags over the shard group. It is a host synchronisation by design,
-  at the scheduler, outside every op and graph (the ops stay capturable): the flags live on the host.
+  all-reduce (max) of those two flags. It is a host synchronisation by design, at the scheduler,
+  outside every op and graph (the ops stay capturable). The flags are CPU tensors on a gloo group of
+  their own (`new_host_group`, made once by the runner), not on the NCCL group of the graph: an
+  all-reduce there would put the flags on the GPU, and reading them back would wait for the step in
+  flight, undoing the engine's host/GPU overlap.
 - a rank with no batch while another rank has one runs an idle step (`ModelRunner.idle_step`): one
   token at position 0 of a sequence that owns one reserved cache page (`IDLE_SEQ_ID`), logits
   dropped. It goes through the same graph, so it calls every collective the others call. A 0-token
@@ -29,9 +32,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Optional, TypeVar
 
 import torch
+import torch.distributed as dist
 
 #: the sequence id of the idle step's one-token sequence: it holds one page for the model's lifetime
 #: (prefill_logits uses -1, the warm-up -2 downwards from there)
@@ -48,23 +52,27 @@ class StepAgreement:
     any_work: bool
 
 
-class Lockstep:
-    """The per-step agreement of the data-parallel ranks (module doc). Owned by one engine."""
+def new_host_group() -> "dist.ProcessGroup":
+    """A gloo group over all ranks for the per-step agreement (host tensors, no device involved).
+    Collective: every rank calls it at the same point (the runner's construction)."""
+    return dist.new_group(backend="gloo")
 
-    def __init__(self, group: str, world_size: int, device: torch.device) -> None:
+
+class Lockstep:
+    """The per-step agreement of the data-parallel ranks (module doc). Owned by one engine;
+    `group`: a gloo group (`new_host_group`; None: the default group, which must then be gloo)."""
+
+    def __init__(self, world_size: int, group: Optional["dist.ProcessGroup"] = None) -> None:
         if world_size < 2:
             raise ValueError(f"Lockstep: world_size={world_size}; lock-step needs >= 2 data-parallel ranks")
-        self.group = group
         self.world_size = world_size
-        self.device = torch.device(device)
-        self.syncs = 0  # agreements made (one host sync each)
+        self.group = group
+        self.syncs = 0  # agreements made (one host all-reduce each)
 
     def agree(self, has_batch: bool, has_work: bool) -> StepAgreement:
-        flags = torch.tensor([int(has_batch), int(has_work)], dtype=torch.int32, device=self.device)
-        f = torch.ops._c10d_functional
-        with torch.inference_mode():
-            out = f.wait_tensor(f.all_reduce(flags, "max", self.group))
-        any_batch, any_work = (bool(v) for v in out.tolist())  # the host sync: once per step
+        flags = torch.tensor([int(has_batch), int(has_work)], dtype=torch.int32)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)  # blocking, on the host
+        any_batch, any_work = (bool(v) for v in flags.tolist())
         self.syncs += 1
         return StepAgreement(any_batch, any_work)
 
@@ -87,8 +95,6 @@ def partition_by_tokens(costs: Sequence[int], world_size: int) -> list[list[int]
 def gather_in_order(mine: Sequence[T], shares: Sequence[Sequence[int]], total: int) -> list[T]:
     """Every rank's results (rank r's `mine[j]` is request `shares[r][j]`) in the original order, on
     every rank: one all_gather_object over the default group (host objects; must be picklable)."""
-    import torch.distributed as dist
-
     world = len(shares)
     got: list[Any] = [None] * world
     dist.all_gather_object(got, list(mine))
@@ -102,4 +108,4 @@ def gather_in_order(mine: Sequence[T], shares: Sequence[Sequence[int]], total: i
     return out
 
 
-__all__ = ["IDLE_SEQ_ID", "Lockstep", "StepAgreement", "gather_in_order", "partition_by_tokens"]
+__all__ = ["IDLE_SEQ_ID", "Lockstep", "StepAgreement", "gather_in_order", "new_host_group", "partition_by_tokens"]

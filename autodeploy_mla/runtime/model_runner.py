@@ -34,7 +34,7 @@ from ..custom_ops.attention.cache_format import cache_dtype_name
 from ..custom_ops.attention.step_context import using_sessions
 from ..custom_ops.tp_all_reduce import WORKSPACE, SymmAllReduceWorkspace
 from .artifacts import CompiledModel, TensorParallel
-from .data_parallel import IDLE_SEQ_ID
+from .data_parallel import IDLE_SEQ_ID, new_host_group
 from .errors import CapacityError, OutOfPagesError
 from .kv_cache import CacheLayout, MLACacheManager, plan_num_pages
 from .page_allocator import PageAllocator
@@ -219,10 +219,13 @@ class ModelRunner:
         self._lp_host: Optional[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = None
         #: record CUDA timing events around every launched step (LaunchedStep.device_ms)
         self.time_steps = False
-        # Data-parallel attention: the idle step's one-token sequence holds one page for good
-        # (runtime/data_parallel.py), so an idle step never waits for a page.
+        # Data-parallel attention (runtime/data_parallel.py): the idle step's one-token sequence holds
+        # one page for good, so an idle step never waits for a page; the ranks' per-step agreement
+        # runs on a gloo group of its own (host flags). Collective: every rank builds its runner here.
+        self.dp_host_group: Optional[dist.ProcessGroup] = None
         if compiled.tp is not None and compiled.tp.data_parallel:
             self.allocator.ensure(IDLE_SEQ_ID, 1)
+            self.dp_host_group = new_host_group()
 
     # ------------------------------------------------------------------ binding
     def _bind(self) -> None:
