@@ -33,6 +33,7 @@ from .models.skeleton import build_skeleton
 from .runtime.artifacts import TensorParallel
 from .runtime.capacity import available_host_bytes, cache_footprint, check_capacity, device_memory_bytes
 from .runtime.compile_cache import CompileCaches, configure_compile_caches
+from .runtime.data_parallel import Lockstep, gather_in_order, partition_by_tokens
 from .runtime.engine import GenerationEngine, Request
 from .runtime.errors import RequestError
 from .runtime.model_runner import ModelRunner
@@ -174,10 +175,20 @@ class OptimizedModel:
         """A generation engine over this model's runner and cache (`overlap`, `prefix_caching`:
         default runtime.overlap, runtime.prefix_caching)."""
         rt = self.config.runtime
+        tp = self.runner.compiled.tp
+        lockstep = (Lockstep(tp.world_size, self.runner.dp_host_group) if tp is not None and tp.data_parallel
+                    else None)
         return GenerationEngine(self.runner, self.runner.allocator, vocab_size=self.vocab_size,
                                 eos_token_ids=self.eos_token_ids, overlap=rt.overlap if overlap is None else overlap,
                                 prefix_caching=rt.prefix_caching if prefix_caching is None else prefix_caching,
-                                cache_identity=self.cache_identity)
+                                cache_identity=self.cache_identity, lockstep=lockstep)
+
+    @property
+    def data_parallel(self) -> bool:
+        """Attention is data-parallel (`shard.attention: data` over >= 2 ranks): each rank runs its own
+        requests in lock-step with the others (runtime/data_parallel.py)."""
+        tp = self.runner.compiled.tp
+        return tp is not None and tp.data_parallel
 
     @property
     def cache_identity(self) -> bytes:
@@ -224,11 +235,36 @@ class OptimizedModel:
         params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
         on_tokens: Optional[Callable[[list[tuple[int, int]]], None]] = None,
     ) -> list[Request]:
-        """Per-request results (finish_reason, error). Timed after warm-up (graph capture excluded)."""
+        """Per-request results (finish_reason, error). Timed after warm-up (graph capture excluded).
+
+        Data-parallel attention: every rank must call it with the same prompts; the requests are
+        partitioned across the ranks by tokens (prompt + max_new_tokens, `partition_by_tokens`), each
+        rank generates its share in lock-step with the others, and every rank returns all the requests
+        in prompt order (gathered from the ranks). `on_tokens` sees this rank's requests only, with
+        this rank's engine ids."""
         warm = self.warmup()
         eng = self.engine()
         t0 = time.perf_counter()
-        reqs = eng.run(prompts, params, on_tokens)
+        dp: dict[str, Any] = {}
+        if self.data_parallel:
+            tp = self.runner.compiled.tp
+            assert tp is not None
+            prompts = list(prompts)
+            plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+            if len(plist) != len(prompts):
+                raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling params")
+            shares = partition_by_tokens([len(p) + sp.max_new_tokens for p, sp in zip(prompts, plist)],
+                                         tp.world_size)
+            mine = shares[tp.rank]
+            local = eng.run([prompts[i] for i in mine], [plist[i] for i in mine], on_tokens)
+            for r in local:  # not needed on the other ranks, and not picklable through the group
+                r.leader = None
+            reqs = gather_in_order(local, shares, len(prompts))
+            dp = {"rank": tp.rank, "world_size": tp.world_size, "requests_per_rank": [len(s) for s in shares],
+                  "my_requests": list(mine), "idle_steps": eng.idle_steps,
+                  "lockstep_syncs": eng.lockstep.syncs if eng.lockstep is not None else 0}
+        else:
+            reqs = eng.run(prompts, params, on_tokens)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         dt = time.perf_counter() - t0
@@ -245,6 +281,8 @@ class OptimizedModel:
             "cached_tokens": sum(r.cached_tokens for r in reqs),
             "prefix_cache": self.prefix_cache_report(eng),
         }
+        if dp:  # steps (and the prefix cache) are this rank's; requests and tokens every rank's
+            self.last_generation["data_parallel"] = dp
         return reqs
 
     def generate(
@@ -331,7 +369,8 @@ class OptimizedModel:
             "piecewise_runner": run["piecewise_runner"],
             "warmup": run["warmup"],
             "tensor_parallel": None if tp is None else {"world_size": tp.world_size, "rank": tp.rank,
-                                                        "group": tp.group, "all_reduces": tp.all_reduces},
+                                                        "group": tp.group, "all_reduces": tp.all_reduces,
+                                                        "attention": tp.attention},
             "generation": self.last_generation,
             "startup": self.startup().to_dict(),
             "jit_prefetch": [b.to_dict() for b in self.jit_prefetch],

@@ -94,6 +94,14 @@ class TensorParallel:
     #: (autodeploy::tp_all_reduce: symmetric memory up to one_shot_max_bytes, the collective above)
     all_reduce: Literal["nccl", "one_shot"] = "nccl"
     one_shot_max_bytes: int = 0
+    #: "tensor": every rank holds the same tokens (heads split), so every rank samples rank 0's rows;
+    #: "data": each rank runs its own sequences (shard attention: data) — it samples its own rows and
+    #: steps in lock-step with the others (runtime/data_parallel.py)
+    attention: Literal["tensor", "data"] = "tensor"
+
+    @property
+    def data_parallel(self) -> bool:
+        return self.world_size > 1 and self.attention == "data"
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,13 @@ when pages are needed. A request that asks for prompt logprobs takes nothing fro
 needs every prompt row's logits) but caches its pages for others. Every decision is a function of the request stream and of the order
 in which steps complete (the same on every tensor-parallel rank), never of timing or of a
 per-process hash salt.
+
+Data-parallel attention (`lockstep`, runtime/data_parallel.py). Each rank's engine runs its own
+requests, but every forward step calls the experts' all-to-all, so before each step the ranks agree
+(one host all-reduce of two flags: "I have a batch", "I have work"): when some rank has a batch,
+every rank runs one forward — its batch, or an idle step (`StepRunner.idle_step`); when no rank
+has work, `run` returns on every rank at the same step. With `lockstep` None (tensor-parallel
+attention, one process) nothing of this runs: no collective, no change.
 """
 
 from __future__ import annotations
@@ -71,6 +78,7 @@ from typing import Any, Optional, Protocol
 
 import torch
 
+from .data_parallel import Lockstep
 from .errors import CapacityError, OutOfPagesError, RequestError
 from .page_allocator import PageAllocator
 from .prefix_cache import page_keys
@@ -90,6 +98,10 @@ class StepRunner(Protocol):
 
     def release(self, seq_id: int) -> None:
         """The request `seq_id` ended: per-request runner state (the sampler's) may be reused."""
+
+    def idle_step(self) -> None:
+        """Data-parallel attention only: one forward with nothing of this rank's to run, so that this
+        rank takes part in the step's collectives (ModelRunner.idle_step)."""
 
 
 @dataclass
@@ -159,10 +171,16 @@ class _InFlight:
 class GenerationEngine:
     def __init__(self, runner: StepRunner, allocator: PageAllocator, *, vocab_size: Optional[int] = None,
                  eos_token_ids: Sequence[int] = (), overlap: bool = True, prefix_caching: bool = True,
-                 cache_identity: bytes = b"") -> None:
+                 cache_identity: bytes = b"", lockstep: Optional[Lockstep] = None) -> None:
         """`prefix_caching`: take and offer cached prompt pages (module docstring). `cache_identity`:
         the digest that roots every page key (`prefix_cache.cache_identity`: model, cache dtypes and
-        scales, page size); engines over one allocator must pass the same one for the same cache."""
+        scales, page size); engines over one allocator must pass the same one for the same cache.
+        `lockstep`: data-parallel attention's per-step agreement of the ranks (module docstring)."""
+        self.lockstep = lockstep
+        #: lock-step: whether some rank still had work at the last agreement (True until one says not)
+        self.peers_busy = lockstep is not None
+        #: lock-step: forwards run for another rank's sake (nothing of this rank's to run)
+        self.idle_steps = 0
         self.runner = runner
         self.prefix_caching = prefix_caching
         self.cache_identity = cache_identity
@@ -376,9 +394,24 @@ class GenerationEngine:
         return out
 
     # ------------------------------------------------------------------ stepping
-    def _launch(self) -> Optional[_InFlight]:
+    def _next_batch(self) -> list[tuple[Request, StepSequence, bool]]:
         self._admit()
-        batch = self._schedule()
+        return self._schedule()
+
+    def _agree(self, batch: list) -> None:
+        """Lock-step (data-parallel attention): agree with the other ranks; run an idle forward when
+        another rank runs a step and this one has nothing to run. No-op without `lockstep`."""
+        if self.lockstep is None:
+            return
+        agreed = self.lockstep.agree(bool(batch), self.has_work())
+        self.peers_busy = agreed.any_work
+        if agreed.any_batch and not batch:
+            self.runner.idle_step()
+            self.idle_steps += 1
+
+    def _launch(self, batch: Optional[list[tuple[Request, StepSequence, bool]]] = None) -> Optional[_InFlight]:
+        if batch is None:
+            batch = self._next_batch()
         if not batch:
             return None
         specs = {r.id: RowSpec.of(r.params, r.seed, len(r.generated) + r.pending, r.id, r.prompt)
@@ -470,11 +503,16 @@ class GenerationEngine:
         """Advance by one step; returns the (request id, new token) pairs that became known.
 
         With overlap, this queues the next step and then completes the one in flight, so a step's
-        tokens are returned by the call after the one that queued it."""
+        tokens are returned by the call after the one that queued it.
+
+        With `lockstep` (data-parallel attention) every rank must call it equally often: it agrees
+        with the others first and may run an idle forward (module docstring)."""
+        batch = self._next_batch()
+        self._agree(batch)
         if not self.overlap:
-            launched = self._launch()
+            launched = self._launch(batch)
             return self._complete(launched) if launched is not None else []
-        nxt = self._launch()
+        nxt = self._launch(batch)
         prev, self._inflight = self._inflight, nxt
         return self._complete(prev) if prev is not None else []
 
@@ -528,8 +566,10 @@ class GenerationEngine:
                 ids.append(self.add_request(p, sp))
             except ValueError as exc:  # RequestError, CapacityError
                 ids.append(self.reject(p, sp, str(exc)))
+        if self.lockstep is not None:
+            self.peers_busy = True  # every rank steps until an agreement says no rank has work
         try:
-            while any(i not in self.done for i in ids):
+            while any(i not in self.done for i in ids) or (self.lockstep is not None and self.peers_busy):
                 new = self.step()
                 if on_tokens is not None and new:
                     on_tokens(new)

@@ -34,6 +34,7 @@ from ..custom_ops.attention.cache_format import cache_dtype_name
 from ..custom_ops.attention.step_context import using_sessions
 from ..custom_ops.tp_all_reduce import WORKSPACE, SymmAllReduceWorkspace
 from .artifacts import CompiledModel, TensorParallel
+from .data_parallel import IDLE_SEQ_ID, new_host_group
 from .errors import CapacityError, OutOfPagesError
 from .kv_cache import CacheLayout, MLACacheManager, plan_num_pages
 from .page_allocator import PageAllocator
@@ -218,6 +219,13 @@ class ModelRunner:
         self._lp_host: Optional[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = None
         #: record CUDA timing events around every launched step (LaunchedStep.device_ms)
         self.time_steps = False
+        # Data-parallel attention (runtime/data_parallel.py): the idle step's one-token sequence holds
+        # one page for good, so an idle step never waits for a page; the ranks' per-step agreement
+        # runs on a gloo group of its own (host flags). Collective: every rank builds its runner here.
+        self.dp_host_group: Optional[dist.ProcessGroup] = None
+        if compiled.tp is not None and compiled.tp.data_parallel:
+            self.allocator.ensure(IDLE_SEQ_ID, 1)
+            self.dp_host_group = new_host_group()
 
     # ------------------------------------------------------------------ binding
     def _bind(self) -> None:
@@ -340,7 +348,7 @@ class ModelRunner:
         order, logits = self.forward(seqs, pages_of)
         rows = self._logits_rows(logits)
         tp = self.compiled.tp
-        if tp is not None and tp.world_size > 1:
+        if tp is not None and tp.world_size > 1 and not tp.data_parallel:
             rows = rows_from_rank0(rows)
         return order, rows
 
@@ -378,8 +386,8 @@ class ModelRunner:
         drawn = self.sampler.draw(last, row_specs, scored)
         ids = drawn.ids
         tp = self.compiled.tp
-        if tp is not None and tp.world_size > 1:
-            ids = rows_from_rank0(ids)  # every rank continues with rank 0's tokens
+        if tp is not None and tp.world_size > 1 and not tp.data_parallel:
+            ids = rows_from_rank0(ids)  # every rank continues with rank 0's tokens (DP: its own rows)
         out = self.sampler.commit(drawn, ids)
         self._prev_ids = ids
         k = self._ids_slot
@@ -444,6 +452,13 @@ class ModelRunner:
         if launched.logprobs is None:
             return StepOutput(ids, {}, {})
         return StepOutput(ids, *launched.logprobs.decode(ids))
+
+    def idle_step(self) -> None:
+        """Data-parallel attention: a step for a rank with nothing to run while another rank runs one
+        (runtime/data_parallel.py): one token at position 0 of the idle sequence, in its reserved
+        page, through the whole graph — so this rank takes part in every collective of the step
+        (the experts' all-to-all). Its logits are dropped; nothing is sampled."""
+        self.forward([StepSequence(IDLE_SEQ_ID, [0], 0)], self.allocator.pages_of)
 
     def release(self, seq_id: int) -> None:
         """A request ended: the sampler's device state for it (penalties, bias) may be reused."""

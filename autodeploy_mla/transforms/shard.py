@@ -17,6 +17,12 @@ Every rank runs the same pass on its own copy of the graph and keeps its own sli
   imbalance between ranks, and the exported static `grouped_mm` graph stays as it is.
 - Embedding, norms, router, lm_head: replicated.
 
+`attention: data` (data-parallel attention, docs/parallel_layouts.md): the MLA blocks keep every head
+and weight (each rank runs its own sequences over its own cache), no all-reduce; routed experts are
+expert-parallel from each rank's own tokens (`ep_moe_experts`, tokens local, capacity
+runtime.max_num_tokens) and dense/shared MLPs replicated — other `experts` / `mlp` values are refused
+(`check_data_parallel_options`). The runtime steps the ranks in lock-step (runtime/data_parallel.py).
+
 Partial sums (outputs of the row-parallel matmuls) are followed through ops that are linear in
 them (views, casts, gathers, routing-weight products, the sum over top-k experts, the sum of the
 routed and shared experts) and all-reduced once where they meet a replicated value (the residual
@@ -93,6 +99,13 @@ class ShardOptions(PassOptions):
         None, ge=1, description="ranks; null: from torch.distributed or the WORLD_SIZE environment variable"
     )
     rank: Optional[int] = Field(None, ge=0, description="this rank; null: from torch.distributed or RANK")
+    attention: Literal["tensor", "data"] = Field(
+        "tensor", description="MLA attention: tensor (heads split over the ranks, an all-reduce after o_proj) or "
+        "data (data-parallel: attention weights whole on every rank, each rank runs its own sequences with its own "
+        "cache and page allocator, no all-reduce; needs experts: expert — routed experts dispatched from each rank's "
+        "own tokens — and mlp: replicate; tensor-parallel dense layers under data-parallel attention would need "
+        "all-gather / reduce-scatter regions, not built yet; docs/parallel_layouts.md)"
+    )
     mlp: Literal["tensor", "replicate"] = Field("tensor", description="dense and shared-expert MLPs")
     experts: Literal["tensor", "replicate", "expert"] = Field(
         "tensor", description="MoE routed experts: tensor-parallel inside each expert, replicated, or "
@@ -492,8 +505,45 @@ def _plan_attention(gm: GraphModule, plan: _Plan, grouped: set[Any]) -> None:
         plan.head_views += _head_view_edits(q_path | o_path, n, widths, world)
         plan.mla_nodes.append((m, dataclasses.replace(dims, num_heads=local)))
         plan.report["attention"].append(
-            {"layer": layer, "heads": f"{n} -> {local}", "q": q.weight.attr.target, "kv_b": w.attr.target,
-             "o": o.weight.attr.target}
+            {"layer": layer, "layout": "tensor", "heads": f"{n} -> {local}", "q": q.weight.attr.target,
+             "kv_b": w.attr.target, "o": o.weight.attr.target,
+             "why": f"configured (attention: tensor): {local} of {n} heads per rank, o_proj row-parallel + all-reduce"}
+        )
+
+
+def check_data_parallel_options(opts: "ShardOptions") -> None:
+    """`attention: data` runs each rank's own tokens through every layer, so every layer after attention
+    must take a rank's own tokens whole: routed experts expert-parallel (`ep_moe_experts`, tokens
+    local) and dense/shared MLPs replicated. Anything else is refused here, at planning, naming the
+    values and what to set."""
+    if opts.attention != "data":
+        return
+    bad = []
+    if opts.experts != "expert":
+        bad.append(f"experts={opts.experts} (set transforms.shard.experts=expert: each rank dispatches its own "
+                   "tokens to the experts' owners)")
+    if opts.mlp != "replicate":
+        bad.append(f"mlp={opts.mlp} (set transforms.shard.mlp=replicate: dense and shared-expert MLPs whole on "
+                   "every rank)")
+    if bad:
+        raise ShardError(
+            "shard: attention=data (data-parallel attention: every rank runs its own sequences) cannot be combined "
+            f"with {' and '.join(bad)}. Tensor-parallel dense layers or experts under data-parallel attention "
+            "need all-gather / reduce-scatter regions between the attention-DP and the TP layers, which are "
+            "not built yet (docs/parallel_layouts.md); or set transforms.shard.attention=tensor."
+        )
+
+
+def _plan_data_attention(gm: GraphModule, plan: _Plan) -> None:
+    """`attention: data`: every MLA node keeps all its heads and weights (replicated), no partial sum,
+    no all-reduce; each rank attends over its own sequences, in its own cache. Report entries only."""
+    for m in [n for n in gm.graph.nodes if _is(n, {TORCH_MLA, TORCH_MLA_SPARSE})]:
+        n = m.meta["mla_dims"].num_heads
+        plan.report["attention"].append(
+            {"layer": m.meta.get("mla_layer", m.name), "layout": "data", "heads": f"{n} (whole)",
+             "why": f"configured (attention: data): attention weights replicated on each of the {plan.world} "
+                    "ranks; each rank runs its own sequences over its own paged cache and page allocator; "
+                    "no all-reduce after o_proj"}
         )
 
 
@@ -560,7 +610,9 @@ def _plan_mlps(gm: GraphModule, plan: _Plan, opts: "ShardOptions", grouped: set[
         what = "experts" if experts else "mlp"
         fallback = ""
         if mode == "expert":  # a region the expert-parallel planner did not recognise (its reason kept)
-            mode = "tensor"
+            # under data-parallel attention the ranks hold different tokens: a tensor-parallel split
+            # (partial sums) would be wrong there, the whole experts on every rank are right
+            mode = "replicate" if opts.attention == "data" else "tensor"
             fallback = f"; experts=expert but not an experts region it recognises ({unmatched.get(layer, '?')})"
         sizes = [u.out_size for u in up_mms]  # type: ignore[union-attr]
         if (kind == "fused" and sizes != [2 * inter]) or (kind != "fused" and any(s != inter for s in sizes)):
@@ -608,6 +660,9 @@ class _EPLayer:
     fp8: Optional[tuple]  # fuse_moe.fp8_experts(match): (w_up, w_up_scale, w_down, w_down_scale, bn, bk) get_attrs
     backend: str
     entry: dict[str, Any]
+    #: ep_moe_experts' token mode: replicated (tensor-parallel attention) or local (data-parallel)
+    tokens: str = "replicated"
+    capacity: int = 0  # tokens: local — the per-rank token bound every rank pads to
 
 
 def _plan_expert_parallel(gm: GraphModule, plan: _Plan, opts: "ShardOptions", grouped: set[Any], taken: set[Node],
@@ -620,6 +675,7 @@ def _plan_expert_parallel(gm: GraphModule, plan: _Plan, opts: "ShardOptions", gr
     tensor-parallel). Raises before any change when W does not divide E."""
     from .fuse_moe import _NoMatch, fp8_experts, match_experts
 
+    capacity = int(ctx.config.runtime.max_num_tokens)
     layers: list[_EPLayer] = []
     unmatched: dict[str, str] = {}
     bad: list[str] = []
@@ -634,7 +690,7 @@ def _plan_expert_parallel(gm: GraphModule, plan: _Plan, opts: "ShardOptions", gr
         layers.append(_EPLayer(m, fp8_experts(m), "", {}))
     if bad:
         counts = sorted({lay.match.num_experts for lay in layers})
-        heads = [d.num_heads for _, d in plan.mla_nodes] or [1]
+        heads = [d.num_heads for _, d in plan.mla_nodes]  # data-parallel attention: none (heads stay whole)
         ok = [w for w in range(1, max(counts) + 1)
               if all(e % w == 0 for e in counts) and all((h * plan.world) % w == 0 for h in heads)]
         raise ShardError(
@@ -667,13 +723,22 @@ def _plan_expert_parallel(gm: GraphModule, plan: _Plan, opts: "ShardOptions", gr
             if found is None:  # fuse_moe would keep the model's experts here; EP needs an op: the reference
                 why = "torch reference (auto takes the Triton kernels on CUDA only)"
         lay.backend = backend
+        if opts.attention == "data":
+            lay.tokens, lay.capacity = "local", capacity
+            routing = (f"routing local (attention is data-parallel: each rank routes its own tokens), each rank "
+                       f"dispatches its own tokens by {opts.ep_collective}, padded to capacity={capacity} "
+                       "(runtime.max_num_tokens, the most tokens a step of any rank holds) so that a rank with "
+                       "fewer or no tokens still takes part in every collective")
+        else:
+            routing = (f"routing replicated (every rank routes the same tokens: attention is tensor-parallel), each "
+                       f"rank dispatches its 1/{plan.world} of the tokens by {opts.ep_collective} and all-gathers "
+                       "the outputs")
         lay.entry = {
             "layer": _layer_of(m.out), "layout": "expert", "experts": f"{m.num_experts} -> {local} per rank",
-            "local_experts": [lo, hi], "collective": opts.ep_collective, "tokens": "replicated",
+            "local_experts": [lo, hi], "collective": opts.ep_collective, "tokens": lay.tokens,
+            "capacity": lay.capacity,
             "backend": backend, "weights": f"fp8 blocks [{lay.fp8[4]}, {lay.fp8[5]}]" if lay.fp8 else "16-bit",
-            "why": (f"configured (experts: expert); {m.num_experts} experts / {plan.world} ranks; routing replicated "
-                    f"(every rank routes the same tokens: attention is tensor-parallel), each rank dispatches "
-                    f"its 1/{plan.world} of the tokens by {opts.ep_collective} and all-gathers the outputs; "
+            "why": (f"configured (experts: expert); {m.num_experts} experts / {plan.world} ranks; {routing}; "
                     f"per-rank experts op: {why}"),
         }
         plan.report["experts"].append(lay.entry)
@@ -703,8 +768,8 @@ def _rewrite_expert_parallel(gm: GraphModule, plan: _Plan, layers: list[_EPLayer
             if wdtype is not None and val(x) is not None and val(x).dtype != wdtype:
                 x = g.call_function(aten.to.dtype, (x, wdtype))
             node = g.call_function(EP_MOE_EXPERTS, (x, m.topk_ids, m.topk_weights, wu, wd, su, sd, m.num_experts,
-                                                    plan.rank, plan.world, group, collective, "replicated", 0,
-                                                    lay.backend, bn, bk, "silu"))
+                                                    plan.rank, plan.world, group, collective, lay.tokens,
+                                                    lay.capacity, lay.backend, bn, bk, "silu"))
             result = node
             out_dtype = val(m.out).dtype if val(m.out) is not None else None
             if out_dtype is not None and wdtype is not None and out_dtype != wdtype:
@@ -781,6 +846,7 @@ def _slice_weights(gm: GraphModule, plan: _Plan) -> dict[str, Any]:
 def shard(ctx: BuildContext, opts: ShardOptions) -> PassResult:
     gm = ctx.gm
     assert gm is not None
+    check_data_parallel_options(opts)  # refused combinations: at any world size, before anything changes
     world = ctx.world
     if world is None or world.world_size == 1:
         return PassResult("world_size 1: nothing to shard", {"world_size": 1})
@@ -789,13 +855,20 @@ def shard(ctx: BuildContext, opts: ShardOptions) -> PassResult:
                          "match_mla and insert_cached_mla_attention)")
     grouped = grouped_mm_ops()
     plan = _Plan(world.world_size, world.rank)
-    _plan_attention(gm, plan, grouped)  # raises before any change on a bad world size
+    data = opts.attention == "data"
+    if data:
+        _plan_data_attention(gm, plan)
+    else:
+        _plan_attention(gm, plan, grouped)  # raises before any change on a bad world size
     taken = {x for x in plan.owners.values()}
     ep_layers: list[_EPLayer] = []
     unmatched: dict[str, str] = {}
     if opts.experts == "expert":  # raises before any change when world_size does not divide E
         ep_layers, unmatched = _plan_expert_parallel(gm, plan, opts, grouped, taken, ctx)
     _plan_mlps(gm, plan, opts, grouped, taken, unmatched)
+    if data and plan.partial:  # the options check makes this unreachable; a partial sum here would be wrong
+        raise ShardError(f"shard: attention=data but {', '.join(n.name for n in plan.partial)} would be split "
+                         "tensor-parallel over ranks that hold different tokens")
 
     # 1. weights -> this rank's slices (or placeholders of that shape, for load_weights to fill)
     weights = _slice_weights(gm, plan)
@@ -813,21 +886,25 @@ def shard(ctx: BuildContext, opts: ShardOptions) -> PassResult:
         m.meta["mla_dims"] = dims
     ctx.artifacts.shard_specs = dict(plan.specs)
     ctx.artifacts.tp = TensorParallel(world.world_size, world.rank, world.group, n_ar, opts.all_reduce,
-                                      opts.one_shot_max_bytes if opts.all_reduce == "one_shot" else 0)
+                                      opts.one_shot_max_bytes if opts.all_reduce == "one_shot" else 0,
+                                      attention=opts.attention)
     rep = plan.report
     n_att, n_mlp = len(rep["attention"]), len(rep["mlp"])
     heads = rep["attention"][0]["heads"] if rep["attention"] else "-"
-    summary = (f"world {world.world_size} rank {world.rank}: {n_att} MLA layers (heads {heads}), {n_mlp} MLP/expert "
+    summary = (f"world {world.world_size} rank {world.rank}: "
+               + (f"{n_att} MLA layers data-parallel (heads {heads}), " if data else f"{n_att} MLA layers (heads {heads}), ")
+               + f"{n_mlp} MLP/expert "
                f"blocks split, {len(rep['replicated'])} replicated, "
                + (f"{len(ep_layers)} MoE layers expert-parallel ({opts.ep_collective}), " if ep_layers else "")
                + f"{n_ar} all-reduces"
                + (f" (one-shot up to {opts.one_shot_max_bytes} B)" if opts.all_reduce == "one_shot" else ""))
-    details = {"world_size": world.world_size, "rank": world.rank, "all_reduces": n_ar,
+    details = {"world_size": world.world_size, "rank": world.rank, "attention_layout": opts.attention,
+               "all_reduces": n_ar,
                "all_reduce": opts.all_reduce, "weights": weights, **rep,
                "rules": {t: {"dim": s.dim, "ranges": s.ranges, "rule": s.rule, "zero": s.zero}
                          for t, s in plan.specs.items()}}
     return PassResult(summary, details)
 
 
-__all__ = ["ShardError", "ShardOptions", "shard", "insert_all_reduce", "count_all_reduces", "ALL_REDUCE",
+__all__ = ["ShardError", "ShardOptions", "check_data_parallel_options", "shard", "insert_all_reduce", "count_all_reduces", "ALL_REDUCE",
            "COLLECTIVE_OPS"]

@@ -34,7 +34,7 @@ that reads the counts could skip them — left for the GPU work).
   its chunk of `ceil(T/W)` rows (rows past T are padding with no pairs), so the pairs are dispatched
   once, not W times; the chunks' outputs are all-gathered, so every rank returns all T rows. With
   `allgather_reducescatter` the first all-gather is skipped (every rank already has every token).
-- `local` (data-parallel attention, later): x is this rank's own tokens; `capacity` is the per-rank
+- `local` (data-parallel attention, `shard.attention: data`): x is this rank's own tokens; `capacity` is the per-rank
   token bound every rank pads to (0: every rank passes the same T). A rank with no tokens (T=0)
   still calls the op and takes part in every collective with padding only — an idle rank never
   blocks the others.
@@ -78,7 +78,8 @@ def check_ep_inputs(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
         raise ValueError(f"{name}: this rank holds {local} experts and world_size={world_size}, so the model would "
                          f"have {local * world_size}, but num_experts={num_experts}; every rank must hold "
                          "num_experts / world_size experts (the shard pass slices them so)")
-    if tokens == "local" and capacity and x.shape[0] > capacity:
+    # a symbolic T (shape propagation over the exported graph) is bounded by the runtime, not here
+    if tokens == "local" and capacity and isinstance(x.shape[0], int) and x.shape[0] > capacity:
         raise ValueError(f"{name}: {x.shape[0]} tokens on rank {rank} exceed capacity={capacity}, the per-rank "
                          "token bound every rank pads to; raise it to the scheduler's max tokens per rank")
     return int(x.shape[0]), local

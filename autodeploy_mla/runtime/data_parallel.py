@@ -1,0 +1,111 @@
+"""Data-parallel attention at run time (`transforms.shard.attention: data`, docs/parallel_layouts.md).
+
+Every rank runs its own sequences, with its own paged cache and page allocator, but every forward
+step of the graph calls the expert-parallel all-to-all (`ep_moe_experts`, tokens local): a rank
+that skipped a step would leave the others waiting in a collective. So the ranks step in lock-step:
+
+- `Lockstep.agree`: once per engine step, before launching it, every rank says whether it has a
+  batch to run and whether it has any work left (waiting, running, or a step in flight); one
+  all-reduce (max) of those two flags. It is a host synchronisation by design, at the scheduler,
+  outside every op and graph (the ops stay capturable). The flags are CPU tensors on a gloo group of
+  their own (`new_host_group`, made once by the runner), not on the NCCL group of the graph: an
+  all-reduce there would put the flags on the GPU, and reading them back would wait for the step in
+  flight, undoing the engine's host/GPU overlap.
+- a rank with no batch while another rank has one runs an idle step (`ModelRunner.idle_step`): one
+  token at position 0 of a sequence that owns one reserved cache page (`IDLE_SEQ_ID`), logits
+  dropped. It goes through the same graph, so it calls every collective the others call. A 0-token
+  step would be cheaper but the exported graph's token dim starts at 1 and the attention metadata
+  assumes >= 1 sequence; one token of padding costs one row in the experts' padded dispatch.
+- generation ends when no rank has work: every rank sees the same agreement, so all leave their
+  loop at the same step.
+
+`partition_by_tokens` gives each rank its share of a request list, balanced by tokens
+(prompt + max_new_tokens), the same on every rank (deterministic, no communication);
+`gather_in_order` puts the ranks' results back in the original order (all_gather_object: host
+objects, fine for `generate`; one engine front feeding every rank — the server — is the next step).
+
+Nothing here runs when attention is tensor-parallel (or with one process): the engine's `lockstep`
+is None and `generate` does not partition.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Optional, TypeVar
+
+import torch
+import torch.distributed as dist
+
+#: the sequence id of the idle step's one-token sequence: it holds one page for the model's lifetime
+#: (prefill_logits uses -1, the warm-up -2 downwards from there)
+IDLE_SEQ_ID = -1_000_000
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class StepAgreement:
+    """What the ranks agreed before a step: some rank has a batch to run / has work left."""
+
+    any_batch: bool
+    any_work: bool
+
+
+def new_host_group() -> "dist.ProcessGroup":
+    """A gloo group over all ranks for the per-step agreement (host tensors, no device involved).
+    Collective: every rank calls it at the same point (the runner's construction)."""
+    return dist.new_group(backend="gloo")
+
+
+class Lockstep:
+    """The per-step agreement of the data-parallel ranks (module doc). Owned by one engine;
+    `group`: a gloo group (`new_host_group`; None: the default group, which must then be gloo)."""
+
+    def __init__(self, world_size: int, group: Optional["dist.ProcessGroup"] = None) -> None:
+        if world_size < 2:
+            raise ValueError(f"Lockstep: world_size={world_size}; lock-step needs >= 2 data-parallel ranks")
+        self.world_size = world_size
+        self.group = group
+        self.syncs = 0  # agreements made (one host all-reduce each)
+
+    def agree(self, has_batch: bool, has_work: bool) -> StepAgreement:
+        flags = torch.tensor([int(has_batch), int(has_work)], dtype=torch.int32)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)  # blocking, on the host
+        any_batch, any_work = (bool(v) for v in flags.tolist())
+        self.syncs += 1
+        return StepAgreement(any_batch, any_work)
+
+
+def partition_by_tokens(costs: Sequence[int], world_size: int) -> list[list[int]]:
+    """Indices of `costs` (tokens per request: prompt + max_new_tokens) per rank, balanced by tokens:
+    longest first, each to the rank with the fewest tokens so far (ties: the lower rank). Each rank's
+    indices in ascending order. Deterministic, so every rank computes the same partition."""
+    if world_size < 1:
+        raise ValueError(f"partition_by_tokens: world_size={world_size}, must be >= 1")
+    load = [0] * world_size
+    shares: list[list[int]] = [[] for _ in range(world_size)]
+    for i in sorted(range(len(costs)), key=lambda j: (-int(costs[j]), j)):
+        r = min(range(world_size), key=lambda k: (load[k], k))
+        shares[r].append(i)
+        load[r] += int(costs[i])
+    return [sorted(s) for s in shares]
+
+
+def gather_in_order(mine: Sequence[T], shares: Sequence[Sequence[int]], total: int) -> list[T]:
+    """Every rank's results (rank r's `mine[j]` is request `shares[r][j]`) in the original order, on
+    every rank: one all_gather_object over the default group (host objects; must be picklable)."""
+    world = len(shares)
+    got: list[Any] = [None] * world
+    dist.all_gather_object(got, list(mine))
+    out: list[Any] = [None] * total
+    for r in range(world):
+        if len(got[r]) != len(shares[r]):
+            raise RuntimeError(f"gather_in_order: rank {r} returned {len(got[r])} results for its "
+                               f"{len(shares[r])} requests")
+        for i, res in zip(shares[r], got[r]):
+            out[i] = res
+    return out
+
+
+__all__ = ["IDLE_SEQ_ID", "Lockstep", "StepAgreement", "gather_in_order", "new_host_group", "partition_by_tokens"]
