@@ -118,6 +118,8 @@ SLOW: dict[str, str] = {
     "test_fp8_kernels_gpu.py::test_gpu_linear_backends_match_the_emulation[deepseek_v2_lite-scaled_mm]": "V3 kept",
     "test_fp8_kernels_gpu.py::test_gpu_moe_fp8_matches_the_emulation": "full-size FP8 expert stacks (up to 17 GB) per family",
     "test_fp8_kernels_gpu.py::test_gpu_fp8_ops_replay_in_cuda_graphs": "Triton compiles of both ops",
+    "test_fp8_kernels_gpu.py::test_gpu_moe_fp8_sorted_path_matches_the_gathered_path":
+        "full-size FP8 expert stacks per family; the opt-in path's check before the sweep (run with --slow -k sorted)",
 }
 
 #: test function (file::name) -> expected seconds of its default cases on a fresh H200
@@ -169,6 +171,7 @@ ESTIMATE_S: dict[str, int] = {
     "test_sparse_attention.py::test_gpu_sparse_flashinfer_model": 0,
     "test_fp8_kernels_gpu.py::test_gpu_moe_fp8_matches_the_emulation": 0,
     "test_fp8_kernels_gpu.py::test_gpu_fp8_ops_replay_in_cuda_graphs": 0,
+    "test_fp8_kernels_gpu.py::test_gpu_moe_fp8_sorted_path_matches_the_gathered_path": 0,
     # 2-GPU tests: skipped on one GPU (`gpu_checks.sh tp` runs them on two: 93-269 s)
     "test_tensor_parallel.py::test_gpu_two_ranks_nccl_bf16": 0,
     "test_tensor_parallel.py::test_gpu_one_shot_all_reduce_op": 0,
