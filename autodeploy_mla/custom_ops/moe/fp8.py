@@ -27,7 +27,7 @@ from ..fp8.act_quant import AMAX_FLOOR, FP8_MAX, act_quant, act_quant_reference
 from ..fp8.emulation import dequantize_activations
 from ..fp8.format import dequantize
 from ..triton_helpers import interpreting
-from .ops import HAS_TRITON, TRITON_IMPORT_ERROR, check_moe_shapes, _sum_over_topk, expert_layout
+from .ops import HAS_TRITON, TRITON_IMPORT_ERROR, _persistent_programs, _sum_over_topk, check_moe_shapes, expert_layout
 from .tuning import moe_fp8_config
 
 FP8 = torch.float8_e4m3fn
@@ -173,12 +173,6 @@ def fused_moe_fp8(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
 INTERPRETED_PROGRAMS = 3
 
 
-def _programs(device: torch.device, tiles: int) -> int:
-    if device.type != "cuda" or interpreting():
-        return max(1, min(INTERPRETED_PROGRAMS, tiles))
-    return max(1, min(torch.cuda.get_device_properties(device).multi_processor_count, tiles))
-
-
 def _sorted_gemms(xq, xs, w_up, w_up_scale, w_down, w_down_scale, wts, layout, mid_q, mid_s, cfg, n: int, k: int,
                   h: int, i: int, block_n: int, block_k: int, dtype: torch.dtype) -> torch.Tensor:
     """[n, H] per-pair outputs through the sorted-rows path: the quantized rows (codes + scales) copied into
@@ -192,7 +186,7 @@ def _sorted_gemms(xq, xs, w_up, w_up_scale, w_down, w_down_scale, wts, layout, m
     FK.gather_fp8_kernel[(max_blocks, kb)](xq, xs, layout.sorted_pairs, layout.block_expert, xq_s, xs_s, n, h, kb,
                                            xq.stride(0), xs.stride(0), TOP_K=k, BLOCK_M=bm, GROUP_K=block_k)
     interp = interpreting()
-    progs = _programs(xq.device, max_blocks * -(-i // block_k))
+    progs = _persistent_programs(xq.device, max_blocks * -(-i // block_k), INTERPRETED_PROGRAMS)
     FK.up_fp8_sorted_kernel[(progs,)](
         xq_s, xs_s, w_up, w_up_scale, layout.block_expert, layout.num_blocks, mid_q, mid_s, h, i,
         xq_s.stride(0), xs_s.stride(0), w_up.stride(0), w_up.stride(1), w_up_scale.stride(0), w_up_scale.stride(1),
@@ -201,7 +195,7 @@ def _sorted_gemms(xq, xs, w_up, w_up_scale, w_down, w_down_scale, wts, layout, m
         MID_DTYPE=_TL_DTYPE[dtype], FP8_MAX_C=FP8_MAX, AMAX_FLOOR_C=AMAX_FLOOR, INTERPRETED=interp,
         EVEN=h % block_k == 0 and i % block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     pair_out = torch.empty(n, h, dtype=dtype, device=xq.device)
-    progs = _programs(xq.device, max_blocks * -(-h // cfg.down_n))
+    progs = _persistent_programs(xq.device, max_blocks * -(-h // cfg.down_n), INTERPRETED_PROGRAMS)
     FK.down_fp8_sorted_kernel[(progs,)](
         mid_q, mid_s, w_down, w_down_scale, layout.sorted_pairs, layout.block_expert, layout.num_blocks, wts,
         pair_out, n, i, h,

@@ -187,11 +187,12 @@ def sorted_tma_ok(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> 
                for t in (w_up, w_down)) and (x.shape[1] * es) % 16 == 0
 
 
-def _persistent_programs(device: torch.device, tiles: int) -> int:
-    """Programs of a persistent GEMM: one per SM (fewer when there are fewer tiles); the interpreter
-    (CPU tests) gets one per tile."""
-    if device.type != "cuda":
-        return max(1, tiles)
+def _persistent_programs(device: torch.device, tiles: int, interpreted: Optional[int] = None) -> int:
+    """Programs of a persistent GEMM: one per SM (fewer when there are fewer tiles); off a compiled GPU
+    (the interpreter, CPU tests) one per tile, or at most `interpreted` (so tests walk several tiles per
+    program)."""
+    if device.type != "cuda" or interpreting():
+        return max(1, min(tiles, interpreted or tiles))
     return max(1, min(torch.cuda.get_device_properties(device).multi_processor_count, tiles))
 
 
