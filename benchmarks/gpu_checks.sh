@@ -23,6 +23,8 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_checks}
 mkdir -p "$OUT"
 export PYTHONFAULTHANDLER=1 PYTHONUNBUFFERED=1
+# every test phase's time, appended as it ends (tests/conftest.py): kept even when a run is cut short
+export AUTODEPLOY_TEST_TIMES=${AUTODEPLOY_TEST_TIMES:-$OUT/test_times.tsv}
 
 descendants() {
     local p
