@@ -250,6 +250,9 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="py-spy the first HTTP run (API and engine processes)")
     ap.add_argument("--torch-profile", action="store_true",
                     help="inproc: the torch profiler over 10 decode steps of each `step bN` (op tables in --out)")
+    ap.add_argument("--runtime", action="append", default=[], metavar="KEY=VALUE",
+                    help="a `runtime:` setting of the built model (YAML value), e.g. prefix_caching=false: an A/B "
+                         "against a tree from before a default changed (the in-process run repeats its prompts)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -269,6 +272,13 @@ def main() -> None:
     family = {"v2_lite": "deepseek_v2", "v3_4layer": "deepseek_v3", "glm_4_7_flash": "glm_4_7_flash"}[args.model]
     layer: dict[str, Any] = {"model": {"device": args.device,
                                        "dtype": "bfloat16" if args.device != "cpu" else "float32"}}
+    import yaml
+
+    for kv in args.runtime:
+        key, sep, value = kv.partition("=")
+        if not sep or not key:
+            ap.error(f"--runtime takes KEY=VALUE, got {kv!r}")
+        layer.setdefault("runtime", {})[key] = yaml.safe_load(value)
     if not args.quick:
         layer["model"]["hf_config"] = v3_4layer() if args.model == "v3_4layer" else PUBLISHED[args.model]
     phases = args.phases.split(",")
