@@ -324,6 +324,8 @@ def main() -> None:
                                                      if k in run}
         print(f"in-process: {json.dumps(res['runs']['in-process'])}; per token: "
               f"{json.dumps(res['runs']['in-process timed per token'], default=str)}", flush=True)
+        # which kernels served those runs (routes per backend session: the A/B's first suspect)
+        res["backend_sessions"] = om.report().get("backend_sessions")
         for b in sorted({min(64, len(prompts)), min(16, len(prompts))}, reverse=True):
             prof_to = args.out / f"step_b{b}_{tag}_profile.txt" if args.torch_profile else None
             res["runs"][f"step b{b}"] = step_times(om, prompts[:b], args.output_len, prof_to)
