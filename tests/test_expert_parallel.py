@@ -2,7 +2,8 @@
 at 2 and 4 ranks against the whole-model reference op, and tiny DeepSeek-V3 / GLM-4.7-Flash built
 expert-parallel at 2 and 4 ranks against one process and HF eager (greedy tokens, fp32).
 
-Spawned runs are few and each serves several tests (process start-up and export dominate)."""
+Spawned runs are few and each serves several tests (process start-up and export dominate): one
+2-rank and one 4-rank spawn, each rank running its model probes and then every case of the op."""
 
 from __future__ import annotations
 
@@ -85,9 +86,25 @@ def _op_rank(rank: int) -> dict:
     return diffs
 
 
+def _ep_rank(rank: int, jobs) -> dict:
+    """One rank of a spawned run: the model probes (first, so that they run as in a rank of their own),
+    then every case of the op (_op_rank) in the same process group; an error in the op cases is
+    returned (and fails the op test only)."""
+    import traceback
+
+    out = {"probe": probe_rank(rank, jobs)}
+    try:
+        out["op"] = _op_rank(rank)
+    except Exception:  # noqa: BLE001 - reported by test_ep_op_matches_the_whole_model_reference
+        out["op"] = traceback.format_exc()
+    return out
+
+
 @pytest.fixture(scope="module", params=[2, 4])
 def op_runs(request):
-    return request.param, spawn(_op_rank, request.param, all_results=True)
+    """The op cases of every rank, from the 2- or 4-rank run the model tests use (no spawn of their own)."""
+    ranks = request.getfixturevalue("two_rank_run" if request.param == 2 else "four_rank_run")
+    return request.param, [r["op"] for r in ranks]
 
 
 def test_ep_op_matches_the_whole_model_reference(op_runs):
@@ -97,6 +114,7 @@ def test_ep_op_matches_the_whole_model_reference(op_runs):
     world, ranks = op_runs
     assert len(ranks) == world
     for res in ranks:
+        assert isinstance(res, dict), res  # else the traceback of the rank's op cases
         assert len(res) == 2 * (4 * 3 + 1)
         bad = {k: v for k, v in res.items() if v > 1e-5}
         assert not bad, bad
@@ -135,21 +153,31 @@ def ckpts(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def two_ranks(ckpts):
+def two_rank_run(ckpts):
     ds3, fp8, _ = ckpts
     jobs = [ProbeJob("ds3_ckpt", "deepseek_v3", [*RUNTIME, *EP, *_ds3_ckpt_overrides(ds3)], PROMPTS, NEW),
             ProbeJob("ds3_agrs", "deepseek_v3", [*RUNTIME, *AGRS], PROMPTS, NEW),
             ProbeJob("glm_hashed", "glm_4_7_flash", [*RUNTIME, *EP, "model.init=hashed"], PROMPTS, NEW,
                      weight_values=True),
             ProbeJob("fp8", str(fp8), [*RUNTIME, *EP], PROMPTS, NEW)]
-    return spawn(probe_rank, 2, jobs, all_results=True)
+    return spawn(_ep_rank, 2, jobs, all_results=True)
 
 
 @pytest.fixture(scope="module")
-def four_ranks():
+def four_rank_run():
     jobs = [ProbeJob("glm", "glm_4_7_flash", [*RUNTIME, *EP], PROMPTS, NEW),
             ProbeJob("ds3_agrs", "deepseek_v3", [*RUNTIME, *AGRS], PROMPTS, NEW)]
-    return spawn(probe_rank, 4, jobs, all_results=True)
+    return spawn(_ep_rank, 4, jobs, all_results=True)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(two_rank_run):
+    return [r["probe"] for r in two_rank_run]
+
+
+@pytest.fixture(scope="module")
+def four_ranks(four_rank_run):
+    return [r["probe"] for r in four_rank_run]
 
 
 def _single(family: str, *extra: str):
