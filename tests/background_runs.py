@@ -9,7 +9,8 @@ collected before the module; its fixtures wait for each result. Run alone, such 
 - Low priority: the driver leads a session of its own (so that it can be killed with its ranks), and
   with autogroup scheduling (Linux's default on a desktop-style kernel) a session is a scheduling
   group whose own nice value is what counts against the tests' group; both are set to 19, so the
-  tests run as fast as without the driver.
+  tests run as fast as without the driver. While a fixture waits for a result, the group is back at
+  nice 0 (where the test process may raise a priority), so that a loaded host does not starve it.
 - One driver at a time: a driver started after another waits until that one is done (drivers start
   in collection order, which is the order the files consume them), so that the first file's runs do
   not share the idle core with runs needed minutes later.
@@ -46,15 +47,6 @@ _WAIT_S = 1800
 
 class BackgroundRunFailed(RuntimeError):
     pass
-
-
-def lower_priority() -> None:
-    """nice 19 for this process and, where the kernel groups by session (autogroup), for its group."""
-    os.nice(19)
-    try:
-        Path("/proc/self/autogroup").write_text("19")
-    except OSError:  # no autogroup (or not allowed): the process nice value is all there is
-        pass
 
 
 def _alive(pid: int) -> bool:
@@ -95,20 +87,42 @@ class BackgroundRuns:
         self.log = open(self.dir / "driver.log", "wb")
         self.proc = subprocess.Popen([sys.executable, "-c", code], stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
+        self._priority(19)
         _last = (str(self.dir / "all.done"), self.proc.pid)
         atexit.register(self.stop)
 
+    def _priority(self, nice: int) -> None:
+        """`nice` for the driver and its ranks (its process group; ranks started later inherit it) and,
+        where the kernel groups by session (autogroup), for its scheduling group."""
+        try:
+            os.setpriority(os.PRIO_PGRP, self.proc.pid, nice)
+        except OSError:  # the driver gone, or raising a priority is not allowed here
+            pass
+        try:
+            Path(f"/proc/{self.proc.pid}/autogroup").write_text(str(nice))
+        except OSError:  # no autogroup, the driver gone, or not allowed
+            pass
+
     def _wait_for(self, path: Path, what: str) -> None:
-        deadline = time.monotonic() + _WAIT_S
-        while not path.exists():
-            if self.proc.poll() is not None and not path.exists():
-                log = (self.dir / "driver.log").read_text(errors="replace")[-5000:]
-                raise BackgroundRunFailed(f"the background driver exited ({self.proc.returncode}) without {what}:\n"
-                                          f"{log}")
-            if time.monotonic() > deadline:
-                self.stop()
-                raise TimeoutError(f"no {what} from the background driver in {_WAIT_S // 60} minutes")
-            time.sleep(0.1)
+        if path.exists():
+            return
+        # The tests wait: nothing to keep the driver out of the way of, so it runs at normal priority
+        # meanwhile (on a loaded host a nice-19 group gets next to no time).
+        self._priority(0)
+        try:
+            deadline = time.monotonic() + _WAIT_S
+            while not path.exists():
+                if self.proc.poll() is not None and not path.exists():
+                    log = (self.dir / "driver.log").read_text(errors="replace")[-5000:]
+                    raise BackgroundRunFailed(f"the background driver exited ({self.proc.returncode}) without "
+                                              f"{what}:\n{log}")
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise TimeoutError(f"no {what} from the background driver in {_WAIT_S // 60} minutes")
+                time.sleep(0.1)
+        finally:
+            if self.proc is not None and self.proc.poll() is None:
+                self._priority(19)
 
     def prelude_dir(self) -> Path:
         """The driver's directory once the prelude wrote its files there."""
@@ -135,10 +149,9 @@ class BackgroundRuns:
 
     # ------------------------------------------------------------------ the driver process
     def main(self, out_dir: str, names: list[str], after: Optional[tuple[str, int]]) -> None:
-        """At low priority (its ranks inherit it): wait for the driver started before this one, run the
-        prelude, then `names` in order; each one's result, or its error with the traceback, pickled
-        to <out_dir>/<name>.pkl."""
-        lower_priority()
+        """Wait for the driver started before this one, run the prelude, then `names` in order; each
+        one's result, or its error with the traceback, pickled to <out_dir>/<name>.pkl. (Its priority
+        is the test process's business: _priority.)"""
         out = Path(out_dir)
         try:
             if after is not None:
