@@ -9,8 +9,9 @@ collected before the module; its fixtures wait for each result. Run alone, such 
 - Low priority: the driver leads a session of its own (so that it can be killed with its ranks), and
   with autogroup scheduling (Linux's default on a desktop-style kernel) a session is a scheduling
   group whose own nice value is what counts against the tests' group; both are set to 19, so the
-  tests run as fast as without the driver. While a fixture waits for a result, the group is back at
-  nice 0 (where the test process may raise a priority), so that a loaded host does not starve it.
+  tests run as fast as without the driver. While a fixture waits for a result, the group (and those
+  of the drivers started before it) is back at nice 0 (where the test process may raise a priority),
+  so that a loaded host does not starve what the tests wait for.
 - One driver at a time: a driver started after another waits until that one is done (drivers start
   in collection order, which is the order the files consume them), so that the first file's runs do
   not share the idle core with runs needed minutes later.
@@ -40,8 +41,8 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Optional
 
-#: (<dir>/all.done, pid) of the driver started last in this process: the next driver waits for it.
-_last: Optional[tuple[str, int]] = None
+#: The drivers started in this process, in order: each waits for the one before it.
+_started: list["BackgroundRuns"] = []
 _WAIT_S = 1800
 
 
@@ -77,18 +78,19 @@ class BackgroundRuns:
             self.start([name for name in self.runs if name in used])
 
     def start(self, names: Optional[Sequence[str]] = None) -> None:
-        global _last
         if self.proc is not None:
             return
         names = list(self.runs) if names is None else list(names)
         self.dir = Path(tempfile.mkdtemp(prefix="autodeploy_bg_"))
+        prev = _started[-1] if _started else None
+        after = (str(prev.dir / "all.done"), prev.proc.pid) if prev is not None and prev.dir is not None else None
         code = (f"import sys; sys.path[:0] = {sys.path!r}; import {self.module} as m; "
-                f"m._BACKGROUND.main({str(self.dir)!r}, {names!r}, {_last!r})")
+                f"m._BACKGROUND.main({str(self.dir)!r}, {names!r}, {after!r})")
         self.log = open(self.dir / "driver.log", "wb")
         self.proc = subprocess.Popen([sys.executable, "-c", code], stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         self._priority(19)
-        _last = (str(self.dir / "all.done"), self.proc.pid)
+        _started.append(self)
         atexit.register(self.stop)
 
     def _priority(self, nice: int) -> None:
@@ -108,7 +110,9 @@ class BackgroundRuns:
             return
         # The tests wait: nothing to keep the driver out of the way of, so it runs at normal priority
         # meanwhile (on a loaded host a nice-19 group gets next to no time).
-        self._priority(0)
+        ahead = _started[: _started.index(self) + 1]  # this driver and those it waits for
+        for bg in ahead:
+            bg._priority(0)
         try:
             deadline = time.monotonic() + _WAIT_S
             while not path.exists():
@@ -121,8 +125,9 @@ class BackgroundRuns:
                     raise TimeoutError(f"no {what} from the background driver in {_WAIT_S // 60} minutes")
                 time.sleep(0.1)
         finally:
-            if self.proc is not None and self.proc.poll() is None:
-                self._priority(19)
+            for bg in ahead:
+                if bg.proc is not None and bg.proc.poll() is None:
+                    bg._priority(19)
 
     def prelude_dir(self) -> Path:
         """The driver's directory once the prelude wrote its files there."""
