@@ -7,6 +7,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# One intra-op thread in the test process (not in the processes it starts: spawned ranks take their
+# share of the cores, benchmark subprocesses their default). The tests' tensors are tiny: a second
+# thread only adds a barrier to every op, and when the other core is busy (another process, a
+# background run, a subprocess of a test) that barrier waits for a time slice: an engine step of a
+# tiny model took 0.24 s with two threads on a loaded 2-core box, 3 ms with one.
+torch.set_num_threads(1)
+
 import pytest  # noqa: E402
 
 import autodeploy_mla  # noqa: E402,F401

@@ -3,12 +3,14 @@ attention on its own sequences (its own cache and page allocator), routed expert
 from each rank's own tokens (`ep_moe_experts`, tokens local), dense MLPs replicated; the ranks step
 in lock-step (runtime/data_parallel.py) and a rank with nothing to run runs idle steps.
 
-One rank spawn serves every multi-rank test (module-scoped fixture: start-up and export dominate).
+One rank spawn serves every multi-rank test (start-up and export dominate), made with the checkpoint it
+reads in a background driver process (tests/background_runs.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,6 +31,7 @@ from autodeploy_mla.testing.probe import rank_overrides
 from autodeploy_mla.transforms.context import BuildContext
 from autodeploy_mla.transforms.pass_manager import parse_pipeline
 from autodeploy_mla.transforms.shard import ShardError, count_all_reduces
+from background_runs import BackgroundRuns
 
 RUNTIME = ["runtime.max_num_tokens=8", "runtime.page_size=4", "runtime.max_seq_len=64", "runtime.max_batch_size=4",
            "model.device=cpu", "model.dtype=float32"]
@@ -72,13 +75,30 @@ def _dp_rank(rank: int, families: Sequence[str], ds3_ckpt: str) -> dict:
     return out
 
 
-@pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    """The world-2 runs, and a tiny DeepSeek-V3 checkpoint (the config's seeded random weights)."""
-    path = tmp_path_factory.mktemp("dp") / "ds3"
+def _write_ds3(out: Path) -> None:
+    """The background driver's prelude: a tiny DeepSeek-V3 checkpoint (the config's seeded random weights)."""
     cfg = load_config(model_config_path("deepseek_v3"), overrides=RUNTIME)
-    build_model(cfg.model, torch.device("cpu"), torch.float32).save_pretrained(path)
-    return spawn(_dp_rank, 2, FAMILIES, str(path), all_results=True)
+    build_model(cfg.model, torch.device("cpu"), torch.float32).save_pretrained(out / "ds3")
+
+
+def _run_two(out: Path) -> list:
+    return spawn(_dp_rank, 2, FAMILIES, str(out / "ds3"), all_results=True)
+
+
+# The world-2 run starts in a low-priority driver process as soon as the session's tests are collected
+# (tests/background_runs.py), overlapping the single-threaded tests of the files before this one.
+_BACKGROUND = BackgroundRuns(__name__, {"two": _run_two}, {"two_ranks": ["two"]}, prelude=_write_ds3)
+
+
+def start_background_runs(items) -> None:
+    """Called by conftest.py once the session's tests are collected: start the run the selected tests use."""
+    _BACKGROUND.select(items)
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    """The world-2 runs (_dp_rank; the ranks read the checkpoint _write_ds3 saved)."""
+    return _BACKGROUND.result("two")
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +108,7 @@ def single():
             for f in FAMILIES}
 
 
-def test_two_ranks_equal_one_process(two_ranks, single):
+def test_two_ranks_equal_one_process(single, two_ranks):  # single first: built while the ranks run
     """World 2, fp32, tiny DeepSeek-V3 (all-to-all) and GLM-4.7-Flash (all-gather + reduce-scatter):
     the requests are split across the ranks by
     tokens, each rank generates its share, and every rank returns all tokens in prompt order, equal

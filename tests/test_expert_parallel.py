@@ -2,11 +2,14 @@
 at 2 and 4 ranks against the whole-model reference op, and tiny DeepSeek-V3 / GLM-4.7-Flash built
 expert-parallel at 2 and 4 ranks against one process and HF eager (greedy tokens, fp32).
 
-Spawned runs are few and each serves several tests (process start-up and export dominate)."""
+Spawned runs are few and each serves several tests (process start-up and export dominate): one
+2-rank and one 4-rank spawn, each rank running its model probes and then every case of the op; both
+(and the checkpoints they read) made in a background driver process (tests/background_runs.py)."""
 
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +30,7 @@ from autodeploy_mla.transforms.context import BuildContext
 from autodeploy_mla.transforms.pass_manager import parse_pipeline
 from autodeploy_mla.transforms.shard import ShardError
 from autodeploy_mla.verify import hf_greedy_generate
+from background_runs import BackgroundRuns
 
 H, I, E, K = 16, 8, 8, 2
 
@@ -85,9 +89,25 @@ def _op_rank(rank: int) -> dict:
     return diffs
 
 
+def _ep_rank(rank: int, jobs) -> dict:
+    """One rank of a spawned run: the model probes (first, so that they run as in a rank of their own),
+    then every case of the op (_op_rank) in the same process group; an error in the op cases is
+    returned (and fails the op test only)."""
+    import traceback
+
+    out = {"probe": probe_rank(rank, jobs)}
+    try:
+        out["op"] = _op_rank(rank)
+    except Exception:  # noqa: BLE001 - reported by test_ep_op_matches_the_whole_model_reference
+        out["op"] = traceback.format_exc()
+    return out
+
+
 @pytest.fixture(scope="module", params=[2, 4])
 def op_runs(request):
-    return request.param, spawn(_op_rank, request.param, all_results=True)
+    """The op cases of every rank, from the 2- or 4-rank run the model tests use (no spawn of their own)."""
+    ranks = request.getfixturevalue("two_rank_run" if request.param == 2 else "four_rank_run")
+    return request.param, [r["op"] for r in ranks]
 
 
 def test_ep_op_matches_the_whole_model_reference(op_runs):
@@ -97,6 +117,7 @@ def test_ep_op_matches_the_whole_model_reference(op_runs):
     world, ranks = op_runs
     assert len(ranks) == world
     for res in ranks:
+        assert isinstance(res, dict), res  # else the traceback of the rank's op cases
         assert len(res) == 2 * (4 * 3 + 1)
         bad = {k: v for k, v in res.items() if v > 1e-5}
         assert not bad, bad
@@ -121,35 +142,72 @@ def _ds3_ckpt_overrides(path) -> list[str]:
     return [f"model.path={path}", "model.hf_config=null"]
 
 
-@pytest.fixture(scope="module")
-def ckpts(tmp_path_factory):
-    """A tiny DeepSeek-V3 checkpoint (per-expert tensors, save_pretrained) and an FP8 one [32, 32]
-    with its HF reference (dequantized weights)."""
-    out = tmp_path_factory.mktemp("ep")
+def _write_ckpts(out: Path) -> None:
+    """The background driver's prelude: a tiny DeepSeek-V3 checkpoint (per-expert tensors,
+    save_pretrained) in ds3/, an FP8 one [32, 32] in fp8/ and the reference weights its writer returns
+    (fp8_ref.pt: fp32, the FP8 values dequantized)."""
     cfg = load_config(model_config_path("deepseek_v3"), overrides=RUNTIME)
     build_model(cfg.model, torch.device("cpu"), torch.float32).save_pretrained(out / "ds3")
     fp8_cfg = copy.deepcopy(TINY_CONFIGS["deepseek_v3"])
     fp8_cfg.update(FP8_DIMS)
-    ref = write_fp8_checkpoint(build_tiny_model(fp8_cfg), out / "fp8", FP8_BLOCK)
-    return out / "ds3", out / "fp8", reference_hf_model(build_tiny_model(fp8_cfg, seed=1), ref)
+    torch.save(write_fp8_checkpoint(build_tiny_model(fp8_cfg), out / "fp8", FP8_BLOCK), out / "fp8_ref.pt")
 
 
-@pytest.fixture(scope="module")
-def two_ranks(ckpts):
-    ds3, fp8, _ = ckpts
-    jobs = [ProbeJob("ds3_ckpt", "deepseek_v3", [*RUNTIME, *EP, *_ds3_ckpt_overrides(ds3)], PROMPTS, NEW),
+def _run_two(out: Path) -> list:
+    jobs = [ProbeJob("ds3_ckpt", "deepseek_v3", [*RUNTIME, *EP, *_ds3_ckpt_overrides(out / "ds3")], PROMPTS, NEW),
             ProbeJob("ds3_agrs", "deepseek_v3", [*RUNTIME, *AGRS], PROMPTS, NEW),
             ProbeJob("glm_hashed", "glm_4_7_flash", [*RUNTIME, *EP, "model.init=hashed"], PROMPTS, NEW,
                      weight_values=True),
-            ProbeJob("fp8", str(fp8), [*RUNTIME, *EP], PROMPTS, NEW)]
-    return spawn(probe_rank, 2, jobs, all_results=True)
+            ProbeJob("fp8", str(out / "fp8"), [*RUNTIME, *EP], PROMPTS, NEW)]
+    return spawn(_ep_rank, 2, jobs, all_results=True)
+
+
+def _run_four(out: Path) -> list:
+    jobs = [ProbeJob("glm", "glm_4_7_flash", [*RUNTIME, *EP], PROMPTS, NEW),
+            ProbeJob("ds3_agrs", "deepseek_v3", [*RUNTIME, *AGRS], PROMPTS, NEW)]
+    return spawn(_ep_rank, 4, jobs, all_results=True)
+
+
+# The two spawned runs start in a low-priority driver process as soon as the session's tests are
+# collected (tests/background_runs.py), overlapping the single-threaded tests of the files before this one.
+_BACKGROUND = BackgroundRuns(__name__, {"two": _run_two, "four": _run_four},
+                             {"two_rank_run": ["two"], "four_rank_run": ["four"], "op_runs": ["two", "four"]},
+                             prelude=_write_ckpts)
+
+
+def start_background_runs(items) -> None:
+    """Called by conftest.py once the session's tests are collected: start the runs the selected tests use."""
+    _BACKGROUND.select(items)
 
 
 @pytest.fixture(scope="module")
-def four_ranks():
-    jobs = [ProbeJob("glm", "glm_4_7_flash", [*RUNTIME, *EP], PROMPTS, NEW),
-            ProbeJob("ds3_agrs", "deepseek_v3", [*RUNTIME, *AGRS], PROMPTS, NEW)]
-    return spawn(probe_rank, 4, jobs, all_results=True)
+def ckpts():
+    """The checkpoints the runs read (_write_ckpts) and the FP8 one's HF reference (dequantized weights)."""
+    out = _BACKGROUND.prelude_dir()
+    fp8_cfg = copy.deepcopy(TINY_CONFIGS["deepseek_v3"])
+    fp8_cfg.update(FP8_DIMS)
+    hf = reference_hf_model(build_tiny_model(fp8_cfg, seed=1), torch.load(out / "fp8_ref.pt"))
+    return out / "ds3", out / "fp8", hf
+
+
+@pytest.fixture(scope="module")
+def two_rank_run():
+    return _BACKGROUND.result("two")
+
+
+@pytest.fixture(scope="module")
+def four_rank_run():
+    return _BACKGROUND.result("four")
+
+
+@pytest.fixture(scope="module")
+def two_ranks(two_rank_run):
+    return [r["probe"] for r in two_rank_run]
+
+
+@pytest.fixture(scope="module")
+def four_ranks(four_rank_run):
+    return [r["probe"] for r in four_rank_run]
 
 
 def _single(family: str, *extra: str):

@@ -11,31 +11,24 @@ Few multi-process runs, each serving several tests (process start-up and export 
 - 4 ranks on the GLM model with `model.init: hashed` (each rank makes only its slices).
 Each probe is compared with the single-process optimized model and (HF families) with HF eager.
 The runs start in a low-priority driver process as soon as the session's tests are collected
-(`_Background`), so that they overlap the single-threaded tests of the files before this one.
+(tests/background_runs.py), so that they overlap the single-threaded tests of the files before this one.
 The GPU part (NCCL, bf16, 2 x H200) is at the end, marked `gpu`.
 """
 
 from __future__ import annotations
 
 import argparse
-import atexit
 import json
 import os
-import shutil
-import signal
 import subprocess
 import sys
-import tempfile
-import time
 import types
 from pathlib import Path
-from typing import Optional
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-
 from autodeploy_mla import optimize
 from autodeploy_mla.api import build_config
 from autodeploy_mla.cli import main
@@ -52,6 +45,7 @@ from autodeploy_mla.testing.tiny_configs import build_tiny_model
 from autodeploy_mla.transforms.context import BuildContext
 from autodeploy_mla.transforms.pass_manager import parse_pipeline
 from autodeploy_mla.transforms.shard import ShardError
+from background_runs import BackgroundRuns
 
 RUNTIME = ["runtime.max_num_tokens=8", "runtime.page_size=4", "runtime.max_seq_len=64", "runtime.max_batch_size=4",
            "model.device=cpu", "model.dtype=float32"]
@@ -175,101 +169,29 @@ def _run_four(out: Path) -> list:
 _RUNS = {"tp": _run_tp, "torchrun": _run_torchrun, "four": _run_four}
 
 
-def _background_main(out_dir: str, names: list[str]) -> None:
-    """The driver process: at low priority (its ranks inherit it), save the tiny DeepSeek-V3 (MoE on)
-    checkpoint with save_pretrained (per-expert safetensors tensors), then run `names` in order; each
-    one's result, or its error with the traceback, pickled to <out_dir>/<name>.pkl."""
-    import pickle
-    import traceback
-
-    os.nice(19)
-    out = Path(out_dir)
+def _write_ds3(out: Path) -> None:
+    """The background driver's prelude: the tiny DeepSeek-V3 (MoE on) checkpoint the runs read, saved
+    with save_pretrained (per-expert safetensors tensors)."""
     build_model(_ds3_config().model, torch.device("cpu"), torch.float32).save_pretrained(out / "ds3")
-    (out / "ds3.done").touch()
-    for name in names:
-        try:
-            res = ("ok", _RUNS[name](out))
-        except BaseException:  # noqa: BLE001 - re-raised by the test that needs it
-            res = ("error", traceback.format_exc())
-        (out / f"{name}.tmp").write_bytes(pickle.dumps(res))
-        (out / f"{name}.tmp").rename(out / f"{name}.pkl")
 
 
-class _Background:
-    """This file's multi-process runs (about two minutes of both cores, most of it process start-up
-    and export) in one driver process started as soon as the session's tests are collected
-    (conftest.py calls start_background_runs), so that they overlap the single-threaded tests of the
-    files before this one; at low priority, so that those run as fast as before. The fixtures wait
-    for each result; run alone, this file simply waits. A driver process, not a thread: nothing here
-    touches this process's RNG, environment or torch state while other tests run."""
-
-    def __init__(self) -> None:
-        self.proc: Optional[subprocess.Popen] = None
-        self.dir: Optional[Path] = None
-
-    def start(self, names=tuple(_RUNS)) -> None:
-        if self.proc is not None:
-            return
-        self.dir = Path(tempfile.mkdtemp(prefix="autodeploy_tp_"))
-        code = (f"import sys; sys.path[:0] = {sys.path!r}; import {__name__} as m; "
-                f"m._background_main({str(self.dir)!r}, {list(names)!r})")
-        self.log = open(self.dir / "driver.log", "wb")
-        self.proc = subprocess.Popen([sys.executable, "-c", code], stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-        atexit.register(self.stop)
-
-    def _wait_for(self, path: Path, what: str) -> None:
-        deadline = time.monotonic() + 1800
-        while not path.exists():
-            if self.proc.poll() is not None and not path.exists():
-                log = (self.dir / "driver.log").read_text(errors="replace")[-5000:]
-                raise RuntimeError(f"the background driver exited ({self.proc.returncode}) without {what}:\n{log}")
-            if time.monotonic() > deadline:
-                self.stop()
-                raise TimeoutError(f"no {what} from the background driver in 30 minutes")
-            time.sleep(0.1)
-
-    def checkpoint(self) -> Path:
-        self.start()
-        self._wait_for(self.dir / "ds3.done", "the checkpoint")
-        return self.dir / "ds3"
-
-    def result(self, name: str):
-        import pickle
-
-        self.start()
-        self._wait_for(self.dir / f"{name}.pkl", f"the {name!r} run")
-        status, value = pickle.loads((self.dir / f"{name}.pkl").read_bytes())
-        if status == "error":
-            raise RankFailed(f"background run {name!r} failed:\n{value}")
-        return value
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-        if self.dir is not None:
-            self.log.close()
-            shutil.rmtree(self.dir, ignore_errors=True)
-            self.dir = None
-
-
-_BACKGROUND = _Background()
-_RUN_FIXTURES = {"tp_runs": "tp", "torchrun_build": "torchrun", "four_rank_runs": "four"}
+# This file's multi-process runs (about two minutes of both cores, most of it process start-up and
+# export) start in a low-priority driver process as soon as the session's tests are collected
+# (tests/background_runs.py), overlapping the single-threaded tests of the files before this one.
+_BACKGROUND = BackgroundRuns(__name__, _RUNS, {"tp_runs": ["tp"], "torchrun_build": ["torchrun"],
+                                               "four_rank_runs": ["four"]}, prelude=_write_ds3)
 
 
 def start_background_runs(items) -> None:
     """Called by conftest.py once the session's tests are collected: start the runs the selected tests use."""
-    used = {name for item in items for fix, name in _RUN_FIXTURES.items() if fix in item.fixturenames}
-    if used:
-        _BACKGROUND.start([name for name in _RUNS if name in used])
+    _BACKGROUND.select(items)
 
 
 # ----------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
 def ds3_ckpt():
     """The tiny DeepSeek-V3 (MoE on) checkpoint the runs read, and its HF model loaded from it."""
-    path = _BACKGROUND.checkpoint()
+    path = _BACKGROUND.prelude_dir() / "ds3"
     return path, build_model(_ds3_config(f"model.path={path}", "model.hf_config=null").model, torch.device("cpu"),
                              torch.float32)
 

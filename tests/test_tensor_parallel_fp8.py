@@ -11,13 +11,15 @@ intermediate 32). One spawned run holds three jobs per rank:
 - `model.init: hashed` random FP8 weights, each rank generating only its slices (returned, to be
   compared with the same slices of the whole model generated in one process).
 Greedy tokens of every rank == the single-process model == HF eager with the dequantized weights
-(fp32). A misaligned split is refused in-process (tests/test_fp8_checkpoint.py).
+(fp32). A misaligned split is refused in-process (tests/test_fp8_checkpoint.py). The checkpoint and
+the spawned run are made in a background driver process (tests/background_runs.py).
 """
 
 from __future__ import annotations
 
 import copy
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,6 +32,7 @@ from autodeploy_mla.testing.fp8_checkpoints import reference_hf_model, write_fp8
 from autodeploy_mla.testing.probe import ProbeJob, probe_rank
 from autodeploy_mla.testing.tiny_configs import TINY_CONFIGS, build_tiny_model
 from autodeploy_mla.verify import hf_greedy_generate
+from background_runs import BackgroundRuns
 
 RUNTIME = ["runtime.max_num_tokens=8", "runtime.page_size=4", "runtime.max_seq_len=64", "runtime.max_batch_size=4",
            "model.device=cpu", "model.dtype=float32"]
@@ -57,20 +60,39 @@ def _hashed_overrides() -> list[str]:
     return [*RUNTIME, *NO_FUSION, f"model.hf_config={json.dumps(hf)}", "model.init=hashed"]
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ds3_fp8_tp")
-    ref = write_fp8_checkpoint(build_tiny_model(_config()), out, BLOCK)
-    return out, reference_hf_model(build_tiny_model(_config(), seed=1), ref)
+def _write_ckpt(out: Path) -> None:
+    """The background driver's prelude: the FP8 checkpoint (ckpt/) and the reference weights its
+    writer returns (ref.pt: fp32, the FP8 values dequantized)."""
+    torch.save(write_fp8_checkpoint(build_tiny_model(_config()), out / "ckpt", BLOCK), out / "ref.pt")
 
 
-@pytest.fixture(scope="module")
-def tp_runs(ckpt):
-    path, _ = ckpt
+def _run_tp(out: Path) -> list:
+    path = out / "ckpt"
     jobs = [ProbeJob("slices", str(path), RUNTIME, PROMPTS, NEW),
             ProbeJob("full", str(path), [*RUNTIME, "transforms.shard.load=full"], PROMPTS, NEW),
             ProbeJob("hashed", None, _hashed_overrides(), PROMPTS, NEW, weight_values=True)]
     return spawn(probe_rank, 2, jobs, all_results=True)
+
+
+# The one spawned run starts in a low-priority driver process as soon as the session's tests are
+# collected (tests/background_runs.py), overlapping the single-threaded tests of the files before this one.
+_BACKGROUND = BackgroundRuns(__name__, {"tp": _run_tp}, {"tp_runs": ["tp"]}, prelude=_write_ckpt)
+
+
+def start_background_runs(items) -> None:
+    """Called by conftest.py once the session's tests are collected: start the run the selected tests use."""
+    _BACKGROUND.select(items)
+
+
+@pytest.fixture(scope="module")
+def ckpt():
+    out = _BACKGROUND.prelude_dir()
+    return out / "ckpt", reference_hf_model(build_tiny_model(_config(), seed=1), torch.load(out / "ref.pt"))
+
+
+@pytest.fixture(scope="module")
+def tp_runs():
+    return _BACKGROUND.result("tp")
 
 
 def test_fp8_tp2_equals_tp1_and_hf(ckpt, tp_runs):
