@@ -218,6 +218,8 @@ def http_runs(url: str, prompts: list[list[int]], args: argparse.Namespace, want
         plan.append((plan[0][0], 1))
     for i, (c, workers) in enumerate(plan):
         name = f"http c{c}" + (" 1 client process" if workers == 1 else "")
+        if name in runs:  # --concurrency 64,64: the same load again (first-run effects), kept apart
+            name += f" (run {i + 1})"
         spies = [PySpy(pid, args.out / f"http_c{c}_{who}_{args.model}.raw") for who, pid in spy_pids] \
             if args.profile and i == 0 else []
         load = run_load(url, "default", prompts, args.output_len, concurrency=c, workers=workers)
