@@ -22,7 +22,7 @@ from autodeploy_mla.custom_ops.moe.expert_parallel import EP_MOE_EXPERTS
 from autodeploy_mla.distributed import spawn
 from autodeploy_mla.models.factory import build_model
 from autodeploy_mla.runtime.artifacts import TensorParallel
-from autodeploy_mla.runtime.data_parallel import StepAgreement, partition_by_tokens
+from autodeploy_mla.runtime.data_parallel import PeerRankFailed, StepAgreement, partition_by_tokens
 from autodeploy_mla.runtime.engine import GenerationEngine
 from autodeploy_mla.runtime.page_allocator import PageAllocator
 from autodeploy_mla.runtime.sampling import SamplingParams, StepOutput
@@ -63,16 +63,41 @@ def _dp_rank(rank: int, families: Sequence[str], ds3_ckpt: str) -> dict:
         eng = om.engine(overlap=False)
         reqs = eng.run([list(p) for p in PROMPTS] if rank == 0 else [], SamplingParams(max_new_tokens=NEW))
         rec = next(r for r in om.history if r.name == "shard")
+        failure = _fail_on_rank_1(om, rank) if family == "glm_4_7_flash" else None
         out[family] = {
             "rank": rank, "tokens": tokens, "dp_all": dp_all, "one": one, "dp_one": dp_one,
             "rank0_alone": [r.generated for r in reqs], "alone_idle_steps": eng.idle_steps,
             "alone_steps": len(eng.steps), "syncs": eng.lockstep.syncs if eng.lockstep else 0,
             "summary": rec.summary, "details": rec.details, "all_reduces": count_all_reduces(om.gm),
             "ep_nodes": [n.args[12:14] for n in om.gm.graph.nodes if n.target is EP_MOE_EXPERTS],
-            "tp": om.report()["tensor_parallel"],
+            "tp": om.report()["tensor_parallel"], "failure": failure,
         }
         del om
     return out
+
+
+def _fail_on_rank_1(om, rank: int) -> dict:
+    """Rank 1's scheduler raises at its third step (host side, before that step's agreement): what
+    each rank's run raised, whether every page came back, and the tokens of a run made after it."""
+    eng = om.engine()
+    if rank == 1:
+        real, calls = eng._schedule, [0]
+
+        def failing():
+            calls[0] += 1
+            if calls[0] == 3:
+                raise ValueError("injected on rank 1")
+            return real()
+
+        eng._schedule = failing
+    free = eng.allocator.num_free
+    try:
+        eng.run([list(p) for p in PROMPTS[:2]], SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+        raised = None
+    except Exception as exc:  # noqa: BLE001 - the test compares what each rank raised
+        raised = (type(exc).__name__, str(exc))
+    return {"raised": raised, "pages_back": eng.allocator.num_free == free, "steps": len(eng.steps),
+            "again": om.generate([list(p) for p in PROMPTS], max_new_tokens=NEW)}
 
 
 def _write_ds3(out: Path) -> None:
@@ -147,6 +172,17 @@ def test_uneven_split_idle_rank_steps_with_the_others(two_ranks, single):
         assert r0["dp_one"]["idle_steps"] == 0 and r1["dp_one"]["idle_steps"] > 0
         assert r1["alone_steps"] == 0 and r1["alone_idle_steps"] == r0["alone_steps"] > 0
         assert r0["syncs"] == r1["syncs"] == r0["alone_steps"] + 1  # the last agreement: no rank has work
+
+
+def test_an_error_on_one_rank_stops_every_rank_at_the_same_step(two_ranks, single):
+    """Rank 1 fails host-side mid-run: it raises its own error, rank 0 raises PeerRankFailed naming
+    rank 1 and its error (no hang); both cancel their requests (pages back), and the model generates
+    the same tokens afterwards (the ranks are still in step)."""
+    r0, r1 = (two_ranks[r]["glm_4_7_flash"]["failure"] for r in (0, 1))
+    assert r1["raised"] == ("ValueError", "injected on rank 1")
+    assert r0["raised"][0] == PeerRankFailed.__name__ and "rank 1: ValueError: injected on rank 1" in r0["raised"][1]
+    assert r0["pages_back"] and r1["pages_back"]
+    assert r0["again"] == r1["again"] == single["glm_4_7_flash"]
 
 
 def test_report_names_the_layout(two_ranks):
@@ -293,6 +329,56 @@ def test_four_ranks_equal_one_process(request, single):
         assert res["dp"]["my_requests"] == shares[r]
         assert res["one"] == [single["glm_4_7_flash"][0]]
         assert (res["idle"] > 0) == (r != 0)
+
+
+class _FailingPeer(_FakeLockstep):
+    """The other rank: busy, then it fails at agreement `fail_at`; records this rank's leave()."""
+
+    def __init__(self, busy: int, fail_at: int) -> None:
+        super().__init__(busy)
+        self.fail_at, self.left, self.rank = fail_at, [], 0
+
+    def agree(self, has_batch: bool, has_work: bool, failed: bool = False) -> StepAgreement:
+        a = super().agree(has_batch, has_work)
+        return StepAgreement(a.any_batch, a.any_work, failed or self.syncs == self.fail_at)
+
+    def failures(self, mine):
+        return {1: "RuntimeError: out of memory"} | ({0: mine} if mine else {})
+
+    def leave(self, error: str):
+        self.left.append(error)
+        return self.failures(error)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_engine_stops_when_a_peer_fails_and_tells_the_peers_when_it_fails(overlap):
+    """A peer's failure at an agreement: this rank raises PeerRankFailed (naming the rank and its error)
+    with its requests cancelled and pages back, and does not call leave(). This rank's own error: it
+    calls leave() with the error text, once, and raises the error itself."""
+    alloc = PageAllocator(64, 4)
+    free = alloc.num_free
+    lock = _FailingPeer(busy=8, fail_at=3)
+    eng = GenerationEngine(_FakeRunner(), alloc, overlap=overlap, prefix_caching=False, lockstep=lock)
+    with pytest.raises(PeerRankFailed, match=r"rank\(s\) \[1\] failed \(rank 1: RuntimeError: out of memory\)"):
+        eng.run([[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=6, ignore_eos=True))
+    assert lock.left == [] and alloc.num_free == free
+    assert all(r.finish_reason == "cancelled" for r in eng.done.values())
+
+    lock = _FailingPeer(busy=8, fail_at=-1)
+    eng = GenerationEngine(_FakeRunner(), alloc, overlap=overlap, prefix_caching=False, lockstep=lock)
+    calls = [0]
+    real = eng._schedule
+
+    def failing():
+        calls[0] += 1
+        if calls[0] == 2:
+            raise ValueError("bad step")
+        return real()
+
+    eng._schedule = failing
+    with pytest.raises(ValueError, match="bad step"):
+        eng.run([[1, 2, 3]], SamplingParams(max_new_tokens=6, ignore_eos=True))
+    assert lock.left == ["ValueError: bad step"] and alloc.num_free == free
 
 
 def test_engine_lockstep_cancel_on_one_rank():

@@ -18,6 +18,13 @@ that skipped a step would leave the others waiting in a collective. So the ranks
   assumes >= 1 sequence; one token of padding costs one row in the experts' padded dispatch.
 - generation ends when no rank has work: every rank sees the same agreement, so all leave their
   loop at the same step.
+- an error on one rank ends the run on every rank at the same step, not in a hang: the failing rank
+  joins the next agreement with a third flag (`Lockstep.leave`), every rank then exchanges the error
+  text (`Lockstep.failures`, one all_gather_object, only on this path) and the others raise
+  `PeerRankFailed` naming the rank and its error. Each rank cancels its unfinished requests (pages
+  back) and the ranks have made the same collectives, so the model can run again. Not covered: an
+  error inside a forward step after the agreement (between the ranks' collectives in the graph): the
+  others wait in the graph's collective until the process group's timeout.
 
 `partition_by_tokens` gives each rank its share of a request list, balanced by tokens
 (prompt + max_new_tokens), the same on every rank (deterministic, no communication);
@@ -46,10 +53,22 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class StepAgreement:
-    """What the ranks agreed before a step: some rank has a batch to run / has work left."""
+    """What the ranks agreed before a step: some rank has a batch to run / has work left / failed."""
 
     any_batch: bool
     any_work: bool
+    any_failed: bool = False
+
+
+class PeerRankFailed(RuntimeError):
+    """Another data-parallel rank failed; this rank stopped its run at the same step (module doc)."""
+
+    def __init__(self, rank: int, errors: dict[int, str]) -> None:
+        self.rank, self.errors = rank, dict(errors)
+        what = "; ".join(f"rank {r}: {e}" for r, e in sorted(errors.items())) or "no error text was sent"
+        super().__init__(f"data-parallel rank(s) {sorted(errors)} failed ({what}); rank {rank} stopped its run at "
+                         "the same step and cancelled its unfinished requests. The ranks are still in step: "
+                         "the model can run again once the cause is fixed.")
 
 
 def new_host_group() -> "dist.ProcessGroup":
@@ -69,12 +88,29 @@ class Lockstep:
         self.group = group
         self.syncs = 0  # agreements made (one host all-reduce each)
 
-    def agree(self, has_batch: bool, has_work: bool) -> StepAgreement:
-        flags = torch.tensor([int(has_batch), int(has_work)], dtype=torch.int32)
+    def agree(self, has_batch: bool, has_work: bool, failed: bool = False) -> StepAgreement:
+        flags = torch.tensor([int(has_batch), int(has_work), int(failed)], dtype=torch.int32)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)  # blocking, on the host
-        any_batch, any_work = (bool(v) for v in flags.tolist())
+        any_batch, any_work, any_failed = (bool(v) for v in flags.tolist())
         self.syncs += 1
-        return StepAgreement(any_batch, any_work)
+        return StepAgreement(any_batch, any_work, any_failed)
+
+    def failures(self, mine: Optional[str]) -> dict[int, str]:
+        """After an agreement that says some rank failed, on every rank: each rank's error text
+        (None: this rank did not fail), gathered; rank -> text of the ranks that failed."""
+        got: list[Any] = [None] * self.world_size
+        dist.all_gather_object(got, mine, group=self.group)
+        return {r: str(e) for r, e in enumerate(got) if e is not None}
+
+    def leave(self, error: str) -> dict[int, str]:
+        """This rank failed: its last agreement (failed) and the exchange of error texts, matching the
+        agreement the other ranks make at their next step (module doc)."""
+        self.agree(False, False, failed=True)
+        return self.failures(error)
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.group) if self.group is not None else dist.get_rank()
 
 
 def partition_by_tokens(costs: Sequence[int], world_size: int) -> list[list[int]]:
@@ -108,4 +144,4 @@ def gather_in_order(mine: Sequence[T], shares: Sequence[Sequence[int]], total: i
     return out
 
 
-__all__ = ["IDLE_SEQ_ID", "Lockstep", "StepAgreement", "gather_in_order", "new_host_group", "partition_by_tokens"]
+__all__ = ["IDLE_SEQ_ID", "Lockstep", "PeerRankFailed", "StepAgreement", "gather_in_order", "new_host_group", "partition_by_tokens"]

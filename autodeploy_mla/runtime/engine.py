@@ -62,9 +62,10 @@ per-process hash salt.
 
 Data-parallel attention (`lockstep`, runtime/data_parallel.py). Each rank's engine runs its own
 requests, but every forward step calls the experts' all-to-all, so before each step the ranks agree
-(one host all-reduce of two flags: "I have a batch", "I have work"): when some rank has a batch,
-every rank runs one forward — its batch, or an idle step (`StepRunner.idle_step`); when no rank
-has work, `run` returns on every rank at the same step. With `lockstep` None (tensor-parallel
+(one host all-reduce of three flags: "I have a batch", "I have work", "I failed"): when some rank has a
+batch, every rank runs one forward — its batch, or an idle step (`StepRunner.idle_step`); when no rank
+has work, `run` returns on every rank at the same step; when one failed, `run` raises on every rank
+at the same step (the failing rank its error, the others `PeerRankFailed`). With `lockstep` None (tensor-parallel
 attention, one process) nothing of this runs: no collective, no change.
 """
 
@@ -78,7 +79,7 @@ from typing import Any, Optional, Protocol
 
 import torch
 
-from .data_parallel import Lockstep
+from .data_parallel import Lockstep, PeerRankFailed
 from .errors import CapacityError, OutOfPagesError, RequestError
 from .page_allocator import PageAllocator
 from .prefix_cache import page_keys
@@ -404,6 +405,8 @@ class GenerationEngine:
         if self.lockstep is None:
             return
         agreed = self.lockstep.agree(bool(batch), self.has_work())
+        if agreed.any_failed:  # another rank failed: stop here too (run() cancels this rank's requests)
+            raise PeerRankFailed(self.lockstep.rank, self.lockstep.failures(None))
         self.peers_busy = agreed.any_work
         if agreed.any_batch and not batch:
             self.runner.idle_step()
@@ -580,6 +583,11 @@ class GenerationEngine:
             self.drain()
         except BaseException as exc:
             self._inflight = None
+            if self.lockstep is not None and not isinstance(exc, PeerRankFailed):
+                try:  # tell the other ranks, at their next agreement, instead of leaving them waiting
+                    self.lockstep.leave(f"{type(exc).__name__}: {exc}")
+                except Exception as tell:  # noqa: BLE001 - the original error is the one to raise
+                    exc.add_note(f"the other data-parallel ranks could not be told: {type(tell).__name__}: {tell}")
             for i in ids:
                 if i not in self.done:
                     self.cancel(i, reason=f"cancelled: the run stopped ({type(exc).__name__}: {exc})")
