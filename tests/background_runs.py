@@ -18,6 +18,9 @@ collected before the module; its fixtures wait for each result. Run alone, such 
 - A driver process, not a thread: nothing here touches the test process's RNG, environment or torch
   state while other tests run.
 
+Benchmark smoke tests (a script run end to end at tiny sizes, in a process of its own or in the driver)
+are the other kind of run: `run_module` / `written` return the files such a run wrote.
+
 A module uses it as `_BACKGROUND = BackgroundRuns(__name__, runs, fixtures, prelude)` (the attribute
 must be called `_BACKGROUND`: the driver finds it there), with `runs` name -> module-level
 `fn(out_dir) -> picklable result`, `prelude` an optional `fn(out_dir)` run first (files every run
@@ -48,6 +51,25 @@ _WAIT_S = 1800
 
 class BackgroundRunFailed(RuntimeError):
     pass
+
+
+def written(out: Path) -> dict[str, str]:
+    """The text files a benchmark wrote into `out` (name -> text): what a background run of a benchmark
+    script returns, since the driver's directory is gone when the session ends."""
+    return {p.name: p.read_text() for p in sorted(out.iterdir()) if p.suffix in (".json", ".md", ".txt")}
+
+
+def run_module(module: str, out: Path, *args: str, timeout: int = 600) -> dict[str, str]:
+    """`python -m <module> *args --out <out>` from the repository root (the package importable from a
+    checkout that is not pip-installed); fails with the tail of its output; returns `written(out)`."""
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")])))
+    out.mkdir(parents=True, exist_ok=True)
+    run = subprocess.run([sys.executable, "-m", module, *args, "--out", str(out)], capture_output=True, text=True,
+                         timeout=timeout, env=env, cwd=repo)
+    if run.returncode != 0:
+        raise RuntimeError(f"{module} {' '.join(args)} exited {run.returncode}:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}")
+    return written(out)
 
 
 def _alive(pid: int) -> bool:

@@ -7,15 +7,47 @@ import json
 import re
 from pathlib import Path
 
+import pytest
+
+from background_runs import BackgroundRuns, written
 from benchmarks.kernels import fp8_gemm
 from benchmarks.lib import FP8_FAMILIES, linear_shapes, mla_dims
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_smoke_run_writes_every_row_with_a_time_or_a_reason(tmp_path):
-    fp8_gemm.main(["--smoke", "--out", str(tmp_path)])
-    res = json.loads((tmp_path / "fp8_weights_kernels.json").read_text())
+def _smoke(out: Path) -> dict:
+    fp8_gemm.main(["--smoke", "--out", str(out / "all")])
+    return written(out / "all")
+
+
+def _refusing(out: Path) -> dict:
+    fp8_gemm.main(["--smoke", "--no-moe", "--no-bf16", "--backends", "scaled_mm,triton", "--out", str(out / "refusing")])
+    return written(out / "refusing")
+
+
+# The two smoke runs (Triton interpreted: ~20 s) in a low-priority background driver from the start of the
+# session (tests/background_runs.py), overlapping the tests before this file.
+_BACKGROUND = BackgroundRuns(__name__, {"smoke": _smoke, "refusing": _refusing},
+                             {"smoke": ["smoke"], "refusing": ["refusing"]})
+
+
+def start_background_runs(items) -> None:
+    _BACKGROUND.select(items)
+
+
+@pytest.fixture(scope="module")
+def smoke():
+    return _BACKGROUND.result("smoke")
+
+
+@pytest.fixture(scope="module")
+def refusing():
+    return _BACKGROUND.result("refusing")
+
+
+def test_smoke_run_writes_every_row_with_a_time_or_a_reason(smoke):
+    res = json.loads(smoke["fp8_weights_kernels.json"])
     assert res["peaks"]["fp8_tflops"] > 0 and res["machine"]["command"]
     lin = res["linears"]
     assert {r["phase"] for r in lin} == {"prefill", "decode"}
@@ -23,13 +55,12 @@ def test_smoke_run_writes_every_row_with_a_time_or_a_reason(tmp_path):
     triton = [r for r in lin if r["backend"] == "triton"]
     assert triton and all(r["rel_err"] < 1e-5 for r in triton)  # fp32 on CPU: the emulation's math
     assert res["moe"] and all(r["rel_err"] < 1e-5 and r["floor_us"] > 0 for r in res["moe"])
-    md = (tmp_path / "fp8_weights_kernels.md").read_text()
+    md = smoke["fp8_weights_kernels.md"]
     assert "DeepGEMM" in md and "| tiny | q_b |" in md
 
 
-def test_a_refusing_backend_is_a_row_with_its_reason(tmp_path):
-    fp8_gemm.main(["--smoke", "--no-moe", "--no-bf16", "--backends", "scaled_mm,triton", "--out", str(tmp_path)])
-    lin = json.loads((tmp_path / "fp8_weights_kernels.json").read_text())["linears"]
+def test_a_refusing_backend_is_a_row_with_its_reason(refusing):
+    lin = json.loads(refusing["fp8_weights_kernels.json"])["linears"]
     cublas = [r for r in lin if r["backend"] == "scaled_mm"]
     assert cublas and all(r["us"] is None and r["note"].startswith("refused: ") for r in cublas)
 

@@ -5,24 +5,48 @@ comparison written with the table; the Mistral-Small-4 mode's build facts, cache
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+import pytest
+
+from background_runs import BackgroundRuns, run_module
+
+MODULE = "benchmarks.e2e.fp8_weights_e2e"
 
 
-def _run(tmp_path: Path, *extra: str) -> None:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    run = subprocess.run([sys.executable, "-m", "benchmarks.e2e.fp8_weights_e2e", "--smoke", "--out", str(tmp_path),
-                          *extra], capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+def _v2_lite(out: Path) -> dict:
+    """All three phases, then bf16 alone into the same --out (it keeps the others' results)."""
+    first = run_module(MODULE, out, "--smoke")
+    again = run_module(MODULE, out, "--smoke", "--phases", "bf16", "--no-accuracy")
+    return {"first": first, "again": again}
 
 
-def test_v2_lite_smoke_times_both_builds_and_compares_fp8_with_its_dequantized_weights(tmp_path):
-    _run(tmp_path)
-    data = json.loads((tmp_path / "fp8_weights_e2e.json").read_text())
+def _mistral(out: Path) -> dict:
+    return run_module(MODULE, out, "--smoke", "--model", "mistral_small_4_119b")
+
+
+# Both smokes (several model builds in processes of their own) run in a low-priority background driver
+# from the start of the session (tests/background_runs.py), overlapping the tests before this file.
+_BACKGROUND = BackgroundRuns(__name__, {"v2_lite": _v2_lite, "mistral": _mistral},
+                             {"v2_lite_smoke": ["v2_lite"], "mistral_smoke": ["mistral"]})
+
+
+def start_background_runs(items) -> None:
+    _BACKGROUND.select(items)
+
+
+@pytest.fixture(scope="module")
+def v2_lite_smoke():
+    return _BACKGROUND.result("v2_lite")
+
+
+@pytest.fixture(scope="module")
+def mistral_smoke():
+    return _BACKGROUND.result("mistral")
+
+
+def test_v2_lite_smoke_times_both_builds_and_compares_fp8_with_its_dequantized_weights(v2_lite_smoke):
+    data = json.loads(v2_lite_smoke["first"]["fp8_weights_e2e.json"])
     ph = data["phases"]
     assert set(ph) == {"bf16", "fp8", "dequant"} and not any("error" in r for r in ph.values())
     assert ph["bf16"]["fp8_linears"] == {} and ph["fp8"]["fp8_linears"] and ph["dequant"]["fp8_linears"] == {
@@ -36,17 +60,15 @@ def test_v2_lite_smoke_times_both_builds_and_compares_fp8_with_its_dequantized_w
     # on the CPU both builds run the reference ops (W8A16 on the same FP8 weights): the same model
     assert acc["positions_identical"] == 1.0 and acc["picks_identical"] == 1.0
     assert acc["logit_rel_l2_max"] < 1e-5 and acc["forced_positions"] == 2 * 16
-    md = (tmp_path / "fp8_weights_e2e.md").read_text()
+    md = v2_lite_smoke["first"]["fp8_weights_e2e.md"]
     assert "target <= 0.6" in md and "target >= 1.4" in md and "positions identical" in md
     # phases run alone keep the others' results from the JSON in --out
-    _run(tmp_path, "--phases", "bf16", "--no-accuracy")
-    again = json.loads((tmp_path / "fp8_weights_e2e.json").read_text())
+    again = json.loads(v2_lite_smoke["again"]["fp8_weights_e2e.json"])
     assert set(again["phases"]) == {"bf16", "fp8", "dequant"} and again["accuracy"] == acc
 
 
-def test_mistral_small_4_smoke_reports_build_memory_capacity_and_bench(tmp_path):
-    _run(tmp_path, "--model", "mistral_small_4_119b")
-    r = json.loads((tmp_path / "fp8_weights_e2e_mistral_small_4_119b.json").read_text())["phases"]["serve"]
+def test_mistral_small_4_smoke_reports_build_memory_capacity_and_bench(mistral_smoke):
+    r = json.loads(mistral_smoke["fp8_weights_e2e_mistral_small_4_119b.json"])["phases"]["serve"]
     assert "error" not in r and r["build_s"] > 0 and r["fp8_linears"]
     assert r["cache"]["pages"] > 0 and r["cache"]["tokens"] == r["cache"]["pages"] * r["cache"]["page_size"]
     b = r["bench"]

@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import json
 import random
-import subprocess
-import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -32,6 +31,7 @@ from autodeploy_mla.runtime.sampling import SamplingParams, StepOutput
 from autodeploy_mla.runtime.sequence_info import SequenceInfo
 from autodeploy_mla.serving import bench
 from autodeploy_mla.testing import hf_greedy_generate
+from background_runs import BackgroundRuns, run_module
 
 BASE = ("model.device=cpu", "model.dtype=float32", "runtime.page_size=4", "runtime.max_seq_len=40",
         "runtime.max_num_tokens=10", "runtime.max_batch_size=3")
@@ -228,15 +228,29 @@ def test_bench_prefix_workloads_in_process(om):
         chat.check_fits(16, "this config")
 
 
-def test_prefix_caching_benchmark_quick(tmp_path):
+def _benchmark_quick(out: Path) -> dict:
+    return run_module("benchmarks.serving.prefix_caching", out, "--quick")
+
+
+# The benchmark's quick run (three server processes) in a low-priority background driver from the start
+# of the session (tests/background_runs.py), overlapping the tests before this file.
+_BACKGROUND = BackgroundRuns(__name__, {"quick": _benchmark_quick}, {"benchmark_quick": ["quick"]})
+
+
+def start_background_runs(items) -> None:
+    _BACKGROUND.select(items)
+
+
+@pytest.fixture(scope="module")
+def benchmark_quick():
+    return _BACKGROUND.result("quick")
+
+
+def test_prefix_caching_benchmark_quick(benchmark_quick):
     """benchmarks/serving/prefix_caching.py --quick: the three workloads, caching off, on, off again in
     three processes, table + JSON (+ plot when matplotlib is there); the tokens per run are what was asked
     for, and the no-sharing row is judged against the two off runs' spread."""
-    root = __import__("pathlib").Path(__file__).resolve().parents[1]
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.serving.prefix_caching", "--quick", "--out",
-                           str(tmp_path)], capture_output=True, text=True, cwd=root, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    doc = json.loads((tmp_path / "prefix_caching.json").read_text())
+    doc = json.loads(benchmark_quick["prefix_caching.json"])
     for side in ("on", "off", "off_again"):
         assert sorted(doc[side]["runs"]) == ["multi-turn", "no sharing", "shared prefix"]
         for name, r in doc[side]["runs"].items():
@@ -246,7 +260,7 @@ def test_prefix_caching_benchmark_quick(tmp_path):
     assert sorted(doc["on"]["runs"]["multi-turn"]["per_turn"]) == ["0", "1", "2"]
     assert doc["on"]["runs"]["no sharing"].get("prefix_hit_tokens", 0) == 0
     assert "nosharing_noise_throughput" in doc["summary"]
-    md = (tmp_path / "prefix_caching.md").read_text()
+    md = benchmark_quick["prefix_caching.md"]
     assert "TTFT p50 ms per turn" in md and "No sharing, on / mean of the two off runs" in md
 
 

@@ -4,24 +4,37 @@ models build, decode, and the indexer's share is measured and written with the t
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
+import pytest
 
-def test_sparse_depth_smoke(tmp_path):
-    repo = Path(__file__).resolve().parents[1]
-    # the package importable from a checkout that is not pip-installed, as pytest's rootdir makes it here
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")])))
-    run = subprocess.run([sys.executable, "-m", "benchmarks.e2e.sparse_depth", "--smoke", "--out", str(tmp_path)],
-                         capture_output=True, text=True, timeout=600, env=env, cwd=repo)
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
-    data = json.loads((tmp_path / "sparse_mla_depth.json").read_text())
+from background_runs import BackgroundRuns, run_module
+
+
+def _smoke(out: Path) -> dict:
+    return run_module("benchmarks.e2e.sparse_depth", out, "--smoke")
+
+
+# The smoke (two model builds in a process of its own) in a low-priority background driver from the
+# start of the session (tests/background_runs.py), overlapping the tests before this file.
+_BACKGROUND = BackgroundRuns(__name__, {"smoke": _smoke}, {"smoke": ["smoke"]})
+
+
+def start_background_runs(items) -> None:
+    _BACKGROUND.select(items)
+
+
+@pytest.fixture(scope="module")
+def smoke():
+    return _BACKGROUND.result("smoke")
+
+
+def test_sparse_depth_smoke(smoke):
+    data = json.loads(smoke["sparse_mla_depth.json"])
     assert data["smoke"] and len(data["rows"]) == 1
     row = data["rows"][0]
     assert row["dense_backends"] == ["torch"] and row["sparse_backends"] == ["torch"]
     for kind in ("dense", "sparse"):
         assert row[kind]["step_ms"] > 0 and row[kind]["steps"] == 2
     assert row["dense"]["indexer_ms"] == 0 and 0 < row["sparse"]["indexer_share"] < 1
-    assert "| sparse / dense |" in (tmp_path / "sparse_mla_depth.md").read_text()
+    assert "| sparse / dense |" in smoke["sparse_mla_depth.md"]
