@@ -380,6 +380,18 @@ def test_engine_stops_when_a_peer_fails_and_tells_the_peers_when_it_fails(overla
         eng.run([[1, 2, 3]], SamplingParams(max_new_tokens=6, ignore_eos=True))
     assert lock.left == ["ValueError: bad step"] and alloc.num_free == free
 
+    # an error after the last agreement (no rank has work: the others left their loops): not announced
+    lock = _FailingPeer(busy=0, fail_at=-1)
+    eng = GenerationEngine(_FakeRunner(), alloc, overlap=overlap, prefix_caching=False, lockstep=lock)
+
+    def failing_drain():
+        raise ValueError("bad drain")
+
+    eng.drain = failing_drain
+    with pytest.raises(ValueError, match="bad drain"):
+        eng.run([[1, 2, 3]], SamplingParams(max_new_tokens=2, ignore_eos=True))
+    assert lock.left == [] and alloc.num_free == free
+
 
 def test_engine_lockstep_cancel_on_one_rank():
     """A request cancelled on this rank finishes at once (pages back); the rank keeps stepping (idle)

@@ -583,7 +583,9 @@ class GenerationEngine:
             self.drain()
         except BaseException as exc:
             self._inflight = None
-            if self.lockstep is not None and not isinstance(exc, PeerRankFailed):
+            # peers_busy False: the last agreement said no rank has work, so the others have left their
+            # loops and make no further agreement to meet (an error in the final drain stays this rank's)
+            if self.lockstep is not None and self.peers_busy and not isinstance(exc, PeerRankFailed):
                 try:  # tell the other ranks, at their next agreement, instead of leaving them waiting
                     self.lockstep.leave(f"{type(exc).__name__}: {exc}")
                 except Exception as tell:  # noqa: BLE001 - the original error is the one to raise
