@@ -187,7 +187,7 @@ def test_an_error_on_one_rank_stops_every_rank_at_the_same_step(two_ranks, singl
 
 def test_report_names_the_layout(two_ranks):
     """The shard report: every MLA layer `layout: data` with whole heads and the reason; the MoE layer
-    expert-parallel with local tokens and the capacity; no all-reduce in the graph."""
+    expert-parallel with local tokens and capacity 0; no all-reduce in the graph."""
     for family in FAMILIES:
         for res in two_ranks:
             r = res[family]
@@ -196,10 +196,12 @@ def test_report_names_the_layout(two_ranks):
             assert d["attention"] and all(e["layout"] == "data" and "(whole)" in e["heads"]
                                           and "attention: data" in e["why"] for e in d["attention"])
             entry, = d["experts"]
-            assert entry["layout"] == "expert" and entry["tokens"] == "local" and entry["capacity"] == 8
+            assert entry["layout"] == "expert" and entry["tokens"] == "local" and entry["capacity"] == 0
             assert entry["collective"] == COLLECTIVE[family]
             assert "routing local" in entry["why"]
-            assert r["ep_nodes"] == [("local", 8)]
+            # capacity 0: every rank passes the same token count (the lock-step pads each step to the
+            # agreed size; with different counts the ranks' all-to-all splits would not match)
+            assert r["ep_nodes"] == [("local", 0)]
             assert r["all_reduces"] == 0 and d["all_reduces"] == 0
             assert "data-parallel" in r["summary"] and "0 all-reduces" in r["summary"]
             assert all("configured" in e["why"] for e in d["replicated"])  # dense and shared MLPs
@@ -249,16 +251,16 @@ def test_partition_by_tokens():
 
 # ----------------------------------------------------------------------------- the engine's lock-step, no ranks
 class _FakeLockstep:
-    """Another rank that has a batch for `busy` more steps."""
+    """Another rank that has a batch of `peer_tokens` tokens for `busy` more steps."""
 
-    def __init__(self, busy: int) -> None:
-        self.busy, self.syncs = busy, 0
+    def __init__(self, busy: int, peer_tokens: int = 1) -> None:
+        self.busy, self.syncs, self.peer_tokens = busy, 0, peer_tokens
 
-    def agree(self, has_batch: bool, has_work: bool) -> StepAgreement:
+    def agree(self, has_batch: bool, has_work: bool, failed: bool = False, tokens: int = 0) -> StepAgreement:
         self.syncs += 1
         other = self.busy > 0
         self.busy -= 1
-        return StepAgreement(has_batch or other, has_work or other)
+        return StepAgreement(has_batch or other, has_work or other, tokens=max(tokens, self.peer_tokens if other else 0))
 
 
 class _FakeRunner:
@@ -267,8 +269,13 @@ class _FakeRunner:
     def __init__(self) -> None:
         self.seq_info = SequenceInfo(4, 8, 64, 4, torch.device("cpu"))
         self.forwards = self.idle = 0
+        self.pads: list = []  # (own step size, pad_to) per forward and idle step
 
-    def launch(self, seqs, pages_of, specs, prompt_rows=None):
+    def step_size(self, seqs):
+        return sum(len(s.token_ids) for s in seqs)
+
+    def launch(self, seqs, pages_of, specs, prompt_rows=None, pad_to=None):
+        self.pads.append((self.step_size(seqs), pad_to))
         self.forwards += 1
         info = self.seq_info
         info.prepare_step(seqs, pages_of)
@@ -286,7 +293,8 @@ class _FakeRunner:
     def release(self, seq_id):
         pass
 
-    def idle_step(self):
+    def idle_step(self, pad_to=None):
+        self.pads.append((0, pad_to))
         self.idle += 1
 
 
@@ -295,17 +303,20 @@ def test_engine_lockstep_idles_while_a_peer_works(overlap):
     """The engine with a lock-step: it runs its requests, then idle steps while the (fake) other rank
     still has a batch, and returns when no rank has work; one agreement per step."""
     runner = _FakeRunner()
-    lock = _FakeLockstep(busy=6)
+    lock = _FakeLockstep(busy=6, peer_tokens=3)
     eng = GenerationEngine(runner, PageAllocator(64, 4), overlap=overlap, prefix_caching=False, lockstep=lock)
     reqs = eng.run([[1, 2, 3]], SamplingParams(max_new_tokens=2, ignore_eos=True))
     assert reqs[0].generated == [4, 5] if not overlap else len(reqs[0].generated) == 2
     assert runner.forwards == 2 and runner.idle == 4 and eng.idle_steps == 4
     assert not eng.peers_busy and lock.syncs == len(eng.steps) + eng.idle_steps + 1  # + the last: no work
+    # every step padded to the agreed size: the prefill (3 tokens) runs as 3, the decode step and the
+    # idle steps as the peer's 3-token steps
+    assert runner.pads[0] == (3, 3) and all(p == 3 for _, p in runner.pads) and len(runner.pads) == 6
     # no lock-step: no agreement, no idle step
     runner2 = _FakeRunner()
     GenerationEngine(runner2, PageAllocator(64, 4), overlap=overlap, prefix_caching=False).run(
         [[1, 2, 3]], SamplingParams(max_new_tokens=2, ignore_eos=True))
-    assert runner2.idle == 0 and runner2.forwards == 2
+    assert runner2.idle == 0 and runner2.forwards == 2 and all(p is None for _, p in runner2.pads)  # no padding
 
 
 def _dp4_rank(rank: int) -> dict:
@@ -338,9 +349,9 @@ class _FailingPeer(_FakeLockstep):
         super().__init__(busy)
         self.fail_at, self.left, self.rank = fail_at, [], 0
 
-    def agree(self, has_batch: bool, has_work: bool, failed: bool = False) -> StepAgreement:
-        a = super().agree(has_batch, has_work)
-        return StepAgreement(a.any_batch, a.any_work, failed or self.syncs == self.fail_at)
+    def agree(self, has_batch: bool, has_work: bool, failed: bool = False, tokens: int = 0) -> StepAgreement:
+        a = super().agree(has_batch, has_work, tokens=tokens)
+        return StepAgreement(a.any_batch, a.any_work, failed or self.syncs == self.fail_at, a.tokens)
 
     def failures(self, mine):
         return {1: "RuntimeError: out of memory"} | ({0: mine} if mine else {})

@@ -5,15 +5,18 @@ step of the graph calls the expert-parallel all-to-all (`ep_moe_experts`, tokens
 that skipped a step would leave the others waiting in a collective. So the ranks step in lock-step:
 
 - `Lockstep.agree`: once per engine step, before launching it, every rank says whether it has a
-  batch to run and whether it has any work left (waiting, running, or a step in flight); one
-  all-reduce (max) of those two flags. It is a host synchronisation by design, at the scheduler,
+  batch to run, whether it has any work left (waiting, running, or a step in flight) and how many
+  tokens its step runs as (its CUDA-graph bucket, else its token count); one all-reduce (max).
+  Every rank then runs its step padded to the largest of those sizes (`StepAgreement.tokens`), so
+  the experts' dispatch has the same row count on every rank, sized by the busiest rank's step
+  (the op runs with `capacity=0`), not by `max_num_tokens`. It is a host synchronisation by design, at the scheduler,
   outside every op and graph (the ops stay capturable). The flags are CPU tensors on a gloo group of
   their own (`new_host_group`, made once by the runner), not on the NCCL group of the graph: an
   all-reduce there would put the flags on the GPU, and reading them back would wait for the step in
   flight, undoing the engine's host/GPU overlap.
 - a rank with no batch while another rank has one runs an idle step (`ModelRunner.idle_step`): one
-  token at position 0 of a sequence that owns one reserved cache page (`IDLE_SEQ_ID`), logits
-  dropped. It goes through the same graph, so it calls every collective the others call. A 0-token
+  token at position 0 of a sequence that owns one reserved cache page (`IDLE_SEQ_ID`), padded to
+  the agreed size, logits dropped. It goes through the same graph, so it calls every collective the others call. A 0-token
   step would be cheaper but the exported graph's token dim starts at 1 and the attention metadata
   assumes >= 1 sequence; one token of padding costs one row in the experts' padded dispatch.
 - generation ends when no rank has work: every rank sees the same agreement, so all leave their
@@ -58,6 +61,8 @@ class StepAgreement:
     any_batch: bool
     any_work: bool
     any_failed: bool = False
+    #: the step size every rank pads its step to: the largest of the ranks' sizes (0: no rank runs one)
+    tokens: int = 0
 
 
 class PeerRankFailed(RuntimeError):
@@ -88,12 +93,13 @@ class Lockstep:
         self.group = group
         self.syncs = 0  # agreements made (one host all-reduce each)
 
-    def agree(self, has_batch: bool, has_work: bool, failed: bool = False) -> StepAgreement:
-        flags = torch.tensor([int(has_batch), int(has_work), int(failed)], dtype=torch.int32)
+    def agree(self, has_batch: bool, has_work: bool, failed: bool = False, tokens: int = 0) -> StepAgreement:
+        """`tokens`: the size this rank's step runs as (0: no batch)."""
+        flags = torch.tensor([int(has_batch), int(has_work), int(failed), int(tokens)], dtype=torch.int64)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)  # blocking, on the host
-        any_batch, any_work, any_failed = (bool(v) for v in flags.tolist())
+        any_batch, any_work, any_failed, most = flags.tolist()
         self.syncs += 1
-        return StepAgreement(any_batch, any_work, any_failed)
+        return StepAgreement(bool(any_batch), bool(any_work), bool(any_failed), int(most))
 
     def failures(self, mine: Optional[str]) -> dict[int, str]:
         """After an agreement that says some rank failed, on every rank: each rank's error text

@@ -62,8 +62,9 @@ per-process hash salt.
 
 Data-parallel attention (`lockstep`, runtime/data_parallel.py). Each rank's engine runs its own
 requests, but every forward step calls the experts' all-to-all, so before each step the ranks agree
-(one host all-reduce of three flags: "I have a batch", "I have work", "I failed"): when some rank has a
-batch, every rank runs one forward — its batch, or an idle step (`StepRunner.idle_step`); when no rank
+(one host all-reduce of "I have a batch", "I have work", "I failed" and its step's size): when some rank
+has a batch, every rank runs one forward — its batch, or an idle step (`StepRunner.idle_step`) — padded
+to the largest rank's size (the experts' dispatch needs the same row count everywhere); when no rank
 has work, `run` returns on every rank at the same step; when one failed, `run` raises on every rank
 at the same step (the failing rank its error, the others `PeerRankFailed`). With `lockstep` None (tensor-parallel
 attention, one process) nothing of this runs: no collective, no change.
@@ -93,16 +94,21 @@ class StepRunner(Protocol):
     seq_info: SequenceInfo
 
     def launch(self, seqs: Sequence[StepSequence], pages_of: Callable[[int], Sequence[int]],
-               specs: Mapping[int, RowSpec], prompt_rows: Optional[Mapping[int, PromptRows]] = None) -> Any: ...
+               specs: Mapping[int, RowSpec], prompt_rows: Optional[Mapping[int, PromptRows]] = None,
+               pad_to: Optional[int] = None) -> Any: ...
 
     def collect(self, launched: Any) -> StepOutput: ...
 
     def release(self, seq_id: int) -> None:
         """The request `seq_id` ended: per-request runner state (the sampler's) may be reused."""
 
-    def idle_step(self) -> None:
+    def idle_step(self, pad_to: Optional[int] = None) -> None:
         """Data-parallel attention only: one forward with nothing of this rank's to run, so that this
-        rank takes part in the step's collectives (ModelRunner.idle_step)."""
+        rank takes part in the step's collectives (ModelRunner.idle_step), padded to `pad_to` tokens."""
+
+    def step_size(self, seqs: Sequence[StepSequence]) -> int:
+        """Data-parallel attention only: the token count a step of `seqs` runs as (its CUDA-graph
+        bucket, else its tokens), what the lock-step's agreement compares across ranks."""
 
 
 @dataclass
@@ -178,6 +184,8 @@ class GenerationEngine:
         scales, page size); engines over one allocator must pass the same one for the same cache.
         `lockstep`: data-parallel attention's per-step agreement of the ranks (module docstring)."""
         self.lockstep = lockstep
+        #: lock-step: the size the last agreement padded every rank's step to (None: no lock-step)
+        self._pad_to: Optional[int] = None
         #: lock-step: whether some rank still had work at the last agreement (True until one says not)
         self.peers_busy = lockstep is not None
         #: lock-step: forwards run for another rank's sake (nothing of this rank's to run)
@@ -404,12 +412,14 @@ class GenerationEngine:
         another rank runs a step and this one has nothing to run. No-op without `lockstep`."""
         if self.lockstep is None:
             return
-        agreed = self.lockstep.agree(bool(batch), self.has_work())
+        size = self.runner.step_size([seq for _, seq, _ in batch]) if batch else 0
+        agreed = self.lockstep.agree(bool(batch), self.has_work(), tokens=size)
         if agreed.any_failed:  # another rank failed: stop here too (run() cancels this rank's requests)
             raise PeerRankFailed(self.lockstep.rank, self.lockstep.failures(None))
         self.peers_busy = agreed.any_work
+        self._pad_to = agreed.tokens or None  # every rank's step runs as the largest rank's size
         if agreed.any_batch and not batch:
-            self.runner.idle_step()
+            self.runner.idle_step(pad_to=self._pad_to)
             self.idle_steps += 1
 
     def _launch(self, batch: Optional[list[tuple[Request, StepSequence, bool]]] = None) -> Optional[_InFlight]:
@@ -427,8 +437,9 @@ class GenerationEngine:
                 prompt_rows[r.id] = PromptRows(r.prompt[at : at + len(seq.token_ids)], r.params.prompt_logprobs)
                 prompt_at[r.id] = at
         try:
+            pad = {"pad_to": self._pad_to} if self.lockstep is not None else {}
             launched = self.runner.launch([seq for _, seq, _ in batch], self.allocator.pages_of, specs,
-                                          prompt_rows=prompt_rows or None)
+                                          prompt_rows=prompt_rows or None, **pad)
         except Exception as exc:
             for r, _, _ in batch:  # their cache content is now unknown: fail them, keep the rest
                 self._finish(r, "error", error=f"{type(exc).__name__}: {exc}")

@@ -329,9 +329,9 @@ class ModelRunner:
         return out[0] if isinstance(out, (tuple, list)) else out
 
     def forward(self, seqs: Sequence[StepSequence], pages_of: PagesOf, logits_for: str = "last",
-                mixed_graph: bool = True) -> tuple[list[int], torch.Tensor]:
+                mixed_graph: bool = True, pad_to: Optional[int] = None) -> tuple[list[int], torch.Tensor]:
         """`prepare` then `execute`: (sequence ids in flat-batch order, the graph's logits output)."""
-        order, step = self.prepare(seqs, pages_of, logits_for, mixed_graph=mixed_graph)
+        order, step = self.prepare(seqs, pages_of, logits_for, pad_to=pad_to, mixed_graph=mixed_graph)
         return order, self.execute(step)
 
     def _logits_rows(self, logits: torch.Tensor) -> torch.Tensor:
@@ -353,13 +353,14 @@ class ModelRunner:
         return order, rows
 
     def launch(self, seqs: Sequence[StepSequence], pages_of: PagesOf, specs: Mapping[int, RowSpec],
-               prompt_rows: Optional[Mapping[int, PromptRows]] = None) -> LaunchedStep:
+               prompt_rows: Optional[Mapping[int, PromptRows]] = None, pad_to: Optional[int] = None) -> LaunchedStep:
         """Queue one generation step without waiting for it: metadata, backend prepare, the graph,
         sampling on the device (`specs`: sequence id -> how its row samples; others greedy), prompt
         logprobs of the sequences in `prompt_rows` (which ask for all their rows), and async copies
-        of the results to a pinned host slot, behind one event. `collect` waits for them."""
+        of the results to a pinned host slot, behind one event. `collect` waits for them. `pad_to`: run
+        the step as that many tokens (data-parallel attention: the size the ranks agreed on)."""
         timed = self.time_steps and self.device.type == "cuda"
-        order, step = self.prepare(seqs, pages_of)
+        order, step = self.prepare(seqs, pages_of, pad_to=self._agreed_size(seqs, pad_to))
         start = torch.cuda.Event(enable_timing=True) if timed else None
         if start is not None:  # after the host work of prepare: an idle GPU waiting for it is not busy
             start.record()
@@ -453,12 +454,26 @@ class ModelRunner:
             return StepOutput(ids, {}, {})
         return StepOutput(ids, *launched.logprobs.decode(ids))
 
-    def idle_step(self) -> None:
+    def step_size(self, seqs: Sequence[StepSequence]) -> int:
+        """The token count a step of `seqs` runs as: its CUDA-graph bucket, else its tokens (the
+        data-parallel lock-step agrees on the largest of the ranks')."""
+        return self.padded_size(seqs) or sum(len(s.token_ids) for s in seqs)
+
+    def _agreed_size(self, seqs: Sequence[StepSequence], pad_to: Optional[int]) -> Optional[int]:
+        """`pad_to` as prepare takes it: None (this rank's own bucket) unless the ranks agreed on a
+        larger size than this rank's step runs as."""
+        if pad_to is None or pad_to <= self.step_size(seqs):
+            return None
+        return pad_to
+
+    def idle_step(self, pad_to: Optional[int] = None) -> None:
         """Data-parallel attention: a step for a rank with nothing to run while another rank runs one
         (runtime/data_parallel.py): one token at position 0 of the idle sequence, in its reserved
-        page, through the whole graph — so this rank takes part in every collective of the step
-        (the experts' all-to-all). Its logits are dropped; nothing is sampled."""
-        self.forward([StepSequence(IDLE_SEQ_ID, [0], 0)], self.allocator.pages_of)
+        page, padded to `pad_to` tokens (the size the ranks agreed on), through the whole graph — so
+        this rank takes part in every collective of the step (the experts' all-to-all) with the
+        others' row count. Its logits are dropped; nothing is sampled."""
+        idle = [StepSequence(IDLE_SEQ_ID, [0], 0)]
+        self.forward(idle, self.allocator.pages_of, pad_to=self._agreed_size(idle, pad_to))
 
     def release(self, seq_id: int) -> None:
         """A request ended: the sampler's device state for it (penalties, bias) may be reused."""
@@ -468,19 +483,23 @@ class ModelRunner:
         """Logits [S, V] of every prompt position, prefilled in chunks (pages freed afterwards).
 
         Chunks are max_num_tokens long, or max_batch_size when gather_logits is on (the graph then
-        returns at most that many rows, here one per token of the chunk)."""
+        returns at most that many rows, here one per token of the chunk). Under data-parallel attention
+        every chunk runs padded to the full chunk size (the experts' dispatch needs the same token
+        count on every rank: every rank must call this with prompts of the same chunk count)."""
         rid = -1
         gathered = self.compiled.logits is not None
         chunk = self.seq_info.max_num_tokens
         if gathered:
             chunk = min(chunk, self.seq_info.max_batch_size)
+        tp = self.compiled.tp
+        pad = chunk if tp is not None and tp.data_parallel else None
         self.allocator.ensure(rid, len(prompt))
         outs = []
         try:
             for start in range(0, len(prompt), chunk):
                 toks = list(prompt[start : start + chunk])
                 _, logits = self.forward([StepSequence(rid, toks, start)], self.allocator.pages_of,
-                                         logits_for="all" if gathered else "last")
+                                         logits_for="all" if gathered else "last", pad_to=pad)
                 outs.append(logits[0, : len(toks)].float())
         finally:
             self.allocator.free(rid)

@@ -662,7 +662,7 @@ class _EPLayer:
     entry: dict[str, Any]
     #: ep_moe_experts' token mode: replicated (tensor-parallel attention) or local (data-parallel)
     tokens: str = "replicated"
-    capacity: int = 0  # tokens: local — the per-rank token bound every rank pads to
+    capacity: int = 0  # tokens: local — 0: every rank passes the same token count (the lock-step pads steps)
 
 
 def _plan_expert_parallel(gm: GraphModule, plan: _Plan, opts: "ShardOptions", grouped: set[Any], taken: set[Node],
@@ -675,7 +675,6 @@ def _plan_expert_parallel(gm: GraphModule, plan: _Plan, opts: "ShardOptions", gr
     tensor-parallel). Raises before any change when W does not divide E."""
     from .fuse_moe import _NoMatch, fp8_experts, match_experts
 
-    capacity = int(ctx.config.runtime.max_num_tokens)
     layers: list[_EPLayer] = []
     unmatched: dict[str, str] = {}
     bad: list[str] = []
@@ -724,11 +723,11 @@ def _plan_expert_parallel(gm: GraphModule, plan: _Plan, opts: "ShardOptions", gr
                 why = "torch reference (auto takes the Triton kernels on CUDA only)"
         lay.backend = backend
         if opts.attention == "data":
-            lay.tokens, lay.capacity = "local", capacity
+            lay.tokens, lay.capacity = "local", 0
             routing = (f"routing local (attention is data-parallel: each rank routes its own tokens), each rank "
-                       f"dispatches its own tokens by {opts.ep_collective}, padded to capacity={capacity} "
-                       "(runtime.max_num_tokens, the most tokens a step of any rank holds) so that a rank with "
-                       "fewer or no tokens still takes part in every collective")
+                       f"dispatches its own tokens by {opts.ep_collective}; every rank runs each step padded to the "
+                       "size the ranks agreed on before it (the busiest rank's step, runtime/data_parallel.py), so "
+                       "all pass the same token count (capacity=0) and an idle rank still takes part")
         else:
             routing = (f"routing replicated (every rank routes the same tokens: attention is tensor-parallel), each "
                        f"rank dispatches its 1/{plan.world} of the tokens by {opts.ep_collective} and all-gathers "
