@@ -2,7 +2,7 @@
 # A/B of the in-process step times of two package trees on one GPU machine, in separate processes,
 # in the order B A B (A: this checkout; B: an older autodeploy_mla exported next to it). Made here with
 #   rm -rf .ab_old && mkdir .ab_old && git archive <commit> autodeploy_mla model_configs | tar -x -C .ab_old
-# (untracked, so a device call carries it); then on the device, after installing the wheels:
+# (git-ignored: the device call names it, carry [".whl", ".ab_old"]); then on the device, after installing the wheels:
 #   MODEL=v3_4layer bash benchmarks/serving/inproc_ab_device.sh OUT_DIR
 # HEAD_ARGS: extra serving_http arguments for this checkout's runs only, e.g. HEAD_ARGS="--runtime
 # prefix_caching=false" against a tree from before prefix caching was on by default (the in-process
