@@ -44,19 +44,27 @@ def fill_ours(om, batch: int, context: int, extra: int) -> None:
             c.normal_(generator=g)
 
 
-def decode_step(runner, batch: int, pos: int, tok: list[int], start: Optional["torch.cuda.Event"] = None) -> torch.Tensor:
+def decode_step(runner, batch: int, pos: int, tok: list[int], start: Optional["torch.cuda.Event"] = None,
+                launch: Optional["torch.cuda.Event"] = None, host: Optional[list[float]] = None) -> torch.Tensor:
     """One decode step of `batch` sequences at position `pos` (token tok[s] for sequence s): the logits
     rows [batch, V] they sample from (all decode: flat-batch order = sequence order). `start` is
     recorded after the step's metadata is built and copied, before the backends' prepare hooks and
-    the first launch: where the step's device time starts (as ModelRunner.prepare does, in pieces)."""
+    the first launch: where the step's device time starts (as ModelRunner.prepare does, in pieces).
+    `launch` is recorded after the prepare hooks, right before the graph runs; `host` gets the wall
+    seconds of those hooks appended (the host work an isolated step's GPU waits for)."""
 
     seqs = [StepSequence(s, [tok[s]], pos) for s in range(batch)]
     runner.seq_info.prepare_step(seqs, runner.allocator.pages_of, runner.padded_size(seqs))
     if start is not None:
         start.record()
+    t0 = time.perf_counter()
     step = step_descriptor(runner.seq_info, runner.capture_buckets)
     for sess in runner.sessions.values():
         sess.prepare(runner.seq_info, step)
+    if host is not None:
+        host.append(time.perf_counter() - t0)
+    if launch is not None:
+        launch.record()
     return runner.execute(step)[0, :batch]
 
 
@@ -68,6 +76,8 @@ def run_ours(om, piecewise, batch: int, context: int, steps: int, warmup: int, p
     tok = [1] * batch
     ts: list[float] = []
     dev_ts: list[float] = []
+    run_ts: list[float] = []
+    host: list[float] = []
     pos0 = context - warmup
     try:
         runner.piecewise = piecewise
@@ -75,7 +85,8 @@ def run_ours(om, piecewise, batch: int, context: int, steps: int, warmup: int, p
             sync(om.device)
             t0 = time.perf_counter()
             ev0 = torch.cuda.Event(enable_timing=True) if cuda else None
-            rows = decode_step(runner, batch, pos0 + i, tok, ev0)
+            evl = torch.cuda.Event(enable_timing=True) if cuda else None
+            rows = decode_step(runner, batch, pos0 + i, tok, ev0, evl, host if i >= warmup else None)
             if cuda:
                 ev1 = torch.cuda.Event(enable_timing=True)
                 ev1.record()
@@ -84,10 +95,15 @@ def run_ours(om, piecewise, batch: int, context: int, steps: int, warmup: int, p
                 ts.append((time.perf_counter() - t0) * 1e3)
                 if cuda:
                     dev_ts.append(ev0.elapsed_time(ev1))
+                    run_ts.append(evl.elapsed_time(ev1))
         res = step_stats(ts)
+        if host:  # the backends' prepare hooks (FlashInfer plans ...): host work before the graph runs
+            res["prepare_host_ms"] = statistics.median(host) * 1e3
         if dev_ts:
             # GPU time from the step's first launch to its last kernel's end (incl. launch gaps)
             res["device_ms"] = statistics.median(dev_ts)
+            # ... and from after the prepare hooks: the graph (or pieces) alone
+            res["run_ms"] = statistics.median(run_ts)
         if profile and cuda:
             res.update(profile_kernels(om, batch, pos0 + warmup + steps, tok))
     finally:
@@ -163,7 +179,7 @@ def time_decode(om, batch: int, context: int, steps: int, warmup: int) -> dict[s
     finally:
         for sid in list(om.runner.allocator.owners()):
             om.runner.allocator.free(sid)
-    return {k: r[k] for k in ("step_ms", "device_ms") if k in r}
+    return {k: r[k] for k in ("step_ms", "device_ms", "run_ms", "prepare_host_ms") if k in r}
 
 
 def time_prefill(om, tokens: int, reps: int) -> dict[str, float]:
