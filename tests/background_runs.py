@@ -22,7 +22,8 @@ Benchmark smoke tests (a script run end to end at tiny sizes, in a process of it
 are the other kind of run: `run_module` / `written` return the files such a run wrote.
 
 A module uses it as `_BACKGROUND = BackgroundRuns(__name__, runs, fixtures, prelude)` (the attribute
-must be called `_BACKGROUND`: the driver finds it there), with `runs` name -> module-level
+must be called `_BACKGROUND`: the driver finds it there), `start_background_runs = _BACKGROUND.select`
+and fixtures made by `_BACKGROUND.fixture(run)` (or its own, calling `result`), with `runs` name -> module-level
 `fn(out_dir) -> picklable result`, `prelude` an optional `fn(out_dir)` run first (files every run
 reads, e.g. a checkpoint; `prelude_dir()` waits for it), and `fixtures` fixture name -> the run
 names a test using that fixture needs.
@@ -164,6 +165,16 @@ class BackgroundRuns:
         if status == "error":
             raise BackgroundRunFailed(f"background run {name!r} failed:\n{value}")
         return value
+
+    def fixture(self, run: str, name: Optional[str] = None) -> Any:
+        """A module-scoped pytest fixture (named `name`, default `run`) returning the result of `run`:
+        `smoke = _BACKGROUND.fixture("smoke")` at module level."""
+        import pytest
+
+        def result() -> Any:
+            return self.result(run)
+
+        return pytest.fixture(scope="module", name=name or run)(result)
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -7,8 +7,6 @@ import json
 import re
 from pathlib import Path
 
-import pytest
-
 from background_runs import BackgroundRuns, written
 from benchmarks.kernels import fp8_gemm
 from benchmarks.lib import FP8_FAMILIES, linear_shapes, mla_dims
@@ -32,18 +30,9 @@ _BACKGROUND = BackgroundRuns(__name__, {"smoke": _smoke, "refusing": _refusing},
                              {"smoke": ["smoke"], "refusing": ["refusing"]})
 
 
-def start_background_runs(items) -> None:
-    _BACKGROUND.select(items)
-
-
-@pytest.fixture(scope="module")
-def smoke():
-    return _BACKGROUND.result("smoke")
-
-
-@pytest.fixture(scope="module")
-def refusing():
-    return _BACKGROUND.result("refusing")
+start_background_runs = _BACKGROUND.select  # conftest.py calls it once the tests are collected
+smoke = _BACKGROUND.fixture("smoke")
+refusing = _BACKGROUND.fixture("refusing")
 
 
 def test_smoke_run_writes_every_row_with_a_time_or_a_reason(smoke):

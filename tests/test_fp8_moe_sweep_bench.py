@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
-
 from background_runs import BackgroundRuns, written
 from benchmarks.moe import sweep_moe_fp8
 
@@ -33,18 +31,9 @@ _BACKGROUND = BackgroundRuns(__name__, {"smoke": _smoke, "failing": _failing},
                              {"smoke": ["smoke"], "failing": ["failing"]})
 
 
-def start_background_runs(items) -> None:
-    _BACKGROUND.select(items)
-
-
-@pytest.fixture(scope="module")
-def smoke():
-    return _BACKGROUND.result("smoke")
-
-
-@pytest.fixture(scope="module")
-def failing():
-    return _BACKGROUND.result("failing")
+start_background_runs = _BACKGROUND.select  # conftest.py calls it once the tests are collected
+smoke = _BACKGROUND.fixture("smoke")
+failing = _BACKGROUND.fixture("failing")
 
 
 def test_smoke_run_writes_every_row_and_the_best_per_size(smoke):

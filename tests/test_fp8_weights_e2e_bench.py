@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
-
 from background_runs import BackgroundRuns, run_module
 
 MODULE = "benchmarks.e2e.fp8_weights_e2e"
@@ -31,18 +29,9 @@ _BACKGROUND = BackgroundRuns(__name__, {"v2_lite": _v2_lite, "mistral": _mistral
                              {"v2_lite_smoke": ["v2_lite"], "mistral_smoke": ["mistral"]})
 
 
-def start_background_runs(items) -> None:
-    _BACKGROUND.select(items)
-
-
-@pytest.fixture(scope="module")
-def v2_lite_smoke():
-    return _BACKGROUND.result("v2_lite")
-
-
-@pytest.fixture(scope="module")
-def mistral_smoke():
-    return _BACKGROUND.result("mistral")
+start_background_runs = _BACKGROUND.select  # conftest.py calls it once the tests are collected
+v2_lite_smoke = _BACKGROUND.fixture("v2_lite", "v2_lite_smoke")
+mistral_smoke = _BACKGROUND.fixture("mistral", "mistral_smoke")
 
 
 def test_v2_lite_smoke_times_both_builds_and_compares_fp8_with_its_dequantized_weights(v2_lite_smoke):

@@ -237,13 +237,8 @@ def _benchmark_quick(out: Path) -> dict:
 _BACKGROUND = BackgroundRuns(__name__, {"quick": _benchmark_quick}, {"benchmark_quick": ["quick"]})
 
 
-def start_background_runs(items) -> None:
-    _BACKGROUND.select(items)
-
-
-@pytest.fixture(scope="module")
-def benchmark_quick():
-    return _BACKGROUND.result("quick")
+start_background_runs = _BACKGROUND.select  # conftest.py calls it once the tests are collected
+benchmark_quick = _BACKGROUND.fixture("quick", "benchmark_quick")
 
 
 def test_prefix_caching_benchmark_quick(benchmark_quick):

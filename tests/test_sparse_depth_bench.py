@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
-
 from background_runs import BackgroundRuns, run_module
 
 
@@ -20,13 +18,8 @@ def _smoke(out: Path) -> dict:
 _BACKGROUND = BackgroundRuns(__name__, {"smoke": _smoke}, {"smoke": ["smoke"]})
 
 
-def start_background_runs(items) -> None:
-    _BACKGROUND.select(items)
-
-
-@pytest.fixture(scope="module")
-def smoke():
-    return _BACKGROUND.result("smoke")
+start_background_runs = _BACKGROUND.select  # conftest.py calls it once the tests are collected
+smoke = _BACKGROUND.fixture("smoke")
 
 
 def test_sparse_depth_smoke(smoke):
