@@ -76,20 +76,26 @@ def _dp_rank(rank: int, families: Sequence[str], ds3_ckpt: str) -> dict:
     return out
 
 
+def _fail_schedule(eng: GenerationEngine, call: int, error: Exception) -> None:
+    """Make the engine's scheduler raise `error` at its `call`-th call (host side, before that step's
+    agreement)."""
+    real, calls = eng._schedule, [0]
+
+    def failing():
+        calls[0] += 1
+        if calls[0] == call:
+            raise error
+        return real()
+
+    eng._schedule = failing
+
+
 def _fail_on_rank_1(om, rank: int) -> dict:
     """Rank 1's scheduler raises at its third step (host side, before that step's agreement): what
     each rank's run raised, whether every page came back, and the tokens of a run made after it."""
     eng = om.engine()
     if rank == 1:
-        real, calls = eng._schedule, [0]
-
-        def failing():
-            calls[0] += 1
-            if calls[0] == 3:
-                raise ValueError("injected on rank 1")
-            return real()
-
-        eng._schedule = failing
+        _fail_schedule(eng, 3, ValueError("injected on rank 1"))
     free = eng.allocator.num_free
     try:
         eng.run([list(p) for p in PROMPTS[:2]], SamplingParams(max_new_tokens=NEW, ignore_eos=True))
@@ -377,16 +383,7 @@ def test_engine_stops_when_a_peer_fails_and_tells_the_peers_when_it_fails(overla
 
     lock = _FailingPeer(busy=8, fail_at=-1)
     eng = GenerationEngine(_FakeRunner(), alloc, overlap=overlap, prefix_caching=False, lockstep=lock)
-    calls = [0]
-    real = eng._schedule
-
-    def failing():
-        calls[0] += 1
-        if calls[0] == 2:
-            raise ValueError("bad step")
-        return real()
-
-    eng._schedule = failing
+    _fail_schedule(eng, 2, ValueError("bad step"))
     with pytest.raises(ValueError, match="bad step"):
         eng.run([[1, 2, 3]], SamplingParams(max_new_tokens=6, ignore_eos=True))
     assert lock.left == ["ValueError: bad step"] and alloc.num_free == free
