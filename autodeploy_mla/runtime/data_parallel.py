@@ -6,23 +6,24 @@ that skipped a step would leave the others waiting in a collective. So the ranks
 
 - `Lockstep.agree`: once per engine step, before launching it, every rank says whether it has a
   batch to run, whether it has any work left (waiting, running, or a step in flight) and how many
-  tokens its step runs as (its CUDA-graph bucket, else its token count); one all-reduce (max).
-  Every rank then runs its step padded to the largest of those sizes (`StepAgreement.tokens`), so
-  the experts' dispatch has the same row count on every rank, sized by the busiest rank's step
-  (the op runs with `capacity=0`), not by `max_num_tokens`. It is a host synchronisation by design, at the scheduler,
-  outside every op and graph (the ops stay capturable). The flags are CPU tensors on a gloo group of
-  their own (`new_host_group`, made once by the runner), not on the NCCL group of the graph: an
-  all-reduce there would put the flags on the GPU, and reading them back would wait for the step in
-  flight, undoing the engine's host/GPU overlap.
+  tokens its step runs as (its CUDA-graph bucket, else its token count); one all-reduce (max). Every
+  rank then runs its step padded to the largest of those sizes (`StepAgreement.tokens`), so the
+  experts' dispatch has the same row count on every rank, sized by the busiest rank's step (the op
+  runs with `capacity=0`), not by `max_num_tokens`. It is a host synchronisation by design, at the
+  scheduler, outside every op and graph (the ops stay capturable). The flags are CPU tensors on a
+  gloo group of their own (`new_host_group`, made once by the runner), not on the NCCL group of the
+  graph: an all-reduce there would put the flags on the GPU, and reading them back would wait for
+  the step in flight, undoing the engine's host/GPU overlap.
 - a rank with no batch while another rank has one runs an idle step (`ModelRunner.idle_step`): one
-  token at position 0 of a sequence that owns one reserved cache page (`IDLE_SEQ_ID`), padded to
-  the agreed size, logits dropped. It goes through the same graph, so it calls every collective the others call. A 0-token
-  step would be cheaper but the exported graph's token dim starts at 1 and the attention metadata
-  assumes >= 1 sequence; one token of padding costs one row in the experts' padded dispatch.
+  token at position 0 of a sequence that owns one reserved cache page (`IDLE_SEQ_ID`), padded to the
+  agreed size, logits dropped. It goes through the same graph, so it calls every collective the
+  others call. A 0-token step would be cheaper but the exported graph's token dim starts at 1 and
+  the attention metadata assumes >= 1 sequence; one token of padding costs one row in the experts'
+  padded dispatch.
 - generation ends when no rank has work: every rank sees the same agreement, so all leave their
   loop at the same step.
 - an error on one rank ends the run on every rank at the same step, not in a hang: the failing rank
-  joins the next agreement with a third flag (`Lockstep.leave`), every rank then exchanges the error
+  joins the next agreement with "I failed" set (`Lockstep.leave`), every rank then exchanges the error
   text (`Lockstep.failures`, one all_gather_object, only on this path) and the others raise
   `PeerRankFailed` naming the rank and its error. Each rank cancels its unfinished requests (pages
   back) and the ranks have made the same collectives, so the model can run again. Not covered: an
@@ -150,4 +151,5 @@ def gather_in_order(mine: Sequence[T], shares: Sequence[Sequence[int]], total: i
     return out
 
 
-__all__ = ["IDLE_SEQ_ID", "Lockstep", "PeerRankFailed", "StepAgreement", "gather_in_order", "new_host_group", "partition_by_tokens"]
+__all__ = ["IDLE_SEQ_ID", "Lockstep", "PeerRankFailed", "StepAgreement", "gather_in_order", "new_host_group",
+           "partition_by_tokens"]

@@ -62,12 +62,13 @@ per-process hash salt.
 
 Data-parallel attention (`lockstep`, runtime/data_parallel.py). Each rank's engine runs its own
 requests, but every forward step calls the experts' all-to-all, so before each step the ranks agree
-(one host all-reduce of "I have a batch", "I have work", "I failed" and its step's size): when some rank
-has a batch, every rank runs one forward — its batch, or an idle step (`StepRunner.idle_step`) — padded
-to the largest rank's size (the experts' dispatch needs the same row count everywhere); when no rank
-has work, `run` returns on every rank at the same step; when one failed, `run` raises on every rank
-at the same step (the failing rank its error, the others `PeerRankFailed`). With `lockstep` None (tensor-parallel
-attention, one process) nothing of this runs: no collective, no change.
+(one host all-reduce of "I have a batch", "I have work", "I failed" and its step's size): when some
+rank has a batch, every rank runs one forward — its batch, or an idle step (`StepRunner.idle_step`)
+— padded to the largest rank's size (the experts' dispatch needs the same row count everywhere);
+when no rank has work, `run` returns on every rank at the same step; when one failed, `run` raises
+on every rank at the same step (the failing rank its error, the others `PeerRankFailed`). With
+`lockstep` None (tensor-parallel attention, one process) nothing of this runs: no collective, no
+change.
 """
 
 from __future__ import annotations
