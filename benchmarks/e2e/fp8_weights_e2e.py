@@ -234,6 +234,7 @@ def run_v2_phase(args: argparse.Namespace, phase: str, work: Path) -> dict[str, 
     pw = getattr(om.runner, "piecewise", None)
     if pw is not None:  # how the timed steps ran: graph replays, eager fallbacks, bind misses, capture failures
         out["step_modes"] = {"stats": dict(pw.stats), "capture": pw.capture_stats,
+                             "captured": pw.summary().get("captured"),  # which buckets have graphs
                              "failures": {k: str(v)[:200] for k, v in list(pw.failures.items())[:5]}}
         print(f"[{phase}] step modes {json.dumps(out['step_modes'])}", flush=True)
     if phase != "bf16" and not args.no_accuracy:
