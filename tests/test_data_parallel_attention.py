@@ -121,15 +121,11 @@ def _run_two(out: Path) -> list:
 _BACKGROUND = BackgroundRuns(__name__, {"two": _run_two}, {"two_ranks": ["two"]}, prelude=_write_ds3)
 
 
-def start_background_runs(items) -> None:
-    """Called by conftest.py once the session's tests are collected: start the run the selected tests use."""
-    _BACKGROUND.select(items)
+start_background_runs = _BACKGROUND.select  # conftest.py calls it once the tests are collected
 
 
-@pytest.fixture(scope="module")
-def two_ranks():
-    """The world-2 runs (_dp_rank; the ranks read the checkpoint _write_ds3 saved)."""
-    return _BACKGROUND.result("two")
+# the world-2 runs (_dp_rank; the ranks read the checkpoint _write_ds3 saved)
+two_ranks = _BACKGROUND.fixture("two", "two_ranks")
 
 
 @pytest.fixture(scope="module")

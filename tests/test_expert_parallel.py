@@ -175,9 +175,7 @@ _BACKGROUND = BackgroundRuns(__name__, {"two": _run_two, "four": _run_four},
                              prelude=_write_ckpts)
 
 
-def start_background_runs(items) -> None:
-    """Called by conftest.py once the session's tests are collected: start the runs the selected tests use."""
-    _BACKGROUND.select(items)
+start_background_runs = _BACKGROUND.select  # conftest.py calls it once the tests are collected
 
 
 @pytest.fixture(scope="module")
@@ -190,14 +188,8 @@ def ckpts():
     return out / "ds3", out / "fp8", hf
 
 
-@pytest.fixture(scope="module")
-def two_rank_run():
-    return _BACKGROUND.result("two")
-
-
-@pytest.fixture(scope="module")
-def four_rank_run():
-    return _BACKGROUND.result("four")
+two_rank_run = _BACKGROUND.fixture("two", "two_rank_run")
+four_rank_run = _BACKGROUND.fixture("four", "four_rank_run")
 
 
 @pytest.fixture(scope="module")

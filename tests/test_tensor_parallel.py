@@ -182,9 +182,7 @@ _BACKGROUND = BackgroundRuns(__name__, _RUNS, {"tp_runs": ["tp"], "torchrun_buil
                                                "four_rank_runs": ["four"]}, prelude=_write_ds3)
 
 
-def start_background_runs(items) -> None:
-    """Called by conftest.py once the session's tests are collected: start the runs the selected tests use."""
-    _BACKGROUND.select(items)
+start_background_runs = _BACKGROUND.select  # conftest.py calls it once the tests are collected
 
 
 # ----------------------------------------------------------------------------- fixtures
@@ -196,20 +194,10 @@ def ds3_ckpt():
                              torch.float32)
 
 
-@pytest.fixture(scope="module")
-def tp_runs():
-    """(per-rank results, the CLI's report) of the 2-rank run (_run_tp)."""
-    return _BACKGROUND.result("tp")
-
-
-@pytest.fixture(scope="module")
-def torchrun_build():
-    return _BACKGROUND.result("torchrun")
-
-
-@pytest.fixture(scope="module")
-def four_rank_runs():
-    return _BACKGROUND.result("four")
+# (per-rank results, the CLI's report) of the 2-rank run (_run_tp)
+tp_runs = _BACKGROUND.fixture("tp", "tp_runs")
+torchrun_build = _BACKGROUND.fixture("torchrun", "torchrun_build")
+four_rank_runs = _BACKGROUND.fixture("four", "four_rank_runs")
 
 
 @pytest.fixture(scope="module")

@@ -79,9 +79,7 @@ def _run_tp(out: Path) -> list:
 _BACKGROUND = BackgroundRuns(__name__, {"tp": _run_tp}, {"tp_runs": ["tp"]}, prelude=_write_ckpt)
 
 
-def start_background_runs(items) -> None:
-    """Called by conftest.py once the session's tests are collected: start the run the selected tests use."""
-    _BACKGROUND.select(items)
+start_background_runs = _BACKGROUND.select  # conftest.py calls it once the tests are collected
 
 
 @pytest.fixture(scope="module")
@@ -90,9 +88,7 @@ def ckpt():
     return out / "ckpt", reference_hf_model(build_tiny_model(_config(), seed=1), torch.load(out / "ref.pt"))
 
 
-@pytest.fixture(scope="module")
-def tp_runs():
-    return _BACKGROUND.result("tp")
+tp_runs = _BACKGROUND.fixture("tp", "tp_runs")
 
 
 def test_fp8_tp2_equals_tp1_and_hf(ckpt, tp_runs):

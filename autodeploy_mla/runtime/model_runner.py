@@ -360,7 +360,7 @@ class ModelRunner:
         of the results to a pinned host slot, behind one event. `collect` waits for them. `pad_to`: run
         the step as that many tokens (data-parallel attention: the size the ranks agreed on)."""
         timed = self.time_steps and self.device.type == "cuda"
-        order, step = self.prepare(seqs, pages_of, pad_to=self._agreed_size(seqs, pad_to))
+        order, step = self.prepare(seqs, pages_of, pad_to=pad_to)
         start = torch.cuda.Event(enable_timing=True) if timed else None
         if start is not None:  # after the host work of prepare: an idle GPU waiting for it is not busy
             start.record()
@@ -459,21 +459,13 @@ class ModelRunner:
         data-parallel lock-step agrees on the largest of the ranks')."""
         return self.padded_size(seqs) or sum(len(s.token_ids) for s in seqs)
 
-    def _agreed_size(self, seqs: Sequence[StepSequence], pad_to: Optional[int]) -> Optional[int]:
-        """`pad_to` as prepare takes it: None (this rank's own bucket) unless the ranks agreed on a
-        larger size than this rank's step runs as."""
-        if pad_to is None or pad_to <= self.step_size(seqs):
-            return None
-        return pad_to
-
     def idle_step(self, pad_to: Optional[int] = None) -> None:
         """Data-parallel attention: a step for a rank with nothing to run while another rank runs one
         (runtime/data_parallel.py): one token at position 0 of the idle sequence, in its reserved
         page, padded to `pad_to` tokens (the size the ranks agreed on), through the whole graph — so
         this rank takes part in every collective of the step (the experts' all-to-all) with the
         others' row count. Its logits are dropped; nothing is sampled."""
-        idle = [StepSequence(IDLE_SEQ_ID, [0], 0)]
-        self.forward(idle, self.allocator.pages_of, pad_to=self._agreed_size(idle, pad_to))
+        self.forward([StepSequence(IDLE_SEQ_ID, [0], 0)], self.allocator.pages_of, pad_to=pad_to)
 
     def release(self, seq_id: int) -> None:
         """A request ended: the sampler's device state for it (penalties, bias) may be reused."""

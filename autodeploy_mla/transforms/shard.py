@@ -19,8 +19,8 @@ Every rank runs the same pass on its own copy of the graph and keeps its own sli
 
 `attention: data` (data-parallel attention, docs/parallel_layouts.md): the MLA blocks keep every head
 and weight (each rank runs its own sequences over its own cache), no all-reduce; routed experts are
-expert-parallel from each rank's own tokens (`ep_moe_experts`, tokens local, capacity
-runtime.max_num_tokens) and dense/shared MLPs replicated — other `experts` / `mlp` values are refused
+expert-parallel from each rank's own tokens (`ep_moe_experts`, tokens local, capacity 0: the lock-step
+pads every rank's step to the size the ranks agreed on) and dense/shared MLPs replicated — other `experts` / `mlp` values are refused
 (`check_data_parallel_options`). The runtime steps the ranks in lock-step (runtime/data_parallel.py).
 
 Partial sums (outputs of the row-parallel matmuls) are followed through ops that are linear in
@@ -662,7 +662,6 @@ class _EPLayer:
     entry: dict[str, Any]
     #: ep_moe_experts' token mode: replicated (tensor-parallel attention) or local (data-parallel)
     tokens: str = "replicated"
-    capacity: int = 0  # tokens: local — 0: every rank passes the same token count (the lock-step pads steps)
 
 
 def _plan_expert_parallel(gm: GraphModule, plan: _Plan, opts: "ShardOptions", grouped: set[Any], taken: set[Node],
@@ -723,7 +722,7 @@ def _plan_expert_parallel(gm: GraphModule, plan: _Plan, opts: "ShardOptions", gr
                 why = "torch reference (auto takes the Triton kernels on CUDA only)"
         lay.backend = backend
         if opts.attention == "data":
-            lay.tokens, lay.capacity = "local", 0
+            lay.tokens = "local"
             routing = (f"routing local (attention is data-parallel: each rank routes its own tokens), each rank "
                        f"dispatches its own tokens by {opts.ep_collective}; every rank runs each step padded to the "
                        "size the ranks agreed on before it (the busiest rank's step, runtime/data_parallel.py), so "
@@ -735,7 +734,7 @@ def _plan_expert_parallel(gm: GraphModule, plan: _Plan, opts: "ShardOptions", gr
         lay.entry = {
             "layer": _layer_of(m.out), "layout": "expert", "experts": f"{m.num_experts} -> {local} per rank",
             "local_experts": [lo, hi], "collective": opts.ep_collective, "tokens": lay.tokens,
-            "capacity": lay.capacity,
+            "capacity": 0,  # every rank passes the same token count (tokens local: the lock-step pads steps)
             "backend": backend, "weights": f"fp8 blocks [{lay.fp8[4]}, {lay.fp8[5]}]" if lay.fp8 else "16-bit",
             "why": (f"configured (experts: expert); {m.num_experts} experts / {plan.world} ranks; {routing}; "
                     f"per-rank experts op: {why}"),
@@ -768,7 +767,7 @@ def _rewrite_expert_parallel(gm: GraphModule, plan: _Plan, layers: list[_EPLayer
                 x = g.call_function(aten.to.dtype, (x, wdtype))
             node = g.call_function(EP_MOE_EXPERTS, (x, m.topk_ids, m.topk_weights, wu, wd, su, sd, m.num_experts,
                                                     plan.rank, plan.world, group, collective, lay.tokens,
-                                                    lay.capacity, lay.backend, bn, bk, "silu"))
+                                                    0, lay.backend, bn, bk, "silu"))
             result = node
             out_dtype = val(m.out).dtype if val(m.out) is not None else None
             if out_dtype is not None and wdtype is not None and out_dtype != wdtype:
