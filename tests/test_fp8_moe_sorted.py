@@ -70,7 +70,11 @@ def test_row_block_override_and_programs_walking_many_tiles():
     assert moe_fp8.INTERPRETED_PROGRAMS < -(-29 * 3 // 32) + 6
 
 
-def test_sorted_path_is_opt_in_until_measured():
-    for n in (64 * 6, 512 * 6, 2048 * 6):  # decode to prefill, V2-Lite's 64 experts
-        for compiled in (True, False):
-            assert not moe_fp8_config(n, 64, 2048, 1408, 128, compiled).persistent_sorted
+def test_sorted_path_serves_prefill_sizes_from_the_sweep():
+    # V2-Lite's 64 experts, top-6: T=64 (decode) stays gathered, T=512 and 2048 take the sorted path
+    # (measured faster there, moe_fp8_config); the unswept range in between keeps the gathered kernels
+    picks = {t: moe_fp8_config(t * 6, 64, 2048, 1408, 128, True) for t in (64, 256, 512, 2048)}
+    assert [picks[t].persistent_sorted for t in (64, 256, 512, 2048)] == [False, False, True, True]
+    assert (picks[2048].block_m, picks[2048].num_warps, picks[2048].num_stages, picks[2048].down_n) == (64, 8, 4, 256)
+    # the interpreter (CPU tests) keeps its small gathered tiles at every size
+    assert not any(moe_fp8_config(t * 6, 64, 2048, 1408, 128, False).persistent_sorted for t in (64, 2048))

@@ -120,7 +120,7 @@ def fused_moe_fp8(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
     """The Triton W8A8 experts computation. `block_m` / `down_n` / `num_warps` / `num_stages` /
     `persistent_sorted`: launch config overrides (tests, benchmarks; None = the config's). The up kernel's
     tiles stay block_k x block_k. `persistent_sorted`: the rows' FP8 codes and scales copied into expert order
-    once, then persistent GEMMs over them (`_sorted_gemms`; opt-in until measured, moe_fp8_config)."""
+    once, then persistent GEMMs over them (`_sorted_gemms`; the default from 32 pairs per expert, moe_fp8_config)."""
     if not HAS_TRITON or FK is None:
         raise RuntimeError(f"triton_moe_experts_fp8 needs triton ({TRITON_IMPORT_ERROR}); pip install 'triton>=3.4'")
     t, k, e, h, i = check_moe_fp8_inputs("triton_moe_experts_fp8", x, topk_ids, topk_weights, w_up, w_up_scale, w_down,

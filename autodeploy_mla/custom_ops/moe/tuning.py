@@ -68,17 +68,21 @@ def moe_fp8_config(n_pairs: int, num_experts: int, hidden: int, inter: int, bloc
     docs/benchmarks/moe_fp8_sweep.md, 2026-11-29): decode (T=64 of V2-Lite / GLM-4.7-Flash) 16-row
     blocks, 4 warps, 4 stages beat every 32-128-row config (169 vs 196 us, 1.29x the byte floor);
     prefill (T=2048) 64-row blocks, 8 warps, 3 stages, 128-column down tiles: 585 vs 1058 us (V2-Lite)
-    and 465 vs 867 us (GLM) against the 128-row 16-bit config it used before. The range in between
-    (8 < pairs per expert <= 48) is not swept: it keeps the 16-bit op's 64-row, 4-warp config.
+    and 465 vs 867 us (GLM) against the 128-row 16-bit config it used before.
 
-    `persistent_sorted` (rows copied into expert order, persistent GEMMs, gate and up in one product: the
-    16-bit op's prefill design, fp8_kernels.up_fp8_sorted_kernel) stays off at every size: opt-in until
-    measured (`fused_moe_fp8(..., persistent_sorted=True)`; the sweep's `sorted` rows compare it)."""
+    From 32 pairs per expert on (T=512 of GLM-4.7-Flash and V2-Lite: 32 and 48; T=2048: 128 and 192) the
+    sorted-rows path (`persistent_sorted`: rows copied into expert order, persistent GEMMs, gate and up in
+    one product, fp8_kernels.up_fp8_sorted_kernel) with 64-row blocks, 8 warps, 4 stages and 256-column
+    down tiles beat the gathered kernels at all four sizes (H200, 2026-11-29, commit 0a9a712, `sweep_moe_fp8
+    --tokens 2048,512 --no-grid`): T=512 250 vs 296 us (V2-Lite), 246 vs 291 us (GLM); T=2048 574 vs 589
+    (V2-Lite), 458 vs 466 (GLM). The range 8 < pairs per expert < 32 is not swept: it keeps the gathered
+    64-row, 4-warp config of the 16-bit op."""
     if not compiled:
         return MoEConfig(block_m=16, up_n=block_k, up_k=block_k, down_n=32, down_k=block_k, num_warps=4, num_stages=1)
     avg = n_pairs / max(1, num_experts)
     if avg <= 8:
         return MoEConfig(block_m=16, up_n=block_k, up_k=block_k, down_n=128, down_k=block_k, num_warps=4, num_stages=4)
-    if avg <= 48:
+    if avg < 32:
         return MoEConfig(block_m=64, up_n=block_k, up_k=block_k, down_n=128, down_k=block_k, num_warps=4, num_stages=3)
-    return MoEConfig(block_m=64, up_n=block_k, up_k=block_k, down_n=128, down_k=block_k, num_warps=8, num_stages=3)
+    return MoEConfig(block_m=64, up_n=block_k, up_k=block_k, down_n=256, down_k=block_k, num_warps=8, num_stages=4,
+                     persistent_sorted=True)
