@@ -17,7 +17,8 @@ from typing import Any, Optional
 STARTUP_KEYS = ("load_s", "passes_s", "runner_s", "compile_s", "capture_s", "warmup_s", "total_s")
 
 
-def collect(dirs: list[str]) -> dict[str, Any]:
+def collect(dirs: list[str], notes: Optional[dict[str, str]] = None) -> dict[str, Any]:
+    """One call per LABEL=DIR; `notes[LABEL]`: what a reader must know to compare its rows (kept in the JSON)."""
     calls = []
     for item in dirs:
         label, _, path = item.partition("=")
@@ -25,7 +26,7 @@ def collect(dirs: list[str]) -> dict[str, Any]:
         for f in sorted(glob.glob(f"{path}/serving_http_*.json")):
             d = json.loads(Path(f).read_text())
             files[Path(f).stem.removeprefix("serving_http_")] = d
-        calls.append({"call": label, "files": files})
+        calls.append({"call": label, "files": files, **({"note": notes[label]} if notes and label in notes else {})})
     return {"calls": calls}
 
 
@@ -47,6 +48,8 @@ def render(data: dict[str, Any], out: Path) -> None:
              "random weights, backend auto (flashinfer_mla). HTTP: benchmarks/lib/loadgen.py, the `openai` client, "
              "streaming, token-id prompts with return_token_ids, N in flight from client processes. `step b64/b16`: "
              "median wall time of a decode-only step with 64 / 16 sequences, in process.", ""]
+    noted = [f"- **{c['call']}**: {c['note']}" for c in data["calls"] if c.get("note")]
+    lines += ["## Notes on calls", "", *noted, ""] if noted else []
     lines += ["## Throughput and latency", "",
               "`in-process`: `generate_requests` on all 64 at once, the pass after an untimed one; `in-process timed per "
               "token`: the next pass, stepped by hand with per-token times. `vs in-process`: HTTP c64 over `in-process` "
@@ -90,7 +93,7 @@ def render(data: dict[str, Any], out: Path) -> None:
             if "startup_to_ready_s" not in d:
                 continue
             ph = _startup_phases(d)
-            lines.append(f"| {call['call']} | {d.get('commit')} | {d['model']} | {name.rsplit('_', 1)[-1]} | "
+            lines.append(f"| {call['call']} | {d.get('commit')} | {d['model']} | {name.removeprefix(d['model']).lstrip('_') or '-'} | "
                          f"{_f(d['startup_to_ready_s'])} | " + " | ".join(_f(ph.get(k)) for k in STARTUP_KEYS) + " |")
     out.mkdir(parents=True, exist_ok=True)
     (out / "serving_http.md").write_text("\n".join(lines) + "\n")
@@ -134,13 +137,16 @@ def _plot(data: dict[str, Any], path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--collect", nargs="*", default=[], metavar="LABEL=DIR")
+    ap.add_argument("--note", action="append", default=[], metavar="LABEL=TEXT",
+                    help="a note on the collected call LABEL (rendered above the tables)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--append", action="store_true", help="--collect adds its calls to those in --json")
     ap.add_argument("--render", type=Path)
     ap.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
     args = ap.parse_args()
     if args.collect:
-        data = collect(args.collect)
+        notes = dict(n.partition("=")[::2] for n in args.note)
+        data = collect(args.collect, notes)
         dest = args.json or args.out / "serving_http.json"
         if args.append and dest.exists():  # later calls added to the ones recorded already
             data = {"calls": json.loads(dest.read_text())["calls"] + data["calls"]}
