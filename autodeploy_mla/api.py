@@ -12,6 +12,7 @@ before any model is built or exported. `OptimizedModel` is a thin facade over th
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -26,7 +27,8 @@ from .config.schema import AppConfig, ModelConfig, RuntimeConfig
 from .custom_ops.attention.registry import Target, policies_for
 from .custom_ops.attention.cache_format import resolve_cache_dtype
 from .custom_ops.flashinfer.jit import JitBuild, dims_from_hf_config, prefetch
-from .distributed.env import require_group, resolve_world
+from .distributed.env import init_distributed, require_group, resolve_world
+from .distributed.launch import free_port, share_cpu_threads
 from .models.factory import hf_config, resolve_device, resolve_dtype
 from .models.loading import build_eager_model
 from .models.skeleton import build_skeleton
@@ -67,6 +69,22 @@ def build_config(model: ModelArg = None, config: ConfigArg = None, overrides: Se
         named = model if isinstance(model, (str, Path)) else None
         cfg = load_config(*config_layers(named, configs), overrides=overrides)
     return cfg, parse_pipeline(cfg.transforms)
+
+
+def rendezvous_port() -> int:
+    """A free local TCP port for a process group whose ranks this process starts (data-parallel serving)."""
+    return free_port()
+
+
+def join_process_group(rank_env: Mapping[str, str], device: str) -> None:
+    """In a rank process started by this package (data-parallel serving's engine cores): take the
+    torchrun-style `rank_env` (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), give the rank
+    its share of the host's CPU threads on `device` "cpu", and start the default process group (gloo
+    on CPU, NCCL on CUDA, the rank's GPU current) before a build shards by it."""
+    os.environ.update(rank_env)
+    if device == "cpu":
+        share_cpu_threads(int(rank_env.get("WORLD_SIZE", "1")))
+    init_distributed(device_type="cuda" if device.startswith("cuda") else "cpu" if device == "cpu" else None)
 
 
 def check_runtime_capacity(rt: RuntimeConfig, model: Optional[ModelConfig] = None) -> None:

@@ -258,7 +258,8 @@ class _FakeLockstep:
     def __init__(self, busy: int, peer_tokens: int = 1) -> None:
         self.busy, self.syncs, self.peer_tokens = busy, 0, peer_tokens
 
-    def agree(self, has_batch: bool, has_work: bool, failed: bool = False, tokens: int = 0) -> StepAgreement:
+    def agree(self, has_batch: bool, has_work: bool, failed: bool = False, tokens: int = 0,
+              staying: bool = True) -> StepAgreement:
         self.syncs += 1
         other = self.busy > 0
         self.busy -= 1
@@ -351,7 +352,8 @@ class _FailingPeer(_FakeLockstep):
         super().__init__(busy)
         self.fail_at, self.left, self.rank = fail_at, [], 0
 
-    def agree(self, has_batch: bool, has_work: bool, failed: bool = False, tokens: int = 0) -> StepAgreement:
+    def agree(self, has_batch: bool, has_work: bool, failed: bool = False, tokens: int = 0,
+              staying: bool = True) -> StepAgreement:
         a = super().agree(has_batch, has_work, tokens=tokens)
         return StepAgreement(a.any_batch, a.any_work, failed or self.syncs == self.fail_at, a.tokens)
 

@@ -62,6 +62,26 @@ def load_serving_tokenizer(cfg: AppConfig, path: Optional[str], console: Console
         return None
 
 
+def engine_cores(args: argparse.Namespace, cfg: AppConfig, serving: Any) -> Any:
+    """One engine-core process, or one per data-parallel rank (`--world-size N`), checked before
+    any process starts: the layout (data-parallel attention) and, on CUDA, one GPU per rank."""
+    world = getattr(args, "world_size", 1)
+    if world == 1:
+        return serving.ProcessCore(cfg)
+    import torch
+
+    dev = str(cfg.model.device)
+    if dev.startswith("cuda") or (dev == "auto" and torch.cuda.is_available()):
+        if torch.cuda.device_count() < world:
+            raise CliError(f"--world-size {world}: one GPU per rank, but this machine has {torch.cuda.device_count()} "
+                           f"CUDA device(s); use --world-size {torch.cuda.device_count()} or less")
+    try:
+        configs = serving.data_parallel_configs(cfg, world)
+    except ValueError as exc:
+        raise CliError(f"--world-size {world}: {exc}") from None
+    return serving.RankedCores(configs)
+
+
 def serve(args: argparse.Namespace) -> int:
     """Check everything that needs no model, start the HTTP server at once (GET /health answers 503
     "starting" while the engine-core process builds and warms up the model, then 200), serve until
@@ -80,8 +100,8 @@ def serve(args: argparse.Namespace) -> int:
     def progress(message: str) -> None:
         console.print(f"  [dim]{time.perf_counter() - t0:6.1f}s[/] {message}", soft_wrap=True)
 
-    server = serving.Server(serving.ProcessCore(cfg), tokenizer, str(name), drain_timeout_s=args.drain_timeout,
-                            on_progress=progress)
+    server = serving.Server(engine_cores(args, cfg, serving), tokenizer, str(name),
+                            drain_timeout_s=args.drain_timeout, on_progress=progress)
     server.on_ready = lambda info: console.print(
         f"[green]ready[/] after {time.perf_counter() - t0:.1f} s: serving [bold]{name}[/] on "
         f"http://{args.host}:{args.port}/v1 (Ctrl-C stops: running requests get {args.drain_timeout:g} s to finish)\n"

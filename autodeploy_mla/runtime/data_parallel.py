@@ -64,6 +64,8 @@ class StepAgreement:
     any_failed: bool = False
     #: the step size every rank pads its step to: the largest of the ranks' sizes (0: no rank runs one)
     tokens: int = 0
+    #: some rank means to go on (a serving core that is not shutting down); False: every rank is leaving
+    any_staying: bool = True
 
 
 class PeerRankFailed(RuntimeError):
@@ -94,13 +96,16 @@ class Lockstep:
         self.group = group
         self.syncs = 0  # agreements made (one host all-reduce each)
 
-    def agree(self, has_batch: bool, has_work: bool, failed: bool = False, tokens: int = 0) -> StepAgreement:
-        """`tokens`: the size this rank's step runs as (0: no batch)."""
-        flags = torch.tensor([int(has_batch), int(has_work), int(failed), int(tokens)], dtype=torch.int64)
+    def agree(self, has_batch: bool, has_work: bool, failed: bool = False, tokens: int = 0,
+              staying: bool = True) -> StepAgreement:
+        """`tokens`: the size this rank's step runs as (0: no batch). `staying`: False once this rank
+        wants to stop (a serving core shutting down): the ranks leave together when none stays and
+        none has work."""
+        flags = torch.tensor([int(has_batch), int(has_work), int(failed), int(tokens), int(staying)], dtype=torch.int64)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)  # blocking, on the host
-        any_batch, any_work, any_failed, most = flags.tolist()
+        any_batch, any_work, any_failed, most, any_staying = flags.tolist()
         self.syncs += 1
-        return StepAgreement(bool(any_batch), bool(any_work), bool(any_failed), int(most))
+        return StepAgreement(bool(any_batch), bool(any_work), bool(any_failed), int(most), bool(any_staying))
 
     def failures(self, mine: Optional[str]) -> dict[int, str]:
         """After an agreement that says some rank failed, on every rank: each rank's error text

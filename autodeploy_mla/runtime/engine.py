@@ -81,7 +81,7 @@ from typing import Any, Optional, Protocol
 
 import torch
 
-from .data_parallel import Lockstep, PeerRankFailed
+from .data_parallel import Lockstep, PeerRankFailed, StepAgreement
 from .errors import CapacityError, OutOfPagesError, RequestError
 from .page_allocator import PageAllocator
 from .prefix_cache import page_keys
@@ -189,6 +189,10 @@ class GenerationEngine:
         self._pad_to: Optional[int] = None
         #: lock-step: whether some rank still had work at the last agreement (True until one says not)
         self.peers_busy = lockstep is not None
+        #: lock-step: this rank wants to stop (a serving core shutting down; sent with each agreement)
+        self.leaving = False
+        #: lock-step: the last agreement (None before the first)
+        self.last_agreement: Optional[StepAgreement] = None
         #: lock-step: forwards run for another rank's sake (nothing of this rank's to run)
         self.idle_steps = 0
         self.runner = runner
@@ -414,7 +418,8 @@ class GenerationEngine:
         if self.lockstep is None:
             return
         size = self.runner.step_size([seq for _, seq, _ in batch]) if batch else 0
-        agreed = self.lockstep.agree(bool(batch), self.has_work(), tokens=size)
+        agreed = self.lockstep.agree(bool(batch), self.has_work(), tokens=size, staying=not self.leaving)
+        self.last_agreement = agreed
         if agreed.any_failed:  # another rank failed: stop here too (run() cancels this rank's requests)
             raise PeerRankFailed(self.lockstep.rank, self.lockstep.failures(None))
         self.peers_busy = agreed.any_work

@@ -223,8 +223,11 @@ class ModelRunner:
         # one page for good, so an idle step never waits for a page; the ranks' per-step agreement
         # runs on a gloo group of its own (host flags). Collective: every rank builds its runner here.
         self.dp_host_group: Optional[dist.ProcessGroup] = None
+        #: cache pages the runner holds for itself (the idle sequence's), never a request's
+        self.reserved_pages = 0
         if compiled.tp is not None and compiled.tp.data_parallel:
             self.allocator.ensure(IDLE_SEQ_ID, 1)
+            self.reserved_pages = 1
             self.dp_host_group = new_host_group()
 
     # ------------------------------------------------------------------ binding

@@ -40,9 +40,12 @@ WATCHDOG_S = 0.2
 
 
 class CoreHandle(Protocol):
-    """Where the engine core runs: a process, or a thread of this process."""
+    """Where the engine core runs: a process, a thread of this process, or one process per
+    data-parallel rank (`ranks` of them: one input address each, one shared output address)."""
 
-    def start(self, input_addr: str, output_addr: str) -> None: ...
+    ranks: int
+
+    def start(self, input_addrs: list[str], output_addr: str) -> None: ...
 
     def is_alive(self) -> bool: ...
 
@@ -56,12 +59,14 @@ class CoreHandle(Protocol):
 class ProcessCore:
     """The engine core in a process of its own (spawned: CUDA-safe), building the model from `config`."""
 
+    ranks = 1
+
     def __init__(self, config: Any, backend_policies: Optional[dict[str, Any]] = None) -> None:
         self.config, self.backend_policies = config, backend_policies
         self.process: Optional[mp.process.BaseProcess] = None
 
-    def start(self, input_addr: str, output_addr: str) -> None:
-        spec = CoreSpec(self.config, input_addr, output_addr, self.backend_policies, started_at=time.time())
+    def start(self, input_addrs: list[str], output_addr: str) -> None:
+        spec = CoreSpec(self.config, input_addrs[0], output_addr, self.backend_policies, started_at=time.time())
         # not a daemon: the build may start processes of its own (compile workers); the core dies
         # with this process anyway (PR_SET_PDEATHSIG, and its loop watches its parent)
         self.process = mp.get_context("spawn").Process(target=run_core_process, args=(spec,), name="autodeploy-core")
@@ -94,13 +99,15 @@ class ThreadCore:
     """The engine core in a thread of this process, over a model built already (notebooks, tests:
     it shares this process's GIL with the HTTP server, so it is not the way to serve fast)."""
 
+    ranks = 1
+
     def __init__(self, om: Any) -> None:
         self.om = om
         self.thread: Optional[threading.Thread] = None
         self.error: Optional[str] = None
 
-    def start(self, input_addr: str, output_addr: str) -> None:
-        self.thread = threading.Thread(target=self._run, args=(input_addr, output_addr), name="autodeploy-core",
+    def start(self, input_addrs: list[str], output_addr: str) -> None:
+        self.thread = threading.Thread(target=self._run, args=(input_addrs[0], output_addr), name="autodeploy-core",
                                        daemon=True)
         self.thread.start()
 
@@ -139,6 +146,87 @@ class ThreadCore:
         pass
 
 
+def data_parallel_configs(config: Any, world_size: int) -> list[Any]:
+    """Each rank's config for data-parallel serving: the shard pass on over `world_size` ranks and,
+    on CUDA, the rank's own GPU. Refuses, before any process starts, a layout that is not
+    data-parallel attention (the only one whose ranks serve requests of their own)."""
+    shard = dict((config.transforms or {}).get("shard") or {})
+    if shard.get("attention") != "data":
+        raise ValueError(
+            f"serving over {world_size} ranks needs data-parallel attention: transforms.shard.attention=data (got "
+            f"{shard.get('attention', 'tensor')!r}), with experts=expert and mlp=replicate (docs/parallel_layouts.md). "
+            "Tensor-parallel serving (every rank stepping the same batch) is not built; serve with --world-size 1.")
+    out = []
+    for r in range(world_size):
+        transforms = {**(config.transforms or {}), "shard": {**shard, "enabled": True, "world_size": world_size}}
+        update: dict[str, Any] = {"transforms": transforms}
+        dev = str(config.model.device)
+        if dev.startswith("cuda"):
+            update["model"] = config.model.model_copy(update={"device": f"cuda:{r}"})
+        out.append(config.model_copy(update=update, deep=True))
+    return out
+
+
+class RankedCores:
+    """Data-parallel serving: one engine-core process per rank, each with its own model copy
+    (attention weights whole, its share of the experts), cache and requests; the ranks meet once per
+    step (runtime/data_parallel.py) and every forward's expert all-to-all joins them. The API process
+    sends each request to one rank (`EngineCoreClient`: the least loaded by tokens) and reads every
+    rank's step messages from one socket."""
+
+    def __init__(self, configs: list[Any], backend_policies: Optional[dict[str, Any]] = None) -> None:
+        if len(configs) < 2:
+            raise ValueError(f"RankedCores: {len(configs)} config(s); data-parallel serving needs >= 2 ranks")
+        self.configs, self.backend_policies = configs, backend_policies
+        self.ranks = len(configs)
+        self.processes: list[mp.process.BaseProcess] = []
+
+    def start(self, input_addrs: list[str], output_addr: str) -> None:
+        from ..api import rendezvous_port
+
+        port, n = rendezvous_port(), self.ranks
+        for r, cfg in enumerate(self.configs):
+            env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(r), "WORLD_SIZE": str(n),
+                   "LOCAL_RANK": str(r)}
+            spec = CoreSpec(cfg, input_addrs[r], output_addr, self.backend_policies, started_at=time.time(), rank=r,
+                            rank_env=env)
+            p = mp.get_context("spawn").Process(target=run_core_process, args=(spec,), name=f"autodeploy-core-{r}")
+            p.start()
+            self.processes.append(p)
+
+    @property
+    def pid(self) -> Optional[int]:
+        return self.processes[0].pid if self.processes else None
+
+    @property
+    def pids(self) -> list[Optional[int]]:
+        return [p.pid for p in self.processes]
+
+    def is_alive(self) -> bool:
+        """True while every rank lives: the ranks step together, so one gone stops them all."""
+        return bool(self.processes) and all(p.is_alive() for p in self.processes)
+
+    def exit_description(self) -> str:
+        for r, p in enumerate(self.processes):
+            code = p.exitcode
+            if code is not None:
+                how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+                return f"the engine process of rank {r} of {self.ranks} {how}"
+        return "the engine processes are running"
+
+    def join(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        for p in self.processes:
+            p.join(max(0.0, deadline - time.monotonic()))
+
+    def kill(self) -> None:
+        for p in self.processes:
+            if p.is_alive():
+                p.kill()
+        for p in self.processes:
+            p.join(10)
+
+
 @dataclass
 class RequestStream:
     """The outputs of one prompt's choices: (`TokenOut` | `Finished`) items on `queue`."""
@@ -162,6 +250,15 @@ class EngineCoreClient:
         self.on_step: Optional[Callable[[StepOutputs], None]] = None
         self._streams: dict[int, RequestStream] = {}
         self._ids = itertools.count()
+        #: data-parallel serving (core.ranks > 1): each request's rank and token cost, each rank's load
+        self.ranks = int(getattr(core, "ranks", 1))
+        self._owner: dict[int, int] = {}
+        self._cost: dict[int, int] = {}
+        self.rank_load = [0] * self.ranks
+        self.rank_requests = [0] * self.ranks  # requests (choices) sent to each rank so far
+        self._rank_stats: dict[int, EngineStats] = {}
+        self._ready_infos: dict[int, ModelInfo] = {}
+        self._stopped_ranks: set[int] = set()
         self._ready = asyncio.Event()
         self._stopped = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
@@ -175,14 +272,18 @@ class EngineCoreClient:
         """Bind the sockets, start the core, and the reader and watchdog tasks. Returns at once:
         `wait_ready()` waits for the model."""
         self._dir = tempfile.mkdtemp(prefix="autodeploy-ipc-")
-        in_addr, out_addr = f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
+        in_addrs = [f"ipc://{self._dir}/in" + (str(r) if self.ranks > 1 else "") for r in range(self.ranks)]
+        out_addr = f"ipc://{self._dir}/out"
         self._ctx = zmq.asyncio.Context()
-        self._in = self._ctx.socket(zmq.PUSH)
-        self._in.setsockopt(zmq.LINGER, 0)
-        self._in.bind(in_addr)
+        self._ins = []
+        for addr in in_addrs:  # one input socket per rank: a request goes to the rank chosen for it
+            sock = self._ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.bind(addr)
+            self._ins.append(sock)
         self._out = self._ctx.socket(zmq.PULL)
         self._out.bind(out_addr)
-        self.core.start(in_addr, out_addr)
+        self.core.start(in_addrs, out_addr)
         self._tasks = [asyncio.create_task(self._read(), name="autodeploy-core-reader"),
                        asyncio.create_task(self._watch(), name="autodeploy-core-watchdog")]
 
@@ -200,7 +301,8 @@ class EngineCoreClient:
     def begin_shutdown(self, drain_s: float) -> None:
         """Tell the core to stop taking requests, drain for `drain_s`, then cancel the rest."""
         if self.state == READY and self._ctx is not None:
-            self._send(Shutdown(drain_s))
+            for r in range(self.ranks):
+                self._send(Shutdown(drain_s), r)
 
     async def shutdown(self, drain_s: float, timeout_s: float = 60.0) -> None:
         """Stop the core and close: a core still building is stopped at once (it holds no
@@ -223,7 +325,8 @@ class EngineCoreClient:
         for t in self._tasks:
             t.cancel()
         if self._ctx is not None:
-            self._in.close(linger=0)
+            for sock in self._ins:
+                sock.close(linger=0)
             self._out.close(linger=0)
             self._ctx.term()
             self._ctx = None
@@ -238,19 +341,35 @@ class EngineCoreClient:
         (`queue`: one that several streams of one HTTP request share)."""
         ids = [next(self._ids) for _ in range(n)]
         stream = RequestStream(ids, queue if queue is not None else asyncio.Queue())
+        rank = self.pick_rank()
+        cost = len(prompt) + params.max_new_tokens  # per choice: its prompt and the tokens it may add
         for i in ids:
             self._streams[i] = stream
-        self._send(AddRequest(ids, prompt, params))
+            self._owner[i], self._cost[i] = rank, cost
+        self.rank_load[rank] += cost * n
+        self.rank_requests[rank] += n
+        self._send(AddRequest(ids, prompt, params), rank)
         return stream
+
+    def pick_rank(self) -> int:
+        """Data-parallel serving: the rank with the fewest tokens to go over its open requests
+        (prompt + max new tokens each; the lowest rank on a tie). Always 0 with one core."""
+        return min(range(self.ranks), key=lambda r: (self.rank_load[r], r))
 
     def abort(self, ids: list[int]) -> None:
         """Cancel these requests (if still running); their ends still arrive on their streams."""
         live = [i for i in ids if i in self._streams]
         if live and self.state == READY:
-            self._send(AbortRequests(live))
+            for r in sorted({self._owner.get(i, 0) for i in live}):
+                self._send(AbortRequests([i for i in live if self._owner.get(i, 0) == r]), r)
 
-    def _send(self, msg: Any) -> None:
-        self._in.send(self._enc.encode(msg), copy=False)
+    def _send(self, msg: Any, rank: int = 0) -> None:
+        self._ins[rank].send(self._enc.encode(msg), copy=False)
+
+    def _forget(self, i: int) -> None:
+        r = self._owner.pop(i, None)
+        if r is not None:
+            self.rank_load[r] -= self._cost.pop(i, 0)
 
     # ------------------------------------------------------------------ the core's messages
     async def _read(self) -> None:
@@ -260,21 +379,38 @@ class EngineCoreClient:
             if isinstance(msg, StepOutputs):
                 self._dispatch(msg)
             elif isinstance(msg, Ready):
-                self.info, self.state, self.progress = msg.info, READY, "ready"
-                self._ready.set()
+                self._ready_infos[msg.rank] = msg.info
+                if len(self._ready_infos) == self.ranks:  # every rank: serve
+                    info = self._ready_infos[0]
+                    pages = sum(i.pages_total for i in self._ready_infos.values())
+                    self.info = msgspec.structs.replace(info, pages_total=pages)
+                    self.state, self.progress = READY, "ready"
+                    self._ready.set()
+                else:
+                    self.progress = f"{len(self._ready_infos)} of {self.ranks} ranks ready"
             elif isinstance(msg, Progress):
                 self.progress = msg.message
                 if self.on_progress is not None:
                     self.on_progress(msg.message)
             elif isinstance(msg, CoreFailed):
-                self._failed(f"the engine core failed: {msg.error.strip().splitlines()[-1]}", msg.error)
+                who = f" (rank {msg.rank} of {self.ranks})" if self.ranks > 1 else ""
+                why = f"the engine core{who} failed: {msg.error.strip().splitlines()[-1]}"
+                if self.ranks > 1 and not self.core.is_alive():  # a peer died first: say which
+                    why += f" ({self.core.exit_description()})"
+                self._failed(why, msg.error)
             elif isinstance(msg, Stopped):
-                self.pages_leaked = msg.pages_leaked
-                self._fail_open("server shutting down")
-                self.state = STOPPED
-                self._stopped.set()
+                self._stopped_ranks.add(msg.rank)
+                self.pages_leaked = (self.pages_leaked or 0) + msg.pages_leaked
+                if len(self._stopped_ranks) == self.ranks:
+                    self._fail_open("server shutting down")
+                    self.state = STOPPED
+                    self._stopped.set()
 
     def _dispatch(self, msg: StepOutputs) -> None:
+        if self.ranks > 1:  # one rank's step: the gauges count every rank
+            self._rank_stats[msg.rank] = msg.stats
+            msg.stats = EngineStats(*(sum(getattr(st, f) for st in self._rank_stats.values())
+                                      for f in EngineStats.__struct_fields__))
         self.stats = msg.stats
         streams = self._streams
         for t in msg.tokens:
@@ -282,6 +418,7 @@ class EngineCoreClient:
             if s is not None:
                 s.queue.put_nowait(t)
         for f in msg.finished:
+            self._forget(f.id)
             s = streams.pop(f.id, None)
             if s is not None:
                 s.queue.put_nowait(f)
@@ -311,5 +448,6 @@ class EngineCoreClient:
         """End every open request with an error (its client is told; nothing waits forever)."""
         for i, s in list(self._streams.items()):
             s.queue.put_nowait(Finished(i, "error", why))
+            self._forget(i)
         self._streams.clear()
 

@@ -29,12 +29,16 @@ from typing import Any, Callable, Optional
 import msgspec
 import zmq
 
+from ..runtime.data_parallel import PeerRankFailed
 from ..runtime.engine import GenerationEngine, Request
 from .messages import (AbortRequests, AddRequest, CoreFailed, CoreInput, CoreOutput, EngineStats, Finished, Logprob,
                        ModelInfo, Progress, Ready, Shutdown, StepOutputs, Stopped, TokenOut)
 
 #: how long an idle core blocks on its input before it re-checks its shutdown deadline and parent
 IDLE_POLL_MS = 100
+#: data-parallel serving: how long an idle rank waits for input between two agreements with the
+#: other ranks (the longest a rank that got a request waits for idle peers to join its first step)
+LOCKSTEP_IDLE_POLL_MS = 5
 
 
 def _logprob(lp: Any) -> Optional[Logprob]:
@@ -47,8 +51,9 @@ class EngineCore:
     """Runs `engine` from the messages on `inbox` (PULL) and reports on `outbox` (PUSH)."""
 
     def __init__(self, engine: GenerationEngine, inbox: zmq.Socket, outbox: zmq.Socket, pages_total: int,
-                 pages_free: Callable[[], int]) -> None:
+                 pages_free: Callable[[], int], rank: int = 0) -> None:
         self.engine = engine
+        self.rank = rank
         self.engine.on_finish = self._on_finish
         self.inbox, self.outbox = inbox, outbox
         self._decoder = msgspec.msgpack.Decoder(CoreInput)
@@ -63,8 +68,8 @@ class EngineCore:
         self._parent = os.getppid()
 
     # ------------------------------------------------------------------ inputs
-    def _take_inputs(self, block: bool) -> None:
-        if block and not self.inbox.poll(IDLE_POLL_MS):
+    def _take_inputs(self, block: bool, poll_ms: int = IDLE_POLL_MS) -> None:
+        if block and not self.inbox.poll(poll_ms):
             return
         while True:
             try:
@@ -142,7 +147,7 @@ class EngineCore:
     def _flush(self, new: list[tuple[int, int]]) -> None:
         tokens = [t for rid, tok in new if (t := self._token_out(rid, tok)) is not None]
         if tokens or self._finished:
-            self._send(StepOutputs(tokens, self._finished, self._stats()))
+            self._send(StepOutputs(tokens, self._finished, self._stats(), self.rank))
         self._forget_finished()
         self._finished = []
 
@@ -151,6 +156,8 @@ class EngineCore:
         """Serve until shut down (drained, or its drain deadline passed). Returns the pages still
         held after every request was finished (0 unless something leaked)."""
         eng = self.engine
+        if eng.lockstep is not None:
+            return self._run_lockstep()
         try:
             while True:
                 self._take_inputs(block=not eng.has_work())
@@ -170,6 +177,52 @@ class EngineCore:
         finally:
             self._stop_everything()
         return self._pages_total - self._pages_free()
+
+    def _run_lockstep(self) -> int:
+        """Data-parallel attention: this rank's engine steps in lock-step with the other ranks'
+        cores (runtime/data_parallel.py), so the loop agrees with them every iteration, with work
+        or without: an idle rank waits at most LOCKSTEP_IDLE_POLL_MS for input, then meets the others
+        at the agreement (an idle forward when another rank runs a step). A rank that is shutting
+        down (drain deadline passed, or no work left after `Shutdown`; or its API process gone)
+        cancels what it still holds and says it is leaving; the ranks stop together at the first
+        agreement where none has work and none stays. An error on this rank is told to the others at
+        their next agreement (`Lockstep.leave`) and ends this core (CoreFailed); another rank's
+        error ends it too (`PeerRankFailed`): one rank's cache and collectives cannot go on alone."""
+        eng, lockstep = self.engine, self.engine.lockstep
+        assert lockstep is not None
+        try:
+            while True:
+                idle = not eng.has_work() and not eng.peers_busy
+                self._take_inputs(block=idle, poll_ms=LOCKSTEP_IDLE_POLL_MS)
+                gone = os.getppid() != self._parent
+                if gone or (self._deadline is not None and time.monotonic() >= self._deadline):
+                    self._cancel_all("server shutting down" if not gone else "the API process is gone")
+                eng.leaving = gone or (self._deadline is not None and not eng.has_work())
+                try:
+                    new = eng.step()
+                except PeerRankFailed:
+                    raise
+                except Exception as exc:
+                    try:
+                        lockstep.leave(f"{type(exc).__name__}: {exc}")
+                    except Exception:  # noqa: BLE001 - a peer gone (its connection lost): the error stands
+                        pass
+                    raise
+                self._flush(new)
+                agreed = eng.last_agreement
+                if agreed is not None and not agreed.any_work and not agreed.any_staying:
+                    break
+        finally:
+            self._stop_everything()
+        return self._pages_total - self._pages_free()
+
+    def _cancel_all(self, why: str) -> None:
+        """Cancel every request this rank still runs (pages back); their clients get an error."""
+        for rid in list(self._api_id):
+            self.engine.cancel(rid, reason=why)
+        for f in self._finished:
+            if f.reason == "cancelled":
+                f.reason, f.error = "error", why
 
     def _stop_everything(self) -> None:
         """Cancel every request still known (pages back) and tell the API process."""
@@ -199,12 +252,16 @@ class CoreSpec:
     output_addr: str  # (PUSH)
     backend_policies: Optional[dict[str, Any]] = None
     started_at: float = 0.0  # time.time() when the API process started it (the spawn's cost is measured)
+    #: data-parallel serving: this core's rank, and the torchrun-style environment of its process group
+    #: (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT); None: one core, no process group
+    rank: int = 0
+    rank_env: Optional[dict[str, str]] = None
 
 
 def model_info(om: Any, startup: dict[str, Any]) -> ModelInfo:
     return ModelInfo(vocab_size=int(om.vocab_size), max_seq_len=int(om.seq_info.max_seq_len),
                      max_batch_size=int(om.seq_info.max_batch_size), eos_token_ids=[int(t) for t in om.eos_token_ids],
-                     pages_total=int(om.allocator.num_usable),
+                     pages_total=int(om.allocator.num_usable - om.runner.reserved_pages),
                      device=str(om.device), dtype=str(om.dtype).replace("torch.", ""), startup=startup)
 
 
@@ -217,11 +274,21 @@ def startup_seconds(rep: Any) -> dict[str, Any]:
     return {k: v for k, v in out.items() if v is not None}
 
 
-def serve_model(om: Any, inbox: zmq.Socket, outbox: zmq.Socket) -> int:
+def serve_model(om: Any, inbox: zmq.Socket, outbox: zmq.Socket, rank: int = 0) -> int:
     """Run an `EngineCore` over a built model until shut down; returns the pages left held."""
     alloc = om.allocator
-    core = EngineCore(om.engine(), inbox, outbox, alloc.num_usable, lambda: alloc.num_free)
+    # pages for requests: the usable ones less those the runner keeps (data-parallel idle sequence)
+    core = EngineCore(om.engine(), inbox, outbox, alloc.num_usable - om.runner.reserved_pages, lambda: alloc.num_free,
+                      rank=rank)
     return core.run()
+
+
+def _join_process_group(spec: CoreSpec) -> None:
+    """Data-parallel serving: start this core's process group from `spec.rank_env` (the API process
+    picked the rendezvous port), before the build, which shards by it."""
+    from ..api import join_process_group
+
+    join_process_group(spec.rank_env or {}, str(getattr(spec.config.model, "device", "") or ""))
 
 
 def _die_with_parent() -> None:
@@ -249,11 +316,14 @@ def run_core_process(spec: CoreSpec) -> None:
     enc = msgspec.msgpack.Encoder()
 
     def say(msg: CoreOutput) -> None:
-        outbox.send(enc.encode(msg))
+        if spec.rank == 0 or not isinstance(msg, Progress):  # one start-up log: rank 0's
+            outbox.send(enc.encode(msg))
 
     code = 0
     try:
         spawned = time.time() - spec.started_at if spec.started_at else None
+        if spec.rank_env is not None:
+            _join_process_group(spec)
         from ..api import optimize
 
         if spawned is not None:
@@ -268,11 +338,16 @@ def run_core_process(spec: CoreSpec) -> None:
         for line in rep.lines():
             say(Progress(f"start-up: {line}"))
         startup = startup_seconds(rep)
-        say(Ready(model_info(om, startup)))
-        leaked = serve_model(om, inbox, outbox)
-        say(Stopped(leaked))
+        if spec.rank_env is not None and not om.data_parallel:
+            raise ValueError(
+                f"serving over {spec.rank_env.get('WORLD_SIZE')} ranks needs data-parallel attention "
+                "(transforms.shard.attention=data, experts=expert, mlp=replicate): each rank serves its own "
+                "requests. Tensor-parallel serving (every rank stepping the same batch) is not built.")
+        say(Ready(model_info(om, startup), spec.rank))
+        leaked = serve_model(om, inbox, outbox, spec.rank)
+        say(Stopped(leaked, spec.rank))
     except BaseException:  # noqa: BLE001 - reported to the API process, then a non-zero exit
-        say(CoreFailed(traceback.format_exc(limit=20)))
+        say(CoreFailed(traceback.format_exc(limit=20), spec.rank))
         code = 1
     finally:
         outbox.close(linger=5000)

@@ -89,6 +89,7 @@ class StepOutputs(msgspec.Struct, tag="step", array_like=True):
     tokens: list[TokenOut]
     finished: list[Finished]
     stats: EngineStats
+    rank: int = 0  # the data-parallel rank whose engine stepped (its stats are that rank's)
 
 
 class ModelInfo(msgspec.Struct):
@@ -112,18 +113,21 @@ class Progress(msgspec.Struct, tag="progress", array_like=True):
 
 class Ready(msgspec.Struct, tag="ready", array_like=True):
     info: ModelInfo
+    rank: int = 0  # data-parallel serving: every rank reports it; the server is ready when all have
 
 
 class CoreFailed(msgspec.Struct, tag="failed", array_like=True):
     """The engine core stopped on an error (at start-up or in its loop); `error` says what."""
 
     error: str
+    rank: int = 0
 
 
 class Stopped(msgspec.Struct, tag="stopped", array_like=True):
     """The engine core finished its shutdown; `pages_leaked` pages were still held (should be 0)."""
 
     pages_leaked: int
+    rank: int = 0
 
 
 CoreOutput = Union[StepOutputs, Progress, Ready, CoreFailed, Stopped]

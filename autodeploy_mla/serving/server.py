@@ -37,7 +37,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 
-from .core_client import FAILED, READY, STARTING, CoreHandle, EngineCoreClient, ProcessCore, RequestStream, ThreadCore
+from .core_client import (FAILED, READY, STARTING, CoreHandle, EngineCoreClient, ProcessCore, RankedCores, RequestStream,
+                          ThreadCore, data_parallel_configs)
 from .detokenizer import TextStream
 from .messages import Finished, Logprob, StepOutputs, TokenOut
 from .metrics import ServingMetrics
