@@ -89,19 +89,22 @@ def test_two_ranks_serve_one_process_tokens(reference):
     assert srv.client.state == STOPPED and srv.client.pages_leaked == 0  # both ranks stopped, nothing held
 
 
-def test_a_dead_rank_fails_the_server(reference):
-    srv = ServerThread(RankedCores(_configs()), None, "tiny", drain_timeout_s=1.0, failure_grace_s=30.0)
+def test_a_dead_rank_fails_the_server():
+    """Rank 1 killed while the ranks start (rank 0 then waits for it in vain): the server fails at
+    once (503, the rank named), and stopping it stops rank 0 too. (A rank lost while serving breaks
+    the others' next agreement: gloo reports the lost peer, the core exits with CoreFailed, and the
+    same 503 follows; a build per rank made that case cost ~15 s more here, so it is not repeated.)"""
+    srv = ServerThread(RankedCores(_configs()), None, "tiny", wait_ready=False, failure_grace_s=30.0)
     with srv as url:
-        assert asyncio.run(_all(url, PROMPTS[:2])) == reference[:2]
-        os.kill(srv.client.core.pids[1], signal.SIGKILL)
+        core = srv.client.core
+        os.kill(core.pids[1], signal.SIGKILL)
         deadline = time.monotonic() + 30
         while srv.client.state != FAILED:
             assert time.monotonic() < deadline, "the server did not notice the dead rank"
             time.sleep(0.05)
-        # the watchdog names the dead rank, or the survivor's report of its lost peer does
-        assert "rank 1 of 2" in srv.client.error or "Connection reset by peer" in srv.client.error, srv.client.error
+        assert "rank 1 of 2" in srv.client.error and "signal 9" in srv.client.error, srv.client.error
         assert httpx.get(f"{url}/health").status_code == 503
-    assert not srv.client.core.is_alive()  # the surviving rank is stopped too
+    assert not core.is_alive()  # rank 0 is stopped too
 
 
 def test_world_size_needs_data_parallel_attention(capsys):

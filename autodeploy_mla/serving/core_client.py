@@ -316,7 +316,8 @@ class EngineCoreClient:
                 await asyncio.wait_for(self._stopped.wait(), drain_s + timeout_s)
             except asyncio.TimeoutError:
                 log.warning("the engine core did not stop within %.0f s; killing it", drain_s + timeout_s)
-        await asyncio.get_running_loop().run_in_executor(None, self.core.join, 30.0)
+        if self.state != FAILED:  # failed: nothing to drain, and ranks that outlived a dead peer wait for it
+            await asyncio.get_running_loop().run_in_executor(None, self.core.join, 30.0)
         self.core.kill()
         self._fail_open("server shutting down")
         if self.state != FAILED:

@@ -27,6 +27,15 @@ rank) over all kernels' device time.
     python -m benchmarks.tp.tp_decode --render /tmp/tp/tp_decode.json   # markdown table + plot (CPU ok)
     python -m benchmarks.tp.tp_decode --render w1/tp_decode.json w2/tp_decode.json --out merged  # runs merged
     python -m benchmarks.tp.tp_decode --quick --device cpu --out /tmp/tpq  # CPU/gloo dry run of the plumbing
+    python -m benchmarks.tp.tp_decode --model glm_4_7_flash --layout data --world-sizes 1,2,4 --batches 64 \
+        --contexts 1024 --profile 1024,64 --out /tmp/dp_glm   # issue 47: data-parallel attention + EP experts
+
+`--layout data` (issue 47, docs/parallel_layouts.md): attention data-parallel (every rank whole
+attention on its own sequences and cache), routed experts expert-parallel, dense MLPs replicated. The
+`batch` column stays the whole batch: each rank runs batch / world of its sequences (a batch that does
+not divide is an error row), so tokens/s and the speed-up compare the same total batch at every world
+size; prefill: every rank prefills its own prompt (tokens/s counts all ranks'). The collective share
+then counts NCCL's all-to-all / all-gather / reduce-scatter kernels (the experts' dispatch).
 
 Copy the JSON/md/png into docs/benchmarks/ (tp_decode.* for v3_shape, tp_scaling.* for published
 configs) and quote the machine and command from the JSON.
@@ -85,7 +94,10 @@ def build_config(args: argparse.Namespace, device: str) -> dict[str, Any]:
     piecewise: dict[str, Any] = {"enabled": True, "on_cpu": args.quick, "cuda_graphs": not args.no_cuda_graphs}
     # Captured token counts: the decode batches (and the prefill length) only, not every power of two:
     # each bucket is one more CUDA graph per piece to capture at warm-up.
-    piecewise["buckets"] = sorted(set(args.batches) | ({args.prefill} if args.prefill else set()))
+    batches = set(args.batches)
+    if args.layout == "data":  # each rank runs its share of the batch
+        batches |= {b // w for b in args.batches for w in args.world_sizes if b % w == 0}
+    piecewise["buckets"] = sorted(batches | ({args.prefill} if args.prefill else set()))
     return {
         "model": {"hf_config": hf_config_of(args), "dtype": "bfloat16" if device == "cuda" else "float32",
                   "device": device, "seed": 0, "init": args.init},
@@ -123,6 +135,9 @@ def bench_rank(rank: int, args: argparse.Namespace, device_type: str) -> dict[st
     sets = [f"model.device={device}"]
     if world > 1:
         sets += ["transforms.shard.enabled=true", f"transforms.shard.all_reduce={args.all_reduce}"]
+        if args.layout == "data":
+            sets += ["transforms.shard.attention=data", "transforms.shard.experts=expert",
+                     "transforms.shard.mlp=replicate"]
     t0 = time.perf_counter()
     om = optimize(None, cfg, overrides=sets)
     build_s = time.perf_counter() - t0
@@ -144,7 +159,8 @@ def bench_rank(rank: int, args: argparse.Namespace, device_type: str) -> dict[st
     prefill: dict[str, Any] = {}
     if args.prefill:
         ms = _max_over_ranks(time_prefill(om, args.prefill, reps=3)["step_ms"], world, dev)
-        prefill = {"tokens": args.prefill, "ms": ms, "tokens_per_s": args.prefill / ms * 1e3}
+        prompts = world if args.layout == "data" else 1  # data-parallel: every rank prefills its own prompt
+        prefill = {"tokens": args.prefill, "ms": ms, "tokens_per_s": prompts * args.prefill / ms * 1e3}
         if rank == 0:
             print(json.dumps({"world_size": world, "prefill": prefill}), flush=True)
     rows = []
@@ -156,20 +172,25 @@ def bench_rank(rank: int, args: argparse.Namespace, device_type: str) -> dict[st
 
     for context in args.contexts:
         for batch in args.batches:
-            runner.allocator.ensure_many({sid: context + extra for sid in range(batch)})
+            if args.layout == "data" and batch % world:
+                rows.append({"world_size": world, "batch": batch, "context": context, "paths": {},
+                             "error": f"batch {batch} does not divide over {world} data-parallel ranks"})
+                continue
+            local = batch // world if args.layout == "data" else batch  # this rank's sequences
+            runner.allocator.ensure_many({sid: context + extra for sid in range(local)})
             g = torch.Generator(device=dev).manual_seed(batch * 7 + context)
             for c in runner.caches.caches.values():
                 c.normal_(generator=g)
-            tok, ts = [1] * batch, []
+            tok, ts = [1] * local, []
             pos0 = context - args.warmup
             err, paths, profiled = None, {}, {}
             paths0 = step_paths()
 
             def step(i: int) -> None:
                 nonlocal tok
-                seqs = [StepSequence(s, [tok[s]], pos0 + i) for s in range(batch)]
+                seqs = [StepSequence(s, [tok[s]], pos0 + i) for s in range(local)]
                 _, logits = runner.forward(seqs, runner.allocator.pages_of)  # all decode: order = seqs
-                tok = logits[0, :batch].argmax(-1).tolist()  # the sampling sync
+                tok = logits[0, :local].argmax(-1).tolist()  # the sampling sync
 
             try:
                 for i in range(args.warmup + args.steps):
@@ -187,17 +208,17 @@ def bench_rank(rank: int, args: argparse.Namespace, device_type: str) -> dict[st
                     profiled = {"profiled_" + k: _max_over_ranks(v, world, dev) for k, v in share.items()}
             except Exception as exc:  # noqa: BLE001 - recorded; every rank fails the same way
                 err = f"{type(exc).__name__}: {exc}"[:400]
-            for sid in range(batch):
+            for sid in range(local):
                 runner.allocator.free(sid)
             stream: dict[str, float] = {}
             if not err and args.stream > 1:  # the engine's steady state: steps queued, tokens from the device
                 try:
-                    got = time_decode_stream(om, batch, context, args.stream)
+                    got = time_decode_stream(om, local, context, args.stream)
                     if got:
                         stream = {"stream_ms": _max_over_ranks(got["stream_ms"], world, dev)}
                 except Exception as exc:  # noqa: BLE001 - recorded like the isolated steps' errors
                     err = f"stream: {type(exc).__name__}: {exc}"[:400]
-            row: dict[str, Any] = {"world_size": world, "batch": batch, "context": context,
+            row: dict[str, Any] = {"world_size": world, "batch": batch, "batch_per_rank": local, "context": context,
                                    # how the timed steps ran: decode_graph (one CUDA graph), piecewise, eager
                                    "paths": paths}
             if err:
@@ -248,8 +269,9 @@ def agreement(ref: list[dict[str, Any]], got: list[dict[str, Any]]) -> str:
 
 
 def is_all_reduce_kernel(name: str) -> bool:
-    """NCCL's kernels and the symmetric-memory all-reduce kernels (autodeploy::tp_all_reduce); not
-    Inductor's kernels named after the op whose input they compute."""
+    """NCCL's kernels (under `--layout data` the experts' all-to-all / all-gather / reduce-scatter)
+    and the symmetric-memory all-reduce kernels (autodeploy::tp_all_reduce); not Inductor's kernels
+    named after the op whose input they compute."""
     low = name.lower()
     return "nccl" in low or ("all_reduce_kernel" in low and not low.startswith("triton_"))
 
@@ -325,7 +347,9 @@ def render(path: Path, data: Optional[dict[str, Any]] = None) -> None:
     head = (["context", "batch"] + [f"{w} GPU ms" for w in worlds] + ([f"queued {w} GPU ms" for w in worlds] if queued else [])
             + [f"speed-up {w}" for w in worlds if w > 1] + ([f"queued speed-up {w}" for w in worlds if w > 1] if queued else [])
             + [f"tokens/s ({top} GPU{', queued' if queued else ''})", "all-reduce ms (share)", "timed steps ran as"])
-    lines = [f"# Tensor-parallel scaling ({data['environment'].get('gpu', 'cpu')})", "",
+    title = ("Data-parallel attention + expert-parallel MoE scaling" if data.get("layout") == "data"
+             else "Tensor-parallel scaling")
+    lines = [f"# {title} ({data['environment'].get('gpu', 'cpu')})", "",
              f"Command: `{data['command']}`", "", model_line(data),
              "Decode step = host metadata + graph + argmax sync; median ms (several ranks: the slower rank). "
              + ("Queued = steps queued as the engine queues them (overlap on, each step's tokens taken on the "
@@ -456,6 +480,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--profile", type=lambda s: [int(x) for x in s.split(",")], metavar="CONTEXT,BATCH",
                     help="also profile 3 steps of this (context, batch) in every rank -> <out>/profile_w*_r*.txt")
     ap.add_argument("--quick", action="store_true", help="tiny dims for a CPU dry run (gloo)")
+    ap.add_argument("--layout", default="tensor", choices=["tensor", "data"],
+                    help="tensor: heads, MLPs and experts split (the shard pass's default); data: attention "
+                         "data-parallel, experts expert-parallel, MLPs replicated (issue 47; module docstring)")
     args = ap.parse_args(argv)
     if args.render:
         if len(args.render) == 1:
@@ -471,7 +498,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         args.hidden, args.heads, args.intermediate, args.moe_intermediate, args.vocab = 128, 4, 128, 32, 256
         args.q_lora, args.kv_lora, args.dn, args.dr, args.dv = 64, 64, 16, 16, 16
         args.experts, args.layers, args.page_size, args.steps, args.warmup = 4, 2, 16, 3, 1
-        args.batches, args.contexts = [1, 4], [32]
+        args.batches, args.contexts = ([2, 4] if args.layout == "data" else [1, 4]), [32]
         args.index_topk, args.index_heads, args.index_dim = 8, 4, 16
 
     from benchmarks.lib import spawn
@@ -486,6 +513,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
         "environment": environment(device_type),
         "model_name": args.model,
+        "layout": args.layout,
         "init": args.init,
         "model": hf_config_of(args),
         "dtype": "bfloat16" if device_type == "cuda" else "float32",
