@@ -43,6 +43,9 @@ NEW = 4
 FAMILIES = ("deepseek_v3", "glm_4_7_flash")
 #: the experts' collective per family in the world-2 runs: both schemes take local tokens
 COLLECTIVE = {"deepseek_v3": "all_to_all", "glm_4_7_flash": "allgather_reducescatter"}
+#: the dense and shared-expert MLPs per family in the world-2 runs: replicated (DeepSeek-V3), or
+#: tensor-parallel over every rank's tokens, all-gather before and reduce-scatter after (GLM-4.7-Flash)
+MLP = {"deepseek_v3": "replicate", "glm_4_7_flash": "tensor"}
 
 
 def _dp_rank(rank: int, families: Sequence[str], ds3_ckpt: str) -> dict:
@@ -55,7 +58,7 @@ def _dp_rank(rank: int, families: Sequence[str], ds3_ckpt: str) -> dict:
     del om
     for family in families:
         om = optimize(family, overrides=[*RUNTIME, *DP, f"transforms.shard.ep_collective={COLLECTIVE[family]}",
-                                         *rank_overrides()])
+                                         f"transforms.shard.mlp={MLP[family]}", *rank_overrides()])
         tokens = om.generate([list(p) for p in PROMPTS], max_new_tokens=NEW)
         dp_all = dict(om.last_generation["data_parallel"])
         one = om.generate([list(PROMPTS[1])], max_new_tokens=NEW)
@@ -207,6 +210,13 @@ def test_report_names_the_layout(two_ranks):
             assert r["all_reduces"] == 0 and d["all_reduces"] == 0
             assert "data-parallel" in r["summary"] and "0 all-reduces" in r["summary"]
             assert all("configured" in e["why"] for e in d["replicated"])  # dense and shared MLPs
+            if MLP[family] == "replicate":
+                assert d["replicated"] and not d["mlp"] and d["gather_scatter"] == 0
+            else:  # every dense / shared MLP split, one all-gather (or two) before it, one reduce-scatter after
+                assert d["mlp"] and not d["replicated"]
+                assert all("all-gather before, reduce-scatter after" in e["layout"] for e in d["mlp"])
+                assert 2 * len(d["mlp"]) <= d["gather_scatter"] <= 3 * len(d["mlp"])
+                assert f"around {len(d['mlp'])} tensor-parallel MLPs" in r["summary"]
 
 
 def _shard_ctx(world: int):
@@ -222,18 +232,16 @@ def _shard_ctx(world: int):
 
 
 def test_refused_combinations_name_the_options():
-    """attention: data with tensor-parallel (or replicated) experts or tensor-parallel MLPs: refused at
-    planning, before the graph changes, naming the values and what to set."""
+    """attention: data with tensor-parallel (or replicated) experts: refused at planning, before the
+    graph changes, naming the values and what to set (tensor-parallel MLPs are allowed: gathered)."""
     ctx, info = _shard_ctx(2)
     before = ctx.gm.code
-    cases = [({"experts": "tensor", "mlp": "tensor"}, r"experts=tensor \(set transforms\.shard\.experts=expert.*"
-                                                      r"and mlp=tensor \(set transforms\.shard\.mlp=replicate"),
-             ({"experts": "expert", "mlp": "tensor"}, r"cannot be combined with mlp=tensor \(set transforms\.shard"
-                                                      r"\.mlp=replicate"),
+    cases = [({"experts": "tensor", "mlp": "tensor"}, r"with experts=tensor \(set transforms\.shard\.experts=expert"),
              ({"experts": "replicate", "mlp": "replicate"}, r"with experts=replicate \(set transforms\.shard\."
                                                             r"experts=expert")]
     for opts, msg in cases:
-        with pytest.raises(ShardError, match=r"attention=data .*" + msg + r".*all-gather / reduce-scatter"):
+        with pytest.raises(ShardError, match=r"attention=data .*" + msg + r".*experts under data-parallel attention "
+                                             r"are not built"):
             info.fn(ctx, info.options.model_validate({"enabled": True, "attention": "data", **opts}))
         assert ctx.gm.code == before
 
@@ -323,7 +331,8 @@ def test_engine_lockstep_idles_while_a_peer_works(overlap):
 
 
 def _dp4_rank(rank: int) -> dict:
-    om = optimize("glm_4_7_flash", overrides=[*RUNTIME, *DP, *rank_overrides()])
+    om = optimize("glm_4_7_flash", overrides=[*RUNTIME, *DP, f"transforms.shard.mlp={MLP['glm_4_7_flash']}",
+                                             *rank_overrides()])
     tokens = om.generate([list(p) for p in PROMPTS], max_new_tokens=NEW)
     dp = dict(om.last_generation["data_parallel"])
     one = om.generate([list(PROMPTS[0])], max_new_tokens=NEW)
@@ -332,8 +341,8 @@ def _dp4_rank(rank: int) -> dict:
 
 @pytest.mark.slow
 def test_four_ranks_equal_one_process(request, single):
-    """World 4 (2 experts per rank), GLM-4.7-Flash: five prompts over four ranks, then one prompt
-    (three ranks idle). ~35 s more on 2 CPU cores (the file stays under a minute without it): --slow only."""
+    """World 4 (2 experts per rank, dense and shared MLPs split in 4 and gathered), GLM-4.7-Flash: five
+    prompts over four ranks, then one prompt (three ranks idle). ~35 s more on 2 CPU cores (the file stays under a minute without it): --slow only."""
     if not request.config.getoption("--slow"):
         pytest.skip("4 CPU ranks: ~35 s more on a 2-core host; run with --slow")
     ranks = spawn(_dp4_rank, 4, all_results=True)

@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     v.add_argument("--world-size", type=_positive_int, default=1,
                    help="data-parallel ranks, one engine process each (needs transforms.shard.attention=data, "
-                        "experts=expert, mlp=replicate); requests go to the least-loaded rank")
+                        "experts=expert, mlp=replicate or tensor); requests go to the least-loaded rank")
     add_bench_parser(sub, add_model_flags, _positive_int)
     sub.add_parser("models", help="list the model configs in model_configs/")
     sub.add_parser("backends", help="list attention backends and whether they serve each family's dims here")

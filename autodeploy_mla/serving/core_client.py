@@ -154,7 +154,7 @@ def data_parallel_configs(config: Any, world_size: int) -> list[Any]:
     if shard.get("attention") != "data":
         raise ValueError(
             f"serving over {world_size} ranks needs data-parallel attention: transforms.shard.attention=data (got "
-            f"{shard.get('attention', 'tensor')!r}), with experts=expert and mlp=replicate (docs/parallel_layouts.md). "
+            f"{shard.get('attention', 'tensor')!r}), with experts=expert and mlp=replicate or tensor (docs/parallel_layouts.md). "
             "Tensor-parallel serving (every rank stepping the same batch) is not built; serve with --world-size 1.")
     out = []
     for r in range(world_size):

@@ -341,7 +341,7 @@ def run_core_process(spec: CoreSpec) -> None:
         if spec.rank_env is not None and not om.data_parallel:
             raise ValueError(
                 f"serving over {spec.rank_env.get('WORLD_SIZE')} ranks needs data-parallel attention "
-                "(transforms.shard.attention=data, experts=expert, mlp=replicate): each rank serves its own "
+                "(transforms.shard.attention=data, experts=expert, mlp=replicate or tensor): each rank serves its own "
                 "requests. Tensor-parallel serving (every rank stepping the same batch) is not built.")
         say(Ready(model_info(om, startup), spec.rank))
         leaked = serve_model(om, inbox, outbox, spec.rank)

@@ -103,8 +103,8 @@ class ShardOptions(PassOptions):
         "tensor", description="MLA attention: tensor (heads split over the ranks, an all-reduce after o_proj) or "
         "data (data-parallel: attention weights whole on every rank, each rank runs its own sequences with its own "
         "cache and page allocator, no all-reduce; needs experts: expert — routed experts dispatched from each rank's "
-        "own tokens — and mlp: replicate; tensor-parallel dense layers under data-parallel attention would need "
-        "all-gather / reduce-scatter regions, not built yet; docs/parallel_layouts.md)"
+        "own tokens; mlp: replicate keeps dense and shared-expert MLPs whole on every rank, mlp: tensor splits them "
+        "with an all-gather of the ranks' tokens before and a reduce-scatter after each; docs/parallel_layouts.md)"
     )
     mlp: Literal["tensor", "replicate"] = Field("tensor", description="dense and shared-expert MLPs")
     experts: Literal["tensor", "replicate", "expert"] = Field(
@@ -284,6 +284,9 @@ class _Plan:
     rank: int
     specs: dict[str, ShardSpec] = field(default_factory=dict)  # get_attr target -> spec
     partial: list[Node] = field(default_factory=list)  # row-parallel outputs (partial sums)
+    #: attention data + mlp tensor: (up projections, down projection) of each tensor-parallel MLP that
+    #: gets every rank's tokens by an all-gather before it and its own rows back by a reduce-scatter
+    gathered: list[tuple[list[Node], Node]] = field(default_factory=list)
     head_views: list[tuple[Node, int, int]] = field(default_factory=list)  # (node, arg index in shape list, new value)
     mla_nodes: list[tuple[Node, MLADims]] = field(default_factory=list)
     owners: dict[str, Node] = field(default_factory=dict)  # target -> the matmul it was planned for
@@ -514,23 +517,21 @@ def _plan_attention(gm: GraphModule, plan: _Plan, grouped: set[Any]) -> None:
 def check_data_parallel_options(opts: "ShardOptions") -> None:
     """`attention: data` runs each rank's own tokens through every layer, so every layer after attention
     must take a rank's own tokens whole: routed experts expert-parallel (`ep_moe_experts`, tokens
-    local) and dense/shared MLPs replicated. Anything else is refused here, at planning, naming the
-    values and what to set."""
+    local); dense/shared MLPs replicated, or tensor-parallel over every rank's tokens (all-gather
+    before, reduce-scatter after: `_insert_gather_scatter`). Anything else is refused here, at
+    planning, naming the values and what to set."""
     if opts.attention != "data":
         return
     bad = []
     if opts.experts != "expert":
         bad.append(f"experts={opts.experts} (set transforms.shard.experts=expert: each rank dispatches its own "
                    "tokens to the experts' owners)")
-    if opts.mlp != "replicate":
-        bad.append(f"mlp={opts.mlp} (set transforms.shard.mlp=replicate: dense and shared-expert MLPs whole on "
-                   "every rank)")
     if bad:
         raise ShardError(
             "shard: attention=data (data-parallel attention: every rank runs its own sequences) cannot be combined "
-            f"with {' and '.join(bad)}. Tensor-parallel dense layers or experts under data-parallel attention "
-            "need all-gather / reduce-scatter regions between the attention-DP and the TP layers, which are "
-            "not built yet (docs/parallel_layouts.md); or set transforms.shard.attention=tensor."
+            f"with {' and '.join(bad)}. Tensor-parallel experts under data-parallel attention are not built "
+            "(dense and shared-expert MLPs are: mlp=tensor; docs/parallel_layouts.md); or set "
+            "transforms.shard.attention=tensor."
         )
 
 
@@ -638,11 +639,17 @@ def _plan_mlps(gm: GraphModule, plan: _Plan, opts: "ShardOptions", grouped: set[
         if down.bias is not None:
             plan.add(down.bias.target, ShardSpec(0, ((0, int(_shape(down.bias)[0])),), f"{what}: row bias (rank 0)",
                                                  zero=plan.rank != 0), node)
-        plan.partial.append(node)
+        gather = opts.attention == "data" and not experts
+        if gather:  # the ranks hold different tokens: all of them through the split MLP, each rank's rows back
+            plan.gathered.append((ups, node))
+        else:
+            plan.partial.append(node)
         taken.update([node, *ups])
         plan.report["mlp"].append(
             {"layer": layer, "what": what, "kind": kind, "intermediate": f"{inter} -> {inter // plan.world}",
-             "down": down.weight.attr.target}
+             "down": down.weight.attr.target,
+             "layout": ("tensor over every rank's tokens: all-gather before, reduce-scatter after (attention: data)"
+                        if gather else "tensor: all-reduce after")}
         )
         if experts:
             plan.report["experts"].append(
@@ -781,6 +788,46 @@ def _rewrite_expert_parallel(gm: GraphModule, plan: _Plan, layers: list[_EPLayer
 
 
 # ----------------------------------------------------------------------------- rewriting
+ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
+REDUCE_SCATTER = torch.ops._c10d_functional.reduce_scatter_tensor.default
+
+
+def _collective(graph: torch.fx.Graph, after: Node, target: Any, args: tuple, kind: str) -> Node:
+    """`wait_tensor(target(*args))` right after `after`; returns the wait node."""
+    with graph.inserting_after(after):
+        op = graph.call_function(target, args)
+    with graph.inserting_after(op):
+        wait = graph.call_function(WAIT_TENSOR, (op,))
+    for new in (op, wait):
+        for key in ("nn_module_stack", "stack_trace"):
+            if key in after.meta:
+                new.meta[key] = after.meta[key]
+        new.meta["tp_collective"] = kind
+    return wait
+
+
+def _insert_gather_scatter(gm: GraphModule, regions: list[tuple[list[Node], Node]], world: int, group: str) -> int:
+    """Data-parallel attention + a tensor-parallel MLP: its up projections read every rank's tokens
+    (all-gather along the token-leading dim 0, in rank order; every rank's step has the agreed size,
+    runtime/data_parallel.py) and its down projection's partial sums go back summed, each rank its
+    own rows (reduce-scatter along dim 0). Returns the number of collectives inserted."""
+    graph, count = gm.graph, 0
+    for ups, down in regions:
+        gathered: dict[Node, Node] = {}
+        for u in ups:
+            x = u.args[0]
+            if x not in gathered:  # right after its input: before every up projection that reads it
+                gathered[x] = _collective(graph, x, ALL_GATHER, (x, world, group), "all_gather")
+                count += 1
+            u.replace_input_with(x, gathered[x])
+        users = list(down.users)
+        mine = _collective(graph, down, REDUCE_SCATTER, (down, "sum", world, group), "reduce_scatter")
+        count += 1
+        for user in users:
+            user.replace_input_with(down, mine)
+    return count
+
+
 def _linear_in(user: Node, partial: set[Node]) -> bool:
     """Is `user` linear in its partial-sum inputs (so its output is a partial sum too)?"""
     if user.op != "call_function":
@@ -877,8 +924,10 @@ def shard(ctx: BuildContext, opts: ShardOptions) -> PassResult:
         node.args = (node.args[0], shape, *node.args[2:])
     # 3. expert-parallel MoE regions -> ep_moe_experts (complete outputs: no all-reduce after them)
     _rewrite_expert_parallel(gm, plan, ep_layers, world.group, opts.ep_collective)
-    # 4. all-reduce where partial sums meet replicated values
+    # 4. all-reduce where partial sums meet replicated values; under attention: data, all-gather /
+    #    reduce-scatter around each tensor-parallel MLP instead
     n_ar = _insert_all_reduces(gm, plan.partial, world.group, opts.all_reduce)
+    n_gs = _insert_gather_scatter(gm, plan.gathered, world.world_size, world.group)
     # 5. per-node dims (the manager re-propagates shapes after the pass; cache insertion checks both agree)
     for m, dims in plan.mla_nodes:
         m.meta["mla_dims"] = dims
@@ -895,9 +944,11 @@ def shard(ctx: BuildContext, opts: ShardOptions) -> PassResult:
                f"blocks split, {len(rep['replicated'])} replicated, "
                + (f"{len(ep_layers)} MoE layers expert-parallel ({opts.ep_collective}), " if ep_layers else "")
                + f"{n_ar} all-reduces"
+               + (f", {n_gs} all-gathers / reduce-scatters around {len(plan.gathered)} tensor-parallel MLPs"
+                  if plan.gathered else "")
                + (f" (one-shot up to {opts.one_shot_max_bytes} B)" if opts.all_reduce == "one_shot" else ""))
     details = {"world_size": world.world_size, "rank": world.rank, "attention_layout": opts.attention,
-               "all_reduces": n_ar,
+               "all_reduces": n_ar, "gather_scatter": n_gs,
                "all_reduce": opts.all_reduce, "weights": weights, **rep,
                "rules": {t: {"dim": s.dim, "ranges": s.ranges, "rule": s.rule, "zero": s.zero}
                          for t, s in plan.specs.items()}}
