@@ -31,7 +31,8 @@ rank) over all kernels' device time.
         --contexts 1024 --profile 1024,64 --out /tmp/dp_glm   # issue 47: data-parallel attention + EP experts
 
 `--layout data` (issue 47, docs/parallel_layouts.md): attention data-parallel (every rank whole
-attention on its own sequences and cache), routed experts expert-parallel, dense MLPs replicated. The
+attention on its own sequences and cache), routed experts expert-parallel, dense and shared-expert
+MLPs replicated (`--dp-mlp tensor`: split, all-gather before / reduce-scatter after each). The
 `batch` column stays the whole batch: each rank runs batch / world of its sequences (a batch that does
 not divide is an error row), so tokens/s and the speed-up compare the same total batch at every world
 size; prefill: every rank prefills its own prompt (tokens/s counts all ranks'). The collective share
@@ -137,7 +138,7 @@ def bench_rank(rank: int, args: argparse.Namespace, device_type: str) -> dict[st
         sets += ["transforms.shard.enabled=true", f"transforms.shard.all_reduce={args.all_reduce}"]
         if args.layout == "data":
             sets += ["transforms.shard.attention=data", "transforms.shard.experts=expert",
-                     "transforms.shard.mlp=replicate"]
+                     f"transforms.shard.mlp={args.dp_mlp}"]
     t0 = time.perf_counter()
     om = optimize(None, cfg, overrides=sets)
     build_s = time.perf_counter() - t0
@@ -347,7 +348,8 @@ def render(path: Path, data: Optional[dict[str, Any]] = None) -> None:
     head = (["context", "batch"] + [f"{w} GPU ms" for w in worlds] + ([f"queued {w} GPU ms" for w in worlds] if queued else [])
             + [f"speed-up {w}" for w in worlds if w > 1] + ([f"queued speed-up {w}" for w in worlds if w > 1] if queued else [])
             + [f"tokens/s ({top} GPU{', queued' if queued else ''})", "all-reduce ms (share)", "timed steps ran as"])
-    title = ("Data-parallel attention + expert-parallel MoE scaling" if data.get("layout") == "data"
+    layout = str(data.get("layout", "tensor"))
+    title = (f"Data-parallel attention + expert-parallel MoE scaling{layout[len('data'):]}" if layout.startswith("data")
              else "Tensor-parallel scaling")
     lines = [f"# {title} ({data['environment'].get('gpu', 'cpu')})", "",
              f"Command: `{data['command']}`", "", model_line(data),
@@ -482,7 +484,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--quick", action="store_true", help="tiny dims for a CPU dry run (gloo)")
     ap.add_argument("--layout", default="tensor", choices=["tensor", "data"],
                     help="tensor: heads, MLPs and experts split (the shard pass's default); data: attention "
-                         "data-parallel, experts expert-parallel, MLPs replicated (issue 47; module docstring)")
+                         "data-parallel, experts expert-parallel, MLPs as --dp-mlp says (issue 47; module docstring)")
+    ap.add_argument("--dp-mlp", default="replicate", choices=["replicate", "tensor"],
+                    help="--layout data: dense and shared-expert MLPs whole on every rank, or split with an "
+                         "all-gather of every rank's tokens before and a reduce-scatter after each")
     args = ap.parse_args(argv)
     if args.render:
         if len(args.render) == 1:
@@ -513,7 +518,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
         "environment": environment(device_type),
         "model_name": args.model,
-        "layout": args.layout,
+        "layout": args.layout + (f" (mlp {args.dp_mlp})" if args.layout == "data" else ""),
         "init": args.init,
         "model": hf_config_of(args),
         "dtype": "bfloat16" if device_type == "cuda" else "float32",
