@@ -56,8 +56,20 @@ def pytest_runtest_logreport(report):
             f.write(f"{report.nodeid}\t{report.when}\t{report.duration:.2f}\t{report.outcome}\n")
 
 
+def _background_consumers_last(items):
+    """The tests of modules with background runs (`start_background_runs`, tests/background_runs.py)
+    go last, in their collection order (which is also the order their drivers run in): the other tests
+    run meanwhile on the first core instead of waiting in a fixture for a run still in progress."""
+    def consumer(item) -> bool:
+        return hasattr(getattr(item, "module", None), "start_background_runs")
+
+    order = {id(item): i for i, item in enumerate(items)}
+    items.sort(key=lambda item: (consumer(item), order[id(item)]))
+
+
 def pytest_collection_modifyitems(config, items):
     _mark_slow_gpu_cases(config, items)
+    _background_consumers_last(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
