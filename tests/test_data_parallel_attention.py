@@ -132,9 +132,9 @@ two_ranks = _BACKGROUND.fixture("two", "two_ranks")
 
 
 @pytest.fixture(scope="module")
-def single():
+def single(optimized_family):
     """World-1 greedy tokens of the same prompts (the same options; the shard pass is off)."""
-    return {f: optimize(f, overrides=[*RUNTIME, *DP]).generate([list(p) for p in PROMPTS], max_new_tokens=NEW)
+    return {f: optimized_family(f, [*RUNTIME, *DP]).generate([list(p) for p in PROMPTS], max_new_tokens=NEW)
             for f in FAMILIES}
 
 

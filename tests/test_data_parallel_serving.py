@@ -15,7 +15,6 @@ import httpx
 import pytest
 from openai import AsyncOpenAI, OpenAI
 
-from autodeploy_mla import optimize
 from autodeploy_mla.api import build_config
 from autodeploy_mla.cli import main
 from autodeploy_mla.serving.core_client import FAILED, STOPPED, RankedCores, data_parallel_configs
@@ -33,9 +32,10 @@ GREEDY = {"ignore_eos": True, "return_token_ids": True}
 
 
 @pytest.fixture(scope="module")
-def reference() -> list[list[int]]:
-    om = optimize(FAMILY, overrides=RUNTIME)
-    return om.generate([list(p) for p in PROMPTS], max_new_tokens=NEW)
+def reference(optimized_family) -> list[list[int]]:
+    """One process's greedy tokens (the shard options are inert at world size 1; the same build as
+    test_data_parallel_attention's reference, made once per session)."""
+    return optimized_family(FAMILY, [*RUNTIME, *DP]).generate([list(p) for p in PROMPTS], max_new_tokens=NEW)
 
 
 def _configs(world: int = 2) -> list:
