@@ -63,18 +63,13 @@ def load_serving_tokenizer(cfg: AppConfig, path: Optional[str], console: Console
 
 
 def engine_cores(args: argparse.Namespace, cfg: AppConfig, serving: Any) -> Any:
-    """One engine-core process, or one per data-parallel rank (`--world-size N`), checked before
-    any process starts: the layout (data-parallel attention) and, on CUDA, one GPU per rank."""
+    """One engine-core process, or one per data-parallel rank (`--world-size N`), its layout
+    (data-parallel attention) checked before any process starts. One GPU per rank: `--device cuda`
+    is checked with the other flags (`check_device_flag`); a device the config names fails in the
+    rank's process-group start, before its build."""
     world = getattr(args, "world_size", 1)
     if world == 1:
         return serving.ProcessCore(cfg)
-    import torch
-
-    dev = str(cfg.model.device)
-    if dev.startswith("cuda") or (dev == "auto" and torch.cuda.is_available()):
-        if torch.cuda.device_count() < world:
-            raise CliError(f"--world-size {world}: one GPU per rank, but this machine has {torch.cuda.device_count()} "
-                           f"CUDA device(s); use --world-size {torch.cuda.device_count()} or less")
     try:
         configs = serving.data_parallel_configs(cfg, world)
     except ValueError as exc:

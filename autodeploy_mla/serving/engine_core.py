@@ -283,14 +283,6 @@ def serve_model(om: Any, inbox: zmq.Socket, outbox: zmq.Socket, rank: int = 0) -
     return core.run()
 
 
-def _join_process_group(spec: CoreSpec) -> None:
-    """Data-parallel serving: start this core's process group from `spec.rank_env` (the API process
-    picked the rendezvous port), before the build, which shards by it."""
-    from ..api import join_process_group
-
-    join_process_group(spec.rank_env or {}, str(getattr(spec.config.model, "device", "") or ""))
-
-
 def _die_with_parent() -> None:
     """Linux: SIGKILL this process when its parent dies (a killed API server leaves no engine
     holding the GPU). Elsewhere the loop's parent check does it, once the model is built."""
@@ -322,9 +314,10 @@ def run_core_process(spec: CoreSpec) -> None:
     code = 0
     try:
         spawned = time.time() - spec.started_at if spec.started_at else None
-        if spec.rank_env is not None:
-            _join_process_group(spec)
-        from ..api import optimize
+        from ..api import join_process_group, optimize
+
+        if spec.rank_env is not None:  # data-parallel serving: the group this rank's build shards by
+            join_process_group(spec.rank_env, str(spec.config.model.device))
 
         if spawned is not None:
             say(Progress(f"engine process up {spawned:.1f} s after its start (interpreter, imports); "

@@ -167,25 +167,41 @@ def _layer_of(node: Node) -> str:
     return module_path(node)
 
 
+ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
+REDUCE_SCATTER = torch.ops._c10d_functional.reduce_scatter_tensor.default
+
+
+def _copy_meta(src: Node, new: Node, kind: str, same_shape: bool) -> None:
+    for key in ("nn_module_stack", "stack_trace", *(("val",) if same_shape else ())):
+        if key in src.meta:
+            new.meta[key] = src.meta[key]
+    new.meta["tp_collective"] = kind
+
+
+def _collective(graph: torch.fx.Graph, after: Node, target: Any, args: tuple, kind: str,
+                same_shape: bool = False) -> Node:
+    """`wait_tensor(target(*args))` right after `after`; returns the wait node (`same_shape`: its
+    output has `after`'s shape, whose `val` it takes; else the pass's shape refresh sets it)."""
+    with graph.inserting_after(after):
+        op = graph.call_function(target, args)
+    with graph.inserting_after(op):
+        wait = graph.call_function(WAIT_TENSOR, (op,))
+    for new in (op, wait):
+        _copy_meta(after, new, kind, same_shape)
+    return wait
+
+
 def insert_all_reduce(graph: torch.fx.Graph, node: Node, group_name: str, algorithm: str = "nccl") -> Node:
     """Insert the sum of `node` over the ranks right after `node`; returns the node holding the sum:
     `wait_tensor(all_reduce(node, "sum", group_name))` (nccl) or `tp_all_reduce(node, group_name)` (one_shot).
 
     The caller rewires the users it wants reduced; meta is copied from `node` (same shape/dtype)."""
-    if algorithm == "one_shot":
-        with graph.inserting_after(node):
-            new_nodes = [graph.call_function(TP_ALL_REDUCE, (node, group_name))]
-    else:
-        with graph.inserting_after(node):
-            ar = graph.call_function(ALL_REDUCE, (node, "sum", group_name))
-        with graph.inserting_after(ar):
-            new_nodes = [ar, graph.call_function(WAIT_TENSOR, (ar,))]
-    for new in new_nodes:
-        for key in ("nn_module_stack", "stack_trace", "val"):
-            if key in node.meta:
-                new.meta[key] = node.meta[key]
-        new.meta["tp_collective"] = "all_reduce"
-    return new_nodes[-1]
+    if algorithm != "one_shot":
+        return _collective(graph, node, ALL_REDUCE, (node, "sum", group_name), "all_reduce", same_shape=True)
+    with graph.inserting_after(node):
+        new = graph.call_function(TP_ALL_REDUCE, (node, group_name))
+    _copy_meta(node, new, "all_reduce", same_shape=True)
+    return new
 
 
 def count_all_reduces(gm: GraphModule) -> int:
@@ -788,24 +804,6 @@ def _rewrite_expert_parallel(gm: GraphModule, plan: _Plan, layers: list[_EPLayer
 
 
 # ----------------------------------------------------------------------------- rewriting
-ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
-REDUCE_SCATTER = torch.ops._c10d_functional.reduce_scatter_tensor.default
-
-
-def _collective(graph: torch.fx.Graph, after: Node, target: Any, args: tuple, kind: str) -> Node:
-    """`wait_tensor(target(*args))` right after `after`; returns the wait node."""
-    with graph.inserting_after(after):
-        op = graph.call_function(target, args)
-    with graph.inserting_after(op):
-        wait = graph.call_function(WAIT_TENSOR, (op,))
-    for new in (op, wait):
-        for key in ("nn_module_stack", "stack_trace"):
-            if key in after.meta:
-                new.meta[key] = after.meta[key]
-        new.meta["tp_collective"] = kind
-    return wait
-
-
 def _insert_gather_scatter(gm: GraphModule, regions: list[tuple[list[Node], Node]], world: int, group: str) -> int:
     """Data-parallel attention + a tensor-parallel MLP: its up projections read every rank's tokens
     (all-gather along the token-leading dim 0, in rank order; every rank's step has the agreed size,

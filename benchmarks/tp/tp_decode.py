@@ -348,9 +348,8 @@ def render(path: Path, data: Optional[dict[str, Any]] = None) -> None:
     head = (["context", "batch"] + [f"{w} GPU ms" for w in worlds] + ([f"queued {w} GPU ms" for w in worlds] if queued else [])
             + [f"speed-up {w}" for w in worlds if w > 1] + ([f"queued speed-up {w}" for w in worlds if w > 1] if queued else [])
             + [f"tokens/s ({top} GPU{', queued' if queued else ''})", "all-reduce ms (share)", "timed steps ran as"])
-    layout = str(data.get("layout", "tensor"))
-    title = (f"Data-parallel attention + expert-parallel MoE scaling{layout[len('data'):]}" if layout.startswith("data")
-             else "Tensor-parallel scaling")
+    title = (f"Data-parallel attention + expert-parallel MoE scaling (MLPs: {data.get('dp_mlp') or 'replicate'})"
+             if data.get("layout") == "data" else "Tensor-parallel scaling")
     lines = [f"# {title} ({data['environment'].get('gpu', 'cpu')})", "",
              f"Command: `{data['command']}`", "", model_line(data),
              "Decode step = host metadata + graph + argmax sync; median ms (several ranks: the slower rank). "
@@ -518,7 +517,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         "command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
         "environment": environment(device_type),
         "model_name": args.model,
-        "layout": args.layout + (f" (mlp {args.dp_mlp})" if args.layout == "data" else ""),
+        "layout": args.layout,
+        "dp_mlp": args.dp_mlp if args.layout == "data" else None,
         "init": args.init,
         "model": hf_config_of(args),
         "dtype": "bfloat16" if device_type == "cuda" else "float32",
