@@ -42,6 +42,23 @@ def test_triton_fp8_experts_match_the_emulation(t, h, i, e, k, bn, bk, dtype):
         assert (y - ref).norm() <= 1e-2 * ref.norm()
 
 
+@pytest.mark.parametrize("t", [1, 9])
+def test_negative_ids_are_no_pairs(t):
+    """An id of -1 (expert parallelism: another rank's pair) adds nothing: the same as that pair with
+    weight 0, in the Triton op and the reference."""
+    x, ids, w, wu, su, wd, sd = make(t, 64, 32, 4, 2, 32, 32, seed=t)
+    drop = torch.zeros_like(ids, dtype=torch.bool)
+    drop[0, 0] = True
+    drop[-1, -1] = True
+    neg = torch.where(drop, torch.full_like(ids, -1), ids)
+    zeroed = torch.where(drop, torch.zeros_like(w), w)
+    ref = moe_experts_fp8_emulated(x, ids, zeroed, wu, su, wd, sd, 32, 32).float()
+    y = fused_moe_fp8(x, neg, w, wu, su, wd, sd, 32, 32).float()
+    assert (y - ref).abs().max() <= 1e-5 * ref.abs().max()
+    ref_op = experts_op("torch", fp8=True)  # W8A16: its own oracle, the same pairs with weight 0
+    assert torch.equal(ref_op(x, neg, w, wu, su, wd, sd, 32, 32), ref_op(x, ids, zeroed, wu, su, wd, sd, 32, 32))
+
+
 def test_no_tokens():
     args = make(0, 64, 32, 4, 2, 32, 32)
     assert fused_moe_fp8(*args, 32, 32).shape == (0, 64)

@@ -81,6 +81,24 @@ def test_one_token_runs_a_block_per_pair_without_the_layout(monkeypatch, ids_row
     assert torch.allclose(out.double(), loop_reference(x, ids.long(), w, w_up, w_down), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("t", [1, 9, 70])
+def test_negative_ids_are_no_pairs(t):
+    """Expert parallelism hands the experts op other ranks' pairs as id -1: no expert work and nothing in
+    the sum, i.e. the same as the pair routed anywhere with weight 0 (a token whose ids are all -1 gets
+    zeros). One token (a block per pair), a layout, several layout chunks."""
+    x, ids, w, w_up, w_down = _inputs(t, 3, 6, 24, 20, seed=t)
+    g = torch.Generator().manual_seed(t + 1)
+    drop = torch.rand(ids.shape, generator=g) < 0.4
+    drop[0] = True  # the first token has no pair left
+    neg = torch.where(drop, torch.full_like(ids, -1), ids)
+    zeroed = torch.where(drop, torch.zeros_like(w), w)
+    ref = loop_reference(x, ids, zeroed, w_up, w_down)
+    for op in (torch.ops.autodeploy.triton_moe_experts, torch.ops.autodeploy.torch_moe_experts):
+        out = op(x, neg, w, w_up, w_down)
+        assert torch.allclose(out.double(), ref, atol=1e-5, rtol=1e-5), op
+        assert not out[0].any()
+
+
 class _ChunkOf16(MoEConfig):
     """A launch config whose layout chunks hold 16 pairs: several chunks at test sizes."""
 

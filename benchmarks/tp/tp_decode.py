@@ -138,7 +138,7 @@ def bench_rank(rank: int, args: argparse.Namespace, device_type: str) -> dict[st
         sets += ["transforms.shard.enabled=true", f"transforms.shard.all_reduce={args.all_reduce}"]
         if args.layout == "data":
             sets += ["transforms.shard.attention=data", "transforms.shard.experts=expert",
-                     f"transforms.shard.mlp={args.dp_mlp}"]
+                     f"transforms.shard.mlp={args.dp_mlp}", f"transforms.shard.ep_collective={args.ep_collective}"]
     t0 = time.perf_counter()
     om = optimize(None, cfg, overrides=sets)
     build_s = time.perf_counter() - t0
@@ -348,7 +348,8 @@ def render(path: Path, data: Optional[dict[str, Any]] = None) -> None:
     head = (["context", "batch"] + [f"{w} GPU ms" for w in worlds] + ([f"queued {w} GPU ms" for w in worlds] if queued else [])
             + [f"speed-up {w}" for w in worlds if w > 1] + ([f"queued speed-up {w}" for w in worlds if w > 1] if queued else [])
             + [f"tokens/s ({top} GPU{', queued' if queued else ''})", "all-reduce ms (share)", "timed steps ran as"])
-    title = (f"Data-parallel attention + expert-parallel MoE scaling (MLPs: {data.get('dp_mlp') or 'replicate'})"
+    title = (f"Data-parallel attention + expert-parallel MoE scaling (MLPs: {data.get('dp_mlp') or 'replicate'}, "
+             f"experts by {data.get('ep_collective') or 'all_to_all'})"
              if data.get("layout") == "data" else "Tensor-parallel scaling")
     lines = [f"# {title} ({data['environment'].get('gpu', 'cpu')})", "",
              f"Command: `{data['command']}`", "", model_line(data),
@@ -484,6 +485,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--layout", default="tensor", choices=["tensor", "data"],
                     help="tensor: heads, MLPs and experts split (the shard pass's default); data: attention "
                          "data-parallel, experts expert-parallel, MLPs as --dp-mlp says (issue 47; module docstring)")
+    ap.add_argument("--ep-collective", default="all_to_all", choices=["all_to_all", "allgather_reducescatter"],
+                    help="--layout data: how the routed pairs reach their experts' ranks (transforms.shard.ep_collective)")
     ap.add_argument("--dp-mlp", default="replicate", choices=["replicate", "tensor"],
                     help="--layout data: dense and shared-expert MLPs whole on every rank, or split with an "
                          "all-gather of every rank's tokens before and a reduce-scatter after each")
@@ -519,6 +522,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "model_name": args.model,
         "layout": args.layout,
         "dp_mlp": args.dp_mlp if args.layout == "data" else None,
+        "ep_collective": args.ep_collective if args.layout == "data" else None,
         "init": args.init,
         "model": hf_config_of(args),
         "dtype": "bfloat16" if device_type == "cuda" else "float32",

@@ -15,19 +15,20 @@ owner, with the same expert op; only the order of the final fp32 sum over owners
 
 - `all_to_all` (dispatch + combine): per destination rank, the tokens with at least one pair there are
   packed (each token once, with its k ids made local to that rank — other ranks' ids become -1 — and
-  its k weights), the per-destination counts exchanged first (`all_to_all_single` of a [W] tensor:
-  the receiver masks every slot past the count, so padding never reaches an expert with weight),
-  then tokens, ids and weights go out in one `all_to_all_single` each; the owners run their experts
-  on what they received and send the weighted rows back (a second `all_to_all_single`), and the
-  sender sums each token's rows from its owners.
+  its k weights); ids, weights and activations travel side by side in one byte buffer
+  (`all_to_all_single`, ids as id + 1 so the zero bytes of an unfilled slot read as -1: no pair, and
+  no count has to travel first); the owners run their experts on what they received and send the
+  weighted rows back (a second `all_to_all_single`), and the sender sums each token's rows from
+  its owners.
 - `allgather_reducescatter`: every rank sees every token (all-gather), runs only its own experts
-  (other ids get weight 0) and a reduce-scatter sums the partial outputs back to the tokens' ranks.
+  (other ranks' ids become -1: no pair), the packed rows (ids, weights, activations) in one
+  all-gather, and a reduce-scatter sums the partial outputs back to the tokens' ranks.
 
 No host synchronisation: splits are static (`capacity` rows per destination, equal for every rank),
 never read from the exchanged counts, so the op is CUDA-graph capturable and its shapes follow the
 token count only. The price is padding: every (source, destination) block is `capacity` rows, and
-padded slots run through the expert op with weight 0 (the torch reference computes them; a kernel
-that reads the counts could skip them — left for the GPU work).
+padded slots and other ranks' pairs carry id -1, which every experts op skips (no expert work, no
+row in the sum).
 
 `tokens` says where the tokens come from:
 - `replicated` (tensor-parallel attention today: every rank holds the same T tokens): rank r takes
@@ -88,11 +89,9 @@ def check_ep_inputs(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
 def _local_experts(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
                    w_up_scale: Optional[torch.Tensor], w_down_scale: Optional[torch.Tensor], block_n: int,
                    block_k: int, backend: str, activation: str) -> torch.Tensor:
-    """The rank's experts on rows whose ids are local (-1: another rank's expert or padding -> weight 0,
-    id 0, so the expert op sees valid ids only and the pair adds nothing)."""
-    valid = ids >= 0
-    ids = torch.where(valid, ids, torch.zeros_like(ids))
-    wts = torch.where(valid, wts, torch.zeros_like(wts))
+    """The rank's experts on rows whose ids are local; -1 (another rank's expert, or padding) is no pair:
+    every experts op skips negative ids (the torch references match no expert, the Triton layout
+    never places them and their top-k sum leaves them out), so they cost no expert work."""
     if w_up_scale is not None:
         assert w_down_scale is not None
         return experts_op(backend, fp8=True)(x, ids, wts, w_up, w_up_scale, w_down, w_down_scale, block_n, block_k,
@@ -102,7 +101,7 @@ def _local_experts(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, w_up: 
 
 def _local_ids(ids: torch.Tensor, rank: int, local: int) -> torch.Tensor:
     """Expert ids as this rank's local indices; -1 for another rank's expert (and for padding, -1 already)."""
-    mine = (ids >= rank * local) & (ids < (rank + 1) * local)
+    mine = torch.div(ids, local, rounding_mode="floor") == rank  # -1 // local = -1: never a rank
     return torch.where(mine, ids - rank * local, torch.full_like(ids, -1))
 
 
@@ -112,9 +111,37 @@ def _all_to_all(t: torch.Tensor, world: int, group: str) -> torch.Tensor:
     return _wait(_F.all_to_all_single(t.contiguous(), [rows] * world, [rows] * world, group))
 
 
+def _pack(parts: list[torch.Tensor]) -> tuple[torch.Tensor, list[tuple[torch.dtype, int]]]:
+    """The tensors' rows side by side as bytes ([..., B], B a multiple of 8), so ids, weights and
+    activations travel in one collective instead of three. Widest dtypes first, so every part starts
+    at a multiple of its element size and `_unpack` can view it without a copy."""
+    order = sorted(range(len(parts)), key=lambda i: -parts[i].element_size())
+    raw = [parts[i].contiguous().view(torch.uint8) for i in order]
+    pad = -sum(r.shape[-1] for r in raw) % 8
+    if pad:
+        raw.append(raw[0].new_zeros(*raw[0].shape[:-1], pad))
+    spec = [(p.dtype, p.shape[-1]) for p in parts]
+    return torch.cat(raw, -1), spec
+
+
+def _unpack(buf: torch.Tensor, spec: list[tuple[torch.dtype, int]]) -> list[torch.Tensor]:
+    """`_pack`'s parts back (views of `buf`), in the order they were given."""
+    order = sorted(range(len(spec)), key=lambda i: -spec[i][0].itemsize)
+    out: list[Optional[torch.Tensor]] = [None] * len(spec)
+    at = 0
+    for i in order:
+        dtype, width = spec[i]
+        out[i] = buf[..., at:at + width * dtype.itemsize].view(dtype)
+        at += width * dtype.itemsize
+    return out  # type: ignore[return-value]
+
+
 def _dispatch_combine(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, local: int, world: int, group: str,
                       run) -> torch.Tensor:
-    """all-to-all scheme for c = x.shape[0] rows (ids -1: no pair); returns the rows' outputs [c, H]."""
+    """all-to-all scheme for c = x.shape[0] rows (ids -1: no pair); returns the rows' outputs [c, H].
+    Two collectives: the packed rows (ids, weights, activations in one byte buffer) out, the owners'
+    weighted sums back. Rows a source did not fill are zero bytes, i.e. id -1 (ids travel as id + 1):
+    no pair, so no count needs to travel with them."""
     c, h = x.shape
     k = ids.shape[1]
     dev = x.device
@@ -123,26 +150,27 @@ def _dispatch_combine(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, loc
     on = dest.unsqueeze(0) == ranks  # [W, c, k]: pair j of token t goes to rank d
     mask = on.any(-1)  # [W, c]: token t sends one row to rank d
     pos = mask.long().cumsum(1) - 1  # its slot among rank d's rows
-    counts = mask.long().sum(1)  # [W]
     dump = world * c  # one extra slot that every unsent (d, t) writes to; dropped before sending
     slot = torch.where(mask, ranks.view(world, 1) * c + pos, torch.full_like(pos, dump)).reshape(-1)
-    local_ids = torch.where(on, ids.unsqueeze(0) - ranks * local, torch.full_like(on, -1, dtype=ids.dtype))
-    local_w = torch.where(on, wts.unsqueeze(0), torch.zeros((), dtype=wts.dtype, device=dev))
-    send_x = x.new_zeros(dump + 1, h).index_add_(0, slot, x.unsqueeze(0).expand(world, c, h).reshape(-1, h))
-    # ids travel as id+1 (0 in padding slots), so one index_add_ into zeros places them
-    send_i = ids.new_zeros(dump + 1, k).index_add_(0, slot, (local_ids + 1).reshape(-1, k))
-    send_w = wts.new_zeros(dump + 1, k).index_add_(0, slot, local_w.reshape(-1, k))
-    # counts first: the receiver masks every slot past the count its source sent
-    recv_counts = _all_to_all(counts, world, group)  # [W]: rows each source sent me
-    recv_x = _all_to_all(send_x[:dump], world, group)
-    recv_i = _all_to_all(send_i[:dump], world, group) - 1
-    recv_w = _all_to_all(send_w[:dump], world, group)
-    live = (torch.arange(c, device=dev).view(1, c) < recv_counts.view(world, 1)).reshape(-1, 1)
-    recv_i = torch.where(live, recv_i, torch.full_like(recv_i, -1))
-    out_rows = run(recv_x, recv_i, recv_w)  # [W*c, H]: weighted sums over the rank's experts
+    local_ids = torch.where(on, ids.unsqueeze(0) - ranks * local + 1, torch.zeros_like(on, dtype=ids.dtype))
+    rows, spec = _pack([local_ids.to(torch.int32), wts.unsqueeze(0).expand(world, c, k),
+                        x.unsqueeze(0).expand(world, c, h)])
+    send = rows.new_zeros(dump + 1, rows.shape[-1]).index_copy_(0, slot, rows.reshape(-1, rows.shape[-1]))
+    recv_i, recv_w, recv_x = _unpack(_all_to_all(send[:dump], world, group), spec)
+    out_rows = run(recv_x.contiguous(), recv_i - 1, recv_w.contiguous())  # [W*c, H]: sums over my experts
     back = _all_to_all(out_rows, world, group)  # my rows' results, in my send layout
     gathered = back.index_select(0, slot.clamp(max=dump - 1) if dump else slot).view(world, c, h)
     return (gathered.float() * mask.unsqueeze(-1)).sum(0).to(x.dtype)
+
+
+def _gather_scatter(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, rank: int, local: int, world: int,
+                    group: str, run) -> torch.Tensor:
+    """allgather_reducescatter scheme for local tokens: one all-gather of the packed rows, this rank's
+    experts on every rank's rows, one reduce-scatter of the sums back to the rows' ranks."""
+    packed, spec = _pack([ids.to(torch.int32), wts, x])
+    ia, wa, xa = _unpack(_wait(_F.all_gather_into_tensor(packed, world, group)), spec)
+    out = run(xa.contiguous(), _local_ids(ia, rank, local), wa.contiguous())
+    return _wait(_F.reduce_scatter_tensor(out.contiguous(), "sum", world, group))
 
 
 @torch.library.custom_op("autodeploy::ep_moe_experts", mutates_args=())
@@ -162,6 +190,8 @@ def ep_moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
 
     def pad(rows: int):
         extra = rows - t
+        if not extra:
+            return x, topk_ids, topk_weights
         return (torch.cat([x, x.new_zeros(extra, h)]), torch.cat([topk_ids, topk_ids.new_full((extra, topk_ids.shape[1]), -1)]),
                 torch.cat([topk_weights, topk_weights.new_zeros(extra, topk_weights.shape[1])]))
 
@@ -174,15 +204,10 @@ def ep_moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
         else:  # every rank has every token already: the all-gather is skipped
             mine = _wait(_F.reduce_scatter_tensor(run(xp, _local_ids(ip, rank, local), wp).contiguous(), "sum", w, g))
         return _wait(_F.all_gather_into_tensor(mine.contiguous(), w, g))[:t].contiguous()
-    c = capacity or t
-    xp, ip, wp = pad(c)
+    xp, ip, wp = pad(capacity or t)
     if collective == "all_to_all":
         return _dispatch_combine(xp, ip, wp, local, w, g, run)[:t].contiguous()
-    xa = _wait(_F.all_gather_into_tensor(xp.contiguous(), w, g))
-    ia = _wait(_F.all_gather_into_tensor(ip.contiguous(), w, g))
-    wa = _wait(_F.all_gather_into_tensor(wp.contiguous(), w, g))
-    return _wait(_F.reduce_scatter_tensor(run(xa, _local_ids(ia, rank, local), wa).contiguous(), "sum", w,
-                                          g))[:t].contiguous()
+    return _gather_scatter(xp, ip, wp, rank, local, w, g, run)[:t].contiguous()
 
 
 @ep_moe_experts.register_fake

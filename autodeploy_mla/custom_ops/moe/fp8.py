@@ -149,7 +149,7 @@ def fused_moe_fp8(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
     if cfg.persistent_sorted:
         pair_out = _sorted_gemms(xq, xs, w_up, w_up_scale, w_down, w_down_scale, topk_weights.reshape(-1), layout,
                                  mid_q, mid_s, cfg, n, k, h, i, block_n, block_k, x.dtype)
-        return _sum_over_topk(pair_out, t, k, h)
+        return _sum_over_topk(pair_out, topk_ids, t, k, h)
     FK.up_fp8_kernel[(-(-i // block_k), max_blocks)](
         xq, xs, w_up, w_up_scale, layout.sorted_pairs, layout.block_expert, mid_q, mid_s, n, h, i,
         xq.stride(0), xs.stride(0), w_up.stride(0), w_up.stride(1), w_up_scale.stride(0), w_up_scale.stride(1),
@@ -165,7 +165,7 @@ def fused_moe_fp8(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
         w_down_scale.stride(1), w_down_scale.stride(2), pair_out.stride(0),
         GROUP_N=block_n, GROUP_K=block_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_n, BLOCK_K=block_k,
         INTERPRETED=interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return _sum_over_topk(pair_out, t, k, h)
+    return _sum_over_topk(pair_out, topk_ids, t, k, h)
 
 
 #: programs of a persistent FP8 GEMM under the interpreter: fewer than its tiles, so that the CPU tests walk

@@ -283,17 +283,22 @@ def down_sorted_kernel(
 
 @triton.jit
 def topk_sum_kernel(
-    PAIR_OUT, OUT, T, H,
+    PAIR_OUT, IDS, OUT, T, H,
     TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
-    """OUT[t] = sum over j of PAIR_OUT[t * TOP_K + j], accumulated in fp32 (one pass over [T, k, H])."""
+    """OUT[t] = sum over j of PAIR_OUT[t * TOP_K + j], accumulated in fp32 (one pass over [T, k, H]).
+    A pair whose expert id is negative is no pair (expert parallelism: another rank's expert, or a
+    padding row): nothing wrote its row, so it is skipped, not added."""
     pid_t = tl.program_id(0)
     pid_h = tl.program_id(1)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask = (offs_t < T)[:, None] & (offs_h < H)[None, :]
+    tmask = offs_t < T
+    mask = tmask[:, None] & (offs_h < H)[None, :]
     rows = offs_t.to(tl.int64) * TOP_K
     acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
     for j in range(TOP_K):
-        acc += tl.load(PAIR_OUT + (rows + j)[:, None] * H + offs_h[None, :], mask=mask, other=0.0).to(tl.float32)
+        live = tl.load(IDS + rows + j, mask=tmask, other=-1) >= 0
+        acc += tl.load(PAIR_OUT + (rows + j)[:, None] * H + offs_h[None, :], mask=mask & live[:, None],
+                       other=0.0).to(tl.float32)
     tl.store(OUT + offs_t.to(tl.int64)[:, None] * H + offs_h[None, :], acc.to(OUT.dtype.element_ty), mask=mask)

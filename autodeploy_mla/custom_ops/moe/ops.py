@@ -122,7 +122,7 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     inter = torch.empty(max_blocks * bm, i, dtype=x.dtype, device=dev)
     if not pair_blocks and cfg.sorted_tma and sorted_tma_ok(x, w_up, w_down):
         pair_out = _sorted_tma_gemms(x, w_up, w_down, wts, layout, inter, cfg, n, k, h, i, prec)
-        return _sum_over_topk(pair_out, t, k, h)
+        return _sum_over_topk(pair_out, topk_ids, t, k, h)
     K.up_kernel[(-(-i // cfg.up_n), max_blocks)](
         x, w_up, sorted_pairs, block_expert, inter, n, h, i,
         x.stride(0), x.stride(1), w_up.stride(0), w_up.stride(1), w_up.stride(2), inter.stride(0),
@@ -134,7 +134,7 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
         inter.stride(0), w_down.stride(0), w_down.stride(1), w_down.stride(2), pair_out.stride(0),
         BLOCK_M=bm, BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k, DOT_PREC=prec, PAIR_BLOCKS=pair_blocks,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return _sum_over_topk(pair_out, t, k, h)
+    return _sum_over_topk(pair_out, topk_ids, t, k, h)
 
 
 class ExpertLayout(NamedTuple):
@@ -165,14 +165,14 @@ def expert_layout(ids: torch.Tensor, num_experts: int, cfg: MoEConfig) -> Expert
     return ExpertLayout(sorted_pairs, block_expert, num_blocks)
 
 
-def _sum_over_topk(pair_out: torch.Tensor, t: int, k: int, h: int) -> torch.Tensor:
+def _sum_over_topk(pair_out: torch.Tensor, ids: torch.Tensor, t: int, k: int, h: int) -> torch.Tensor:
     """[T*k, H] per-pair outputs -> [T, H], summed in fp32 by one Triton pass (torch's generic
-    reduction over the middle dim of [T, k, H] took twice the bytes' time: 29 vs ~14 us at T=2048)."""
-    if k == 1:
-        return pair_out
+    reduction over the middle dim of [T, k, H] took twice the bytes' time: 29 vs ~14 us at T=2048).
+    Pairs with a negative id ([T, k] `ids`) are no pairs: the layout never placed them, so their
+    rows were not written and are skipped (k = 1 too, which is why there is no shortcut for it)."""
     out = torch.empty(t, h, dtype=pair_out.dtype, device=pair_out.device)
     block_t, block_h = (4 if t >= 512 else 1), min(1024, pow2(h))
-    K.topk_sum_kernel[(-(-t // block_t), -(-h // block_h))](pair_out, out, t, h, TOP_K=k, BLOCK_T=block_t,
+    K.topk_sum_kernel[(-(-t // block_t), -(-h // block_h))](pair_out, ids.reshape(-1), out, t, h, TOP_K=k, BLOCK_T=block_t,
                                                            BLOCK_H=block_h)
     return out
 
