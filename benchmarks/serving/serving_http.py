@@ -162,7 +162,8 @@ class ServeProcess:
     """`autodeploy serve` in a subprocess (its engine core in a process of its own), timed from the
     command to the first 200 of GET /health."""
 
-    def __init__(self, family: str, layer: dict[str, Any], out: Path, label: str, env: dict[str, str]) -> None:
+    def __init__(self, family: str, layer: dict[str, Any], out: Path, label: str, env: dict[str, str],
+                 world_size: int = 1) -> None:
         import yaml
 
         from benchmarks.lib import free_port
@@ -175,7 +176,7 @@ class ServeProcess:
         self.t0 = time.perf_counter()
         self.proc = subprocess.Popen([sys.executable, "-m", "autodeploy_mla.cli", "serve", "--model", family, "--config",
                                       str(cfg_path), "--port", str(self.port), "--served-model-name", "default",
-                                      "--log-level", "warning"],
+                                      "--log-level", "warning", "--world-size", str(world_size)],
                                      stdout=open(self.log_path, "w"), stderr=subprocess.STDOUT, env=env)
 
     def wait_ready(self, timeout_s: float = 900.0) -> float:
@@ -255,6 +256,10 @@ def main() -> None:
     ap.add_argument("--runtime", action="append", default=[], metavar="KEY=VALUE",
                     help="a `runtime:` setting of the built model (YAML value), e.g. prefix_caching=false: an A/B "
                          "against a tree from before a default changed (the in-process run repeats its prompts)")
+    ap.add_argument("--world-size", type=int, default=1,
+                    help="serve: `autodeploy serve --world-size N` (data-parallel attention ranks; with --shard)")
+    ap.add_argument("--shard", action="append", default=[], metavar="KEY=VALUE",
+                    help="a `transforms.shard` setting of the served model, e.g. attention=data (issue 47's layouts)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -281,6 +286,11 @@ def main() -> None:
         if not sep or not key:
             ap.error(f"--runtime takes KEY=VALUE, got {kv!r}")
         layer.setdefault("runtime", {})[key] = yaml.safe_load(value)
+    for kv in args.shard:
+        key, sep, value = kv.partition("=")
+        if not sep or not key:
+            ap.error(f"--shard takes KEY=VALUE, got {kv!r}")
+        layer.setdefault("transforms", {}).setdefault("shard", {})[key] = yaml.safe_load(value)
     if not args.quick:
         layer["model"]["hf_config"] = v3_4layer() if args.model == "v3_4layer" else PUBLISHED[args.model]
     phases = args.phases.split(",")
@@ -293,7 +303,7 @@ def main() -> None:
     want: Optional[list[list[int]]] = None
 
     if "serve" in phases or "startup" in phases:
-        srv = ServeProcess(family, layer, args.out, tag, dict(os.environ))
+        srv = ServeProcess(family, layer, args.out, tag, dict(os.environ), args.world_size)
         try:
             res["startup_to_ready_s"] = srv.wait_ready()
             print(f"autodeploy serve ready after {res['startup_to_ready_s']:.1f} s", flush=True)

@@ -61,7 +61,9 @@ def _wait(t: torch.Tensor) -> torch.Tensor:
 def check_ep_inputs(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_up: torch.Tensor,
                     num_experts: int, rank: int, world_size: int, collective: str, tokens: str, capacity: int,
                     expert_backend: str) -> tuple[int, int]:
-    """(T, local experts) of a valid call; ValueError naming the value, the limit and what to do."""
+    """(T, local experts) of a valid call; ValueError naming the value, the limit and what to do.
+    T is returned as the shape gives it: in the fake it is the token count's symbol, and `int()` on it
+    would specialise every compiled piece around this op to one token count (a recompile per bucket)."""
     name = "ep_moe_experts"
     if collective not in COLLECTIVES:
         raise ValueError(f"{name}: collective {collective!r} unknown; valid: {', '.join(COLLECTIVES)}")
@@ -83,7 +85,7 @@ def check_ep_inputs(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
     if tokens == "local" and capacity and isinstance(x.shape[0], int) and x.shape[0] > capacity:
         raise ValueError(f"{name}: {x.shape[0]} tokens on rank {rank} exceed capacity={capacity}, the per-rank "
                          "token bound every rank pads to; raise it to the scheduler's max tokens per rank")
-    return int(x.shape[0]), local
+    return x.shape[0], local
 
 
 def _local_experts(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
