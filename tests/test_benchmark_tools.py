@@ -106,3 +106,41 @@ def test_bench_mla_kernels_refuses_an_unknown_flush_mode():
     assert FLUSH_MODES == ("zero", "read")
     with pytest.raises(ValueError, match="'dirty'.*zero"):
         do_bench(lambda: None, 1.0, "dirty")
+
+
+def test_parallel_layouts_report_merges_runs_by_label(tmp_path):
+    """Runs of different layouts at the same world size in one table: speed-up over the baseline's queued
+    step, the collective share, the served rows; an unknown baseline is refused."""
+    import json
+
+    import pytest
+
+    from benchmarks.tp import parallel_layouts_report as rep
+
+    def run(world, stream, layout="data", coll="allgather_reducescatter", share=None):
+        row = {"world_size": world, "batch": 64, "context": 1024, "step_ms": stream + 3, "stream_ms": stream,
+               "profiled_kernel_ms": stream - 1}
+        if share:
+            row.update(profiled_allreduce_ms=share * stream, profiled_allreduce_share=share)
+        path = tmp_path / f"w{world}_{coll}.json"
+        path.write_text(json.dumps({"command": "python tp_decode.py", "layout": layout, "dp_mlp": "replicate",
+                                    "ep_collective": coll, "rows": [row],
+                                    "worlds": [{"world_size": world, "build_s": 50, "warmup_s": 20,
+                                                "max_memory_gb": 30.0, "shard": "x"}]}))
+        return str(path)
+
+    serve = tmp_path / "serve.json"
+    serve.write_text(json.dumps({"command": "python serving_http.py", "workload": "64 requests",
+                                 "startup_to_ready_s": 100.0,
+                                 "runs": {"http c64": {"requests": 64, "failed": 0, "concurrency": 64,
+                                                       "tokens_per_s": 2000.0, "ttft_ms": {"p50": 700, "p99": 900},
+                                                       "tpot_ms": {"p50": 24.0, "p99": 26.0}}}}))
+    out = tmp_path / "out"
+    rep.main(["--decode", "one@abc=" + run(1, 20.0), "--decode", "two@def=" + run(2, 10.0, share=0.1),
+              "--serve", f"served@def={serve}", "--baseline", "one", "--date", "2026-11-29", "--out", str(out)])
+    md = (out / "parallel_layouts.md").read_text()
+    assert "| two | def | 2 | data | replicate | allgather_reducescatter | 1024 x 64 | 13.00 | 10.00 | 2.00x |" in md
+    assert "1.00 (10%)" in md and "| served | def | http c64 | 100.0 | 64 (0) | 2000 | 700 / 900 |" in md
+    assert json.loads((out / "parallel_layouts.json").read_text())["baseline"] == "one"
+    with pytest.raises(SystemExit):
+        rep.main(["--decode", "one@abc=" + run(1, 20.0), "--baseline", "nope", "--date", "d", "--out", str(out)])

@@ -111,9 +111,10 @@ class ShardOptions(PassOptions):
         "tensor", description="MoE routed experts: tensor-parallel inside each expert, replicated, or "
         "expert-parallel (each rank holds num_experts / world_size whole experts; tokens dispatched to them)"
     )
-    ep_collective: Literal["all_to_all", "allgather_reducescatter"] = Field(
-        "all_to_all", description="experts: expert — how the (token, expert) pairs reach their experts: "
-        "all-to-all dispatch + combine, or all-gather + reduce-scatter (custom_ops/moe/expert_parallel.py)"
+    ep_collective: Literal["auto", "all_to_all", "allgather_reducescatter"] = Field(
+        "auto", description="experts: expert — how the (token, expert) pairs reach their experts: "
+        "all-to-all dispatch + combine, or all-gather + reduce-scatter (custom_ops/moe/expert_parallel.py); "
+        "auto: allgather_reducescatter under attention: data (measured faster), all_to_all otherwise"
     )
     expert_backend: Literal["auto", "triton", "torch"] = Field(
         "auto", description="experts: expert — the per-rank experts op: triton (the fused kernels), torch "
@@ -744,19 +745,20 @@ def _plan_expert_parallel(gm: GraphModule, plan: _Plan, opts: "ShardOptions", gr
             if found is None:  # fuse_moe would keep the model's experts here; EP needs an op: the reference
                 why = "torch reference (auto takes the Triton kernels on CUDA only)"
         lay.backend = backend
+        coll, coll_why = ep_collective_of(opts)
         if opts.attention == "data":
             lay.tokens = "local"
             routing = (f"routing local (attention is data-parallel: each rank routes its own tokens), each rank "
-                       f"dispatches its own tokens by {opts.ep_collective}; every rank runs each step padded to the "
+                       f"dispatches its own tokens by {coll}; every rank runs each step padded to the "
                        "size the ranks agreed on before it (the busiest rank's step, runtime/data_parallel.py), so "
                        "all pass the same token count (capacity=0) and an idle rank still takes part")
         else:
             routing = (f"routing replicated (every rank routes the same tokens: attention is tensor-parallel), each "
-                       f"rank dispatches its 1/{plan.world} of the tokens by {opts.ep_collective} and all-gathers "
+                       f"rank dispatches its 1/{plan.world} of the tokens by {coll} and all-gathers "
                        "the outputs")
         lay.entry = {
             "layer": _layer_of(m.out), "layout": "expert", "experts": f"{m.num_experts} -> {local} per rank",
-            "local_experts": [lo, hi], "collective": opts.ep_collective, "tokens": lay.tokens,
+            "local_experts": [lo, hi], "collective": coll, "collective_why": coll_why, "tokens": lay.tokens,
             "capacity": 0,  # every rank passes the same token count (tokens local: the lock-step pads steps)
             "backend": backend, "weights": f"fp8 blocks [{lay.fp8[4]}, {lay.fp8[5]}]" if lay.fp8 else "16-bit",
             "why": (f"configured (experts: expert); {m.num_experts} experts / {plan.world} ranks; {routing}; "
@@ -764,6 +766,20 @@ def _plan_expert_parallel(gm: GraphModule, plan: _Plan, opts: "ShardOptions", gr
         }
         plan.report["experts"].append(lay.entry)
     return layers, unmatched
+
+
+def ep_collective_of(opts: "ShardOptions") -> tuple[str, str]:
+    """(the collective the EP layers use, why). auto under data-parallel attention takes the all-gather +
+    reduce-scatter: with static per-rank capacity both schemes move the same rows (every rank pair
+    exchanges `capacity` rows either way) and the all-to-all adds its packing kernels; measured on 2
+    H200s (GLM-4.7-Flash, batch 64 x 1k decode): 14.2 ms per step vs 16.6 ms
+    (docs/benchmarks/parallel_layouts.md). Under tensor-parallel attention it is unmeasured: all_to_all."""
+    if opts.ep_collective != "auto":
+        return opts.ep_collective, f"ep_collective: {opts.ep_collective} (configured)"
+    if opts.attention == "data":
+        return "allgather_reducescatter", ("ep_collective auto: allgather_reducescatter under data-parallel attention "
+                                           "(same rows moved as the all-to-all, fewer kernels; measured faster)")
+    return "all_to_all", "ep_collective auto: all_to_all (tensor-parallel attention: the two schemes unmeasured)"
 
 
 def _rewrite_expert_parallel(gm: GraphModule, plan: _Plan, layers: list[_EPLayer], group: str,
@@ -921,7 +937,7 @@ def shard(ctx: BuildContext, opts: ShardOptions) -> PassResult:
         shape[idx] = value
         node.args = (node.args[0], shape, *node.args[2:])
     # 3. expert-parallel MoE regions -> ep_moe_experts (complete outputs: no all-reduce after them)
-    _rewrite_expert_parallel(gm, plan, ep_layers, world.group, opts.ep_collective)
+    _rewrite_expert_parallel(gm, plan, ep_layers, world.group, ep_collective_of(opts)[0])
     # 4. all-reduce where partial sums meet replicated values; under attention: data, all-gather /
     #    reduce-scatter around each tensor-parallel MLP instead
     n_ar = _insert_all_reduces(gm, plan.partial, world.group, opts.all_reduce)
@@ -940,7 +956,7 @@ def shard(ctx: BuildContext, opts: ShardOptions) -> PassResult:
                + (f"{n_att} MLA layers data-parallel (heads {heads}), " if data else f"{n_att} MLA layers (heads {heads}), ")
                + f"{n_mlp} MLP/expert "
                f"blocks split, {len(rep['replicated'])} replicated, "
-               + (f"{len(ep_layers)} MoE layers expert-parallel ({opts.ep_collective}), " if ep_layers else "")
+               + (f"{len(ep_layers)} MoE layers expert-parallel ({ep_collective_of(opts)[0]}), " if ep_layers else "")
                + f"{n_ar} all-reduces"
                + (f", {n_gs} all-gathers / reduce-scatters around {len(plan.gathered)} tensor-parallel MLPs"
                   if plan.gathered else "")

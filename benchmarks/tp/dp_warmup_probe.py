@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 
 def warm_rank(rank: int, family: str, sets: list[str], device: str) -> dict[str, Any]:
-    from autodeploy_mla import optimize
+    from benchmarks.lib import optimize
 
     dev = f"cuda:{rank}" if device == "cuda" else "cpu"
     om = optimize(family, overrides=[f"model.device={dev}", *sets])
@@ -40,7 +40,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--set", action="append", default=[], dest="sets", metavar="A.B=C")
     args = ap.parse_args(argv)
-    from autodeploy_mla.distributed import spawn
+    from benchmarks.lib import spawn
 
     sets = ["transforms.shard.enabled=true", *args.sets] if args.world_size > 1 else list(args.sets)
     ranks = spawn(warm_rank, args.world_size, args.model, sets, args.device,

@@ -349,7 +349,7 @@ def render(path: Path, data: Optional[dict[str, Any]] = None) -> None:
             + [f"speed-up {w}" for w in worlds if w > 1] + ([f"queued speed-up {w}" for w in worlds if w > 1] if queued else [])
             + [f"tokens/s ({top} GPU{', queued' if queued else ''})", "all-reduce ms (share)", "timed steps ran as"])
     title = (f"Data-parallel attention + expert-parallel MoE scaling (MLPs: {data.get('dp_mlp') or 'replicate'}, "
-             f"experts by {data.get('ep_collective') or 'all_to_all'})"
+             f"experts by {data.get('ep_collective') or 'auto'})"
              if data.get("layout") == "data" else "Tensor-parallel scaling")
     lines = [f"# {title} ({data['environment'].get('gpu', 'cpu')})", "",
              f"Command: `{data['command']}`", "", model_line(data),
@@ -485,7 +485,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--layout", default="tensor", choices=["tensor", "data"],
                     help="tensor: heads, MLPs and experts split (the shard pass's default); data: attention "
                          "data-parallel, experts expert-parallel, MLPs as --dp-mlp says (issue 47; module docstring)")
-    ap.add_argument("--ep-collective", default="all_to_all", choices=["all_to_all", "allgather_reducescatter"],
+    ap.add_argument("--ep-collective", default="auto", choices=["auto", "all_to_all", "allgather_reducescatter"],
                     help="--layout data: how the routed pairs reach their experts' ranks (transforms.shard.ep_collective)")
     ap.add_argument("--dp-mlp", default="replicate", choices=["replicate", "tensor"],
                     help="--layout data: dense and shared-expert MLPs whole on every rank, or split with an "

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Regenerates docs/benchmarks/parallel_layouts.{md,json,png} from the raw runs in
+# docs/benchmarks/parallel_layouts_raw/ (issue 47, 2026-11-29; the device commands are in the table).
+set -euo pipefail
+R=docs/benchmarks/parallel_layouts_raw
+python -m benchmarks.tp.parallel_layouts_report --date 2026-11-29 --baseline "1 GPU" \
+ --decode "1 GPU@05194cc=$R/w1_05194cc.json" --decode "1 GPU (again, after the server)@73d7a2d=$R/w1_73d7a2d.json" \
+ --decode "DP attention + EP, all-to-all (first: 5 collectives per layer)@05194cc=$R/w2_a2a_05194cc.json" \
+ --decode "DP attention + EP, all-to-all packed@73d7a2d=$R/w2_a2a_73d7a2d.json" \
+ --decode "DP attention + EP, all-gather + reduce-scatter@73d7a2d=$R/w2_ag_73d7a2d.json" \
+ --decode "the same, dense MLPs tensor-parallel@73d7a2d=$R/w2_ag_mlptp_73d7a2d.json" \
+ --serve "DP attention + EP (all-gather), 2 GPUs@348dc4a=$R/serve_w2_ag_348dc4a.json" \
+ --note "Machine: nvidia-h200-x2 (2 x H200, NVLink NV18, NCCL 2.28.9), torch 2.11 + CUDA 13.0, FlashInfer 0.7.2, Triton 3.6; four calls on 2026-11-29, each world size alone on the host. Model: the published GLM-4.7-Flash config (47 layers, 64 experts x 1536, top-4), random bf16 weights (init: hashed); raw JSONs and per-rank profiles in parallel_layouts_raw/ (the first all-to-all run's JSON is rebuilt from its log: it did not come back from the device)." \
+ --note "Target (issue 47): >= 1.8x on 2 GPUs: MISSED, best 1.36x (all-gather + reduce-scatter, 14.17 vs 19.25 ms queued); tensor parallelism alone made 1.34x (tp_scaling.md, 2026-11-26). 4 GPUs (>= 3.2x) and DeepSeek-V2 236 B: not run (no 4-GPU machine lent)." \
+ --note "Where the 2-GPU step goes (profile, per step, rank 0 / rank 1): experts 6.05 ms (up 3.94 + down 2.12; the rank's 32 experts are 27.8 GB over 46 layers, 5.8 ms at 4.8 TB/s: at their floor), FlashInfer MLA decode 1.57 ms (batch 32 per rank: 34 us per layer vs 47 us at batch 64 on one GPU), NCCL all-gather + reduce-scatter 0.88 / 1.30 ms (one of each per MoE layer; the difference is waiting for the slower rank), and ~4.8 ms of the ~1000 other kernels (dense GEMMs at M = 32, norms, RoPE, routing, the EP op's packing) that do not shrink with the ranks (one GPU: 3.4 ms). 1.8x needs 10.7 ms: the experts and attention take 7.6, leaving 3.1 ms for everything else." \
+ --note "What changed between the runs (05194cc -> 73d7a2d): the experts ops take id -1 as no pair (before, other ranks' pairs went to expert 0 with weight 0 and were computed), and ids, weights and activations travel in one packed collective. The first all-to-all run spent 3.08 ms in 5 all-to-alls per layer and ~3.7 ms in the dispatch's packing kernels (0.99x); packed, 2 per layer: 2.85 ms and 1.16x. With a static per-rank capacity both schemes move the same rows, so the all-gather + reduce-scatter (no compaction kernels) is faster: it is now what ep_collective auto takes under attention: data." \
+ --note "Dense MLPs tensor-parallel under DP attention (mlp: tensor, an all-gather before and a reduce-scatter after each of the 47 dense / shared-expert MLPs): 15.22 ms vs 14.17 replicated: the 94 extra collectives (5.7 ms of NCCL time incl. waits) cost more than the halved MLP bytes save on this model." \
+ --note "Isolated steps (21-24 ms at world 2) are host-bound: per step the host builds metadata and waits for the argmax; the queued column is what a serving batch sees." \
+ --note "Served (348dc4a, fresh machine): ready after 130.6 s (build 64 s, compile 26.8 s, capture 13.6 s: 583 CUDA graphs per rank); 64 streams: 2030 tok/s, TTFT p50 748 ms, TPOT p50 24.4 ms, 0 failed. No one-GPU HTTP run in the same session (device time): the one-GPU in-process figure for this workload is 2053 tok/s (inproc_ab_cdf2037.md, another day). The first serve attempt (73d7a2d) failed at warm-up: the EP op's fake took int() of the token count, so every compiled piece around it specialised per bucket and hit Dynamo's recompile limit (fullgraph: a hard failure); fixed in 348dc4a (dp_warmup_probe: 2 compiles per group on both ranks, parallel_layouts_raw/dp_warmup_probe_348dc4a.txt)." \
+ --out docs/benchmarks
