@@ -152,8 +152,11 @@ def bench_rank(rank: int, args: argparse.Namespace, device_type: str) -> dict[st
     shard = next((r.summary for r in om.history if r.name == "shard" and r.enabled), "")
     backends = sorted({lay["backend"] for lay in om.report()["layers"]})
     heads = om.report()["layers"][0]["dims"]["num_heads"]
-    weight_gb = sum(t.numel() * t.element_size() for t in {id(t): t for t in
-                    [*om.gm.parameters(), *om.gm.buffers()]}.values()) / 2**30
+    # by storage, not by tensor: fused weights are views of one storage (counted by tensor, the published
+    # GLM-4.7-Flash read 109 GiB on one GPU whose peak allocation was 60 GiB)
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in [*om.gm.parameters(), *om.gm.buffers()] if t.device.type != "meta"}
+    weight_gb = sum(storages.values()) / 2**30
     load = next((r.details for r in om.history if r.name == "load_weights"), {})
     agree = om.generate([list(p) for p in AGREE_PROMPTS], max_new_tokens=args.agree) if args.agree else None
     first_logits = first_token_logits(om) if args.agree else None
