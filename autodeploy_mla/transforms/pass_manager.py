@@ -105,8 +105,8 @@ def run_pipeline(ctx: BuildContext, pipeline: Pipeline,
                 ctx.gm.graph.lint()
                 # No recompile here: no pass runs the module's Python code (they read and rewrite the
                 # graph; shape refresh interprets it node by node), and regenerating the code of a
-                # 27-layer graph after every pass was ~0.25 s each (~2.6 s of a V2-Lite build on the
-                # CI host). Once, after the last pass, below.
+                # 27-layer graph after every pass cost ~0.13 s each (~1.5 s of a V2-Lite build on the
+                # CI host, benchmarks/diagnostics/pass_times.py). Once, after the last pass, below.
                 if info.refresh_shapes:
                     try:
                         new = None if before is None else {n for n in ctx.gm.graph.nodes if n not in before}

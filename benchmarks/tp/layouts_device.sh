@@ -14,7 +14,7 @@
 set -u
 out=${1:?usage: layouts_device.sh OUT_DIR}
 phase=${PHASE:-decode}
-worlds=${WORLDS:-2}
+worlds=${WORLDS:-$([ "$phase" = v2 ] && echo 8 || echo 2)}  # v2: 8 GPUs (see above)
 limit=${LIMIT:-585}  # seconds of the call this script may use
 export AUTODEPLOY_CACHE_DIR=${AUTODEPLOY_CACHE_DIR:-/tmp/adc}
 w=$(mktemp -d)

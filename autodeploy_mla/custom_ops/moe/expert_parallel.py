@@ -21,8 +21,8 @@ owner, with the same expert op; only the order of the final fp32 sum over owners
   weighted rows back (a second `all_to_all_single`), and the sender sums each token's rows from
   its owners.
 - `allgather_reducescatter`: every rank sees every token (all-gather), runs only its own experts
-  (other ranks' ids become -1: no pair), the packed rows (ids, weights, activations) in one
-  all-gather, and a reduce-scatter sums the partial outputs back to the tokens' ranks.
+  (other ranks' ids become -1: no pair) and a reduce-scatter sums the partial outputs back to the
+  tokens' ranks; with local tokens the rows (ids, weights, activations) travel packed in one all-gather.
 
 No host synchronisation: splits are static (`capacity` rows per destination, equal for every rank),
 never read from the exchanged counts, so the op is CUDA-graph capturable and its shapes follow the
